@@ -1,0 +1,1 @@
+"""copejax: position encoding in transformers, in JAX/Flax."""

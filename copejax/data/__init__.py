@@ -1,0 +1,1 @@
+"""Tasks and data pipelines: one module per task, registered by name."""

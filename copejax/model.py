@@ -1,0 +1,184 @@
+"""Decoder-only transformer LM with a pluggable position scheme.
+
+Llama-style blocks by default (pre-RMSNorm, SwiGLU, no biases; Touvron et al. 2023,
+arXiv 2302.13971); GPT-2 style blocks (pre-LayerNorm, GELU, biases; Radford et al. 2019) as the
+CoPE paper's language-modelling runs use. Positions are always passed in.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from copejax import sharding as ax
+from copejax.attention import Attention, causal_segment_mask_BTS
+from copejax.model_config import ModelConfig
+from copejax.positions.base import AttentionContext, AttentionSite, Carry, EmbedOutput
+
+
+def _norm(cfg: ModelConfig, name: str) -> nn.Module:
+    if cfg.block == "gpt2":
+        return nn.LayerNorm(
+            dtype=cfg.compute_dtype,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)),
+            name=name,
+        )
+    return nn.RMSNorm(
+        dtype=cfg.compute_dtype,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
+        name=name,
+    )
+
+
+class Mlp(nn.Module):
+    """SwiGLU (llama) or GELU (gpt2) feed-forward layer."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        gpt2 = cfg.block == "gpt2"
+
+        def dense(features: int, axes: tuple[str, str], std: float, name: str) -> nn.Module:
+            return nn.Dense(
+                features,
+                use_bias=gpt2,
+                dtype=cfg.compute_dtype,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), axes),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+                name=name,
+            )
+
+        hidden, std = cfg.resolved_mlp_dim, cfg.init_std
+        out_std = std / (2 * cfg.num_layers) ** 0.5
+        if gpt2:
+            h_BTF = nn.gelu(dense(hidden, (ax.EMBED, ax.MLP), std, "wi")(x_BTD))
+        else:
+            gate_BTF = dense(hidden, (ax.EMBED, ax.MLP), std, "wi_gate")(x_BTD)
+            up_BTF = dense(hidden, (ax.EMBED, ax.MLP), std, "wi_up")(x_BTD)
+            h_BTF = nn.silu(gate_BTF) * up_BTF
+        h_BTF = nn.with_logical_constraint(h_BTF, (ax.BATCH, ax.LENGTH, ax.MLP))
+        return dense(cfg.d_model, (ax.MLP, ax.EMBED), out_std, "wo")(h_BTF)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    cfg: ModelConfig
+    site: AttentionSite | None = None
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, ctx: AttentionContext) -> tuple[jax.Array, Carry]:
+        cfg = self.cfg
+        drop = nn.Dropout(cfg.dropout, deterministic=ctx.deterministic)
+        attention = Attention(cfg, site=self.site, name="attention")
+        h_BTD = _norm(cfg, "attention_norm")(x_BTD)
+        attn_out_BTD, carry = attention(h_BTD, ctx.replace(x_BTD=h_BTD))
+        x_BTD = x_BTD + drop(attn_out_BTD)
+        x_BTD = x_BTD + drop(Mlp(cfg, name="mlp")(_norm(cfg, "mlp_norm")(x_BTD)))
+        carry = attention.carry_after_mlp(carry, attn_out_BTD, x_BTD)
+        return nn.with_logical_constraint(x_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM.
+
+    Call with ``tokens_BT`` (int), ``positions_BT`` (int, per document when packed) and
+    optionally ``segment_ids_BT`` (packed documents attend only within their segment).
+    Training passes ``deterministic=False`` and the rngs ``dropout`` and ``positions``.
+    Returns float32 logits of shape (B, T, V).
+    """
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        scheme = cfg.scheme()
+        self.token_embed = nn.Embed(
+            cfg.vocab_size,
+            scheme.token_dim(cfg.d_model),
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(cfg.init_std), (ax.VOCAB, ax.EMBED)
+            ),
+            name="token_embed",
+        )
+        self.position_embed = scheme.embed_module(cfg.dims)
+        shared = scheme.attention_module(cfg.dims) if scheme.share_across_layers else None
+        self.blocks = [Block(cfg, site=shared, name=f"block_{i}") for i in range(cfg.num_layers)]
+        self.final_norm = _norm(cfg, "final_norm")
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Dense(
+                cfg.vocab_size,
+                use_bias=False,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(cfg.init_std), (ax.EMBED, ax.VOCAB)
+                ),
+                name="lm_head",
+            )
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def embed(
+        self, tokens_BT: jax.Array, positions_BT: jax.Array, deterministic: bool
+    ) -> EmbedOutput:
+        """Token embeddings plus the embed site: (x_BTD, positions_BT, carry)."""
+        x_BTD = self.token_embed(tokens_BT).astype(self.cfg.compute_dtype)
+        if self.position_embed is None:
+            out = EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
+        else:
+            out = self.position_embed(x_BTD, positions_BT, deterministic)
+        x_BTD = self.dropout(out.x_BTD.astype(self.cfg.compute_dtype), deterministic)
+        return out.replace(x_BTD=x_BTD)
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array,
+        segment_ids_BT: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        if positions_BT.shape != tokens_BT.shape:
+            raise ValueError(
+                f"positions_BT shape {positions_BT.shape} must equal tokens_BT shape "
+                f"{tokens_BT.shape}"
+            )
+        emb = self.embed(tokens_BT, positions_BT, deterministic)
+        return self.forward_embedded(emb, segment_ids_BT, deterministic)
+
+    def forward_embedded(
+        self,
+        emb: EmbedOutput,
+        segment_ids_BT: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """The blocks and the output layer, from :meth:`embed`'s output (logits_BTV, float32).
+
+        Separate from ``__call__`` so that tests can differentiate with respect to x_BTD.
+        """
+        cfg = self.cfg
+        batch, length = emb.x_BTD.shape[:2]
+        x_BTD = nn.with_logical_constraint(emb.x_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED))
+        ctx = AttentionContext(
+            x_BTD=x_BTD,
+            q_positions_BT=emb.positions_BT,
+            k_positions_BS=emb.positions_BT,
+            mask_BTS=causal_segment_mask_BTS(segment_ids_BT, batch, length),
+            carry=emb.carry,
+            deterministic=deterministic,
+        )
+        for block in self.blocks:
+            x_BTD, carry = block(x_BTD, ctx)
+            ctx = ctx.replace(carry=carry)
+        x_BTD = self.final_norm(x_BTD)
+        if cfg.tie_embeddings:
+            # With a concatenative scheme the token embedding is narrower than D: the tied
+            # output layer reads the token part of the representation.
+            token_dim = self.token_embed.features
+            logits_BTV = self.token_embed.attend(x_BTD[..., :token_dim].astype(jnp.float32))
+        else:
+            logits_BTV = self.lm_head(x_BTD.astype(jnp.float32))
+        return nn.with_logical_constraint(
+            logits_BTV.astype(jnp.float32), (ax.BATCH, ax.LENGTH, ax.VOCAB)
+        )

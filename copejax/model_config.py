@@ -1,0 +1,132 @@
+"""The model's frozen configuration and its validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from copejax.positions.base import Dims, PositionScheme
+
+BLOCKS = ("llama", "gpt2")
+DTYPES = ("float32", "bfloat16")
+
+
+def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
+    if isinstance(options, tuple):
+        return options
+    items = []
+    for key, value in sorted(dict(options).items()):
+        if isinstance(value, list):
+            value = tuple(value)
+        items.append((key, value))
+    return tuple(items)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer.
+
+    Attributes:
+      vocab_size: V.
+      d_model: D.
+      num_heads: N.
+      num_layers: blocks.
+      head_dim: H; defaults to D // N.
+      mlp_dim: hidden width of the MLP; defaults to 4D (gpt2) or 8D/3 rounded up to 8 (llama).
+      block: "llama" (pre-RMSNorm, SwiGLU, no biases) or "gpt2" (LayerNorm, GELU, biases).
+      tie_embeddings: share the token embedding with the output layer.
+      dropout: residual and embedding dropout rate.
+      dtype: compute dtype, "float32" or "bfloat16" (parameters are always float32).
+      position: registered scheme name, e.g. "rope" or "cope+rope".
+      position_options: options of the scheme (a mapping; stored as sorted pairs).
+      max_len: training context length T (learned tables, FIRE's L, YaRN's original length).
+      init_std: standard deviation of the weight initialisers.
+    """
+
+    vocab_size: int
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 2
+    head_dim: int | None = None
+    mlp_dim: int | None = None
+    block: str = "llama"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    dtype: str = "float32"
+    position: str = "rope"
+    position_options: Any = ()
+    max_len: int = 512
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "position_options", _freeze(self.position_options))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_mlp_dim(self) -> int:
+        if self.mlp_dim is not None:
+            return self.mlp_dim
+        if self.block == "gpt2":
+            return 4 * self.d_model
+        return -(-8 * self.d_model // 3 // 8) * 8
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def dims(self) -> Dims:
+        return Dims(
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            head_dim=self.resolved_head_dim,
+            num_layers=self.num_layers,
+            max_len=self.max_len,
+        )
+
+    def scheme(self) -> PositionScheme:
+        return _make_scheme(self.position, self.position_options)
+
+    def validate(self) -> ModelConfig:
+        """Raises ValueError naming the first bad value and what is allowed; returns self."""
+        for key in ("vocab_size", "d_model", "num_heads", "num_layers", "max_len"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
+        for key in ("head_dim", "mlp_dim"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"model.{key} must be a positive integer or None, got {value!r}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads}; choose sizes that divide or set model.head_dim"
+            )
+        if self.block not in BLOCKS:
+            raise ValueError(f"model.block must be one of {BLOCKS}, got {self.block!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        scheme = self.scheme()
+        scheme.validate(self.dims)
+        token_dim = scheme.token_dim(self.d_model)
+        if not 0 < token_dim <= self.d_model:
+            raise ValueError(
+                f"{scheme.name}: token embedding width {token_dim} must be in (0, {self.d_model}]"
+            )
+        return self
+
+
+@functools.lru_cache(maxsize=None)
+def _make_scheme(name: str, options: tuple[tuple[str, Any], ...]) -> PositionScheme:
+    from copejax.positions.registry import make_scheme  # noqa: PLC0415 (registry imports all)
+
+    return make_scheme(name, dict(options))

@@ -1,0 +1,214 @@
+"""The position-scheme interface: a scheme spec and the two Linen site modules it builds.
+
+A position scheme is a frozen dataclass (its options) that declares which *sites* it acts at
+and builds the Linen modules that act there (house style, STYLE.md):
+
+- ``embed``: at the model input, adds to (or concatenates with) the token embeddings, may
+  relabel positions (randomized positions) and may create the initial *carry*
+  (TAPE's positional tensor). Built once per model by :meth:`PositionScheme.embed_module`.
+- ``qk``: transforms q, k (and v) before the logits (RoPE, xPos, TAPE).
+- ``bias``: an additive float32 logit term computed from q, k, v, positions, the content
+  logits or the layer input (ALiBi, T5, Shaw, XL, Kerple, FIRE, CoPE, FoX).
+- ``normalizer``: replaces the masked softmax (stick-breaking).
+- ``output``: transforms the per-head attention output before the output projection (FoX's
+  output gate).
+- ``carry``: state that flows from layer to layer (TAPE), updated after attention and after
+  the MLP.
+
+The attention sites live in one :class:`AttentionSite` module per layer (or one module shared
+by every layer when :attr:`PositionScheme.share_across_layers` is true, as T5 does).
+``copejax/attention.py`` calls each site exactly once; nothing else special-cases schemes.
+
+Shape letters: B batch, T query length, S key length, N heads, H head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+SITES = ("embed", "qk", "bias", "normalizer", "output", "carry")
+
+Carry = Any  # a pytree of arrays, or None for schemes without a carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Sizes a scheme needs to build its modules.
+
+    Attributes:
+      d_model: model width D.
+      num_heads: attention heads N.
+      head_dim: per-head width H.
+      num_layers: transformer blocks.
+      max_len: the training context length (learned tables, FIRE's L, YaRN's original length).
+    """
+
+    d_model: int
+    num_heads: int
+    head_dim: int
+    num_layers: int
+    max_len: int
+
+
+@struct.dataclass
+class AttentionContext:
+    """What the attention sites may read besides q, k and v.
+
+    Attributes:
+      x_BTD: the attention layer's (normalised) input, for input-dependent schemes (FoX).
+      q_positions_BT: integer positions of the queries.
+      k_positions_BS: integer positions of the keys (equal to the queries' without a cache).
+      mask_BTS: True where query t may attend to key s (causal and same segment).
+      carry: the scheme's layer-to-layer state (None unless the scheme uses the carry site).
+      deterministic: True at evaluation (no dropout, no random positions).
+    """
+
+    x_BTD: jax.Array
+    q_positions_BT: jax.Array
+    k_positions_BS: jax.Array
+    mask_BTS: jax.Array
+    carry: Carry = None
+    deterministic: bool = struct.field(pytree_node=False, default=True)
+
+
+@struct.dataclass
+class EmbedOutput:
+    """Result of the embed site: embeddings, (possibly relabelled) positions, initial carry."""
+
+    x_BTD: jax.Array
+    positions_BT: jax.Array
+    carry: Carry = None
+
+
+def masked_softmax_BNTS(logits_BNTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """Softmax over keys in float32; masked keys get exactly zero weight.
+
+    A fully masked row (only possible with padding queries) returns all zeros, not NaN.
+    """
+    logits_BNTS = logits_BNTS.astype(jnp.float32)
+    mask_B1TS = mask_BTS[:, None]
+    big_neg = jnp.finfo(jnp.float32).min
+    masked_BNTS = jnp.where(mask_B1TS, logits_BNTS, big_neg)
+    max_BNT1 = jnp.max(masked_BNTS, axis=-1, keepdims=True)
+    max_BNT1 = jax.lax.stop_gradient(jnp.where(jnp.isfinite(max_BNT1), max_BNT1, 0.0))
+    exp_BNTS = jnp.where(mask_B1TS, jnp.exp(masked_BNTS - max_BNT1), 0.0)
+    denom_BNT1 = jnp.sum(exp_BNTS, axis=-1, keepdims=True)
+    return exp_BNTS / jnp.where(denom_BNT1 > 0, denom_BNT1, 1.0)
+
+
+class EmbedSite(nn.Module):
+    """Base of embed-site modules: identity on the embeddings, positions unchanged, no carry.
+
+    Subclasses override :meth:`__call__`. ``dims`` is set by the scheme that builds them.
+    """
+
+    dims: Dims
+
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, deterministic: bool = True
+    ) -> EmbedOutput:
+        return EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
+
+
+class AttentionSite(nn.Module):
+    """Base of attention-site modules. Every method defaults to 'do nothing'.
+
+    Subclasses override the methods for the sites their scheme declares and define their
+    parameters in ``setup`` (several methods may be called, so ``nn.compact`` cannot be used).
+    Parameters should carry logical axis names (see ``copejax.sharding``).
+    """
+
+    dims: Dims
+
+    def qk(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The qk site: returns transformed (q, k, v). Default: unchanged."""
+        return q_BTNH, k_BSNH, v_BSNH
+
+    def bias(
+        self,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        logits_BNTS: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array | None:
+        """The bias site: an additive float32 logit term broadcastable to (B, N, T, S).
+
+        ``logits_BNTS`` are the scaled content logits q.k / sqrt(H) in float32, unmasked
+        (apply ``ctx.mask_BTS`` before any cumulative sum). Default: no bias (None).
+        """
+        return None
+
+    def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
+        """The normalizer site: attention weights from the biased logits. Default: softmax."""
+        return masked_softmax_BNTS(logits_BNTS, ctx.mask_BTS)
+
+    def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
+        """The output site: per-head output before the output projection. Default: unchanged."""
+        return y_BTNH
+
+    def carry_after_attention(
+        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+    ) -> Carry:
+        """The carry site, inside attention (TAPE eq. 7). Default: unchanged."""
+        return carry
+
+    def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
+        """The carry site, after the block's MLP (TAPE eq. 8). Default: unchanged.
+
+        ``attn_out_BTD`` is the attention output of this block, ``x_BTD`` the block output.
+        """
+        return carry
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScheme:
+    """A position scheme: its options (dataclass fields) and the modules it builds.
+
+    Subclasses set the class variables, declare options as dataclass fields with defaults,
+    check them in :meth:`validate` and override the builders for their sites.
+    """
+
+    name: ClassVar[str] = ""
+    sites: ClassVar[tuple[str, ...]] = ()
+    paper: ClassVar[str] = ""  # e.g. "Su et al. 2021, arXiv 2104.09864"
+    share_across_layers: ClassVar[bool] = False
+
+    def validate(self, dims: Dims) -> None:
+        """Raises ValueError naming the bad value and what is allowed."""
+
+    def token_dim(self, d_model: int) -> int:
+        """Width of the token embedding (smaller than D for concatenative schemes)."""
+        return d_model
+
+    def embed_module(self, dims: Dims) -> EmbedSite | None:
+        """The embed-site module (built once per model), or None."""
+        return None
+
+    def attention_module(self, dims: Dims) -> AttentionSite | None:
+        """The attention-site module (per layer, or shared), or None."""
+        return None
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def check_positive(scheme: str, **values: float) -> None:
+    """Raises a ValueError for any value that is not > 0, naming it and the scheme."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{scheme}: {key} must be > 0, got {value!r}")
+
+
+def check_choice(scheme: str, key: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """Raises a ValueError when ``value`` is not one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{scheme}: {key} must be one of {allowed}, got {value!r}")

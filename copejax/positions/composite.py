@@ -1,0 +1,123 @@
+"""Several schemes applied together, e.g. ``cope+rope`` and ``cope+relative`` (CoPE Table 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Carry,
+    Dims,
+    EmbedOutput,
+    EmbedSite,
+    PositionScheme,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Composite(PositionScheme):
+    """Applies its parts in order: embeds chained, qk transforms chained, biases summed.
+
+    At most one part may use the normalizer site and at most one the carry site.
+    Built by ``registry.make_scheme("a+b")``; not registered under a name of its own.
+    """
+
+    parts: tuple[PositionScheme, ...] = ()
+    paper: ClassVar[str] = "combination"
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "+".join(p.name for p in self.parts)
+
+    @property
+    def sites(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(dict.fromkeys(s for p in self.parts for s in p.sites))
+
+    @property
+    def share_across_layers(self) -> bool:  # type: ignore[override]
+        return all(p.share_across_layers for p in self.parts)
+
+    def validate(self, dims: Dims) -> None:
+        for site in ("normalizer", "carry"):
+            users = [p.name for p in self.parts if site in p.sites]
+            if len(users) > 1:
+                raise ValueError(f"{self.name}: at most one part may use the {site} site: {users}")
+        widths = [p for p in self.parts if p.token_dim(dims.d_model) != dims.d_model]
+        if widths:
+            raise ValueError(f"{self.name}: concatenative embeddings cannot be combined")
+        for part in self.parts:
+            part.validate(dims)
+
+    def embed_module(self, dims: Dims) -> EmbedSite | None:
+        if not any(p.embed_module is not PositionScheme.embed_module for p in self.parts):
+            return None
+        return _CompositeEmbed(dims=dims, parts=self.parts)
+
+    def attention_module(self, dims: Dims) -> AttentionSite | None:
+        return _CompositeAttention(dims=dims, parts=self.parts)
+
+
+class _CompositeEmbed(EmbedSite):
+    parts: tuple[PositionScheme, ...] = ()
+
+    def setup(self) -> None:
+        self.embeds = [m for p in self.parts if (m := p.embed_module(self.dims)) is not None]
+
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, deterministic: bool = True
+    ) -> EmbedOutput:
+        out = EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
+        for embed in self.embeds:
+            new = embed(out.x_BTD, out.positions_BT, deterministic)
+            out = new if new.carry is not None else new.replace(carry=out.carry)
+        return out
+
+
+class _CompositeAttention(AttentionSite):
+    parts: tuple[PositionScheme, ...] = ()
+
+    def setup(self) -> None:
+        pairs = [(p, p.attention_module(self.dims)) for p in self.parts]
+        pairs = [(p, m) for p, m in pairs if m is not None]
+        self.sites_ = [m for _, m in pairs]
+        users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]
+        self.normalizer_index = users[0] if users else None
+
+    def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):  # noqa: ANN001, ANN201
+        for site in self.sites_:
+            q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
+        return q_BTNH, k_BSNH, v_BSNH
+
+    def bias(self, q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx: AttentionContext):  # noqa: ANN001, ANN201
+        total = None
+        for site in self.sites_:
+            b = site.bias(q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx)
+            if b is not None:
+                total = b if total is None else total + b
+        return total
+
+    def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
+        if self.normalizer_index is None:
+            return super().normalize(logits_BNTS, ctx)
+        return self.sites_[self.normalizer_index].normalize(logits_BNTS, ctx)
+
+    def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
+        for site in self.sites_:
+            y_BTNH = site.output(y_BTNH, ctx)
+        return y_BTNH
+
+    def carry_after_attention(
+        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+    ) -> Carry:
+        for site in self.sites_:
+            carry = site.carry_after_attention(carry, weights_BNTS, ctx)
+        return carry
+
+    def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
+        for site in self.sites_:
+            carry = site.carry_after_mlp(carry, attn_out_BTD, x_BTD)
+        return carry

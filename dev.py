@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""The README's commands, needing nothing but Python >= 3.11 and pip (standard library only).
+
+    python3 dev.py demo        # install into .venv, run the default experiment
+    python3 dev.py test        # install into .venv, ruff lint + format check, the test suite
+    python3 dev.py test-slow   # the tests marked slow
+    python3 dev.py format      # ruff format + fixes
+
+Each command first creates ``.venv`` and installs copejax with the versions pinned in
+``constraints.txt`` (skipped when those files have not changed since the last install).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+STAMP = VENV / ".installed"
+
+
+def _run(*args: str | Path) -> None:
+    print("+", " ".join(str(a) for a in args), flush=True)
+    subprocess.run([str(a) for a in args], cwd=ROOT, check=True)
+
+
+def ensure_venv() -> None:
+    """Creates .venv and installs the pinned dependencies when they changed."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"copejax needs Python >= 3.11, this is {sys.version.split()[0]}")
+    digest = hashlib.sha256()
+    for name in ("pyproject.toml", "constraints.txt"):
+        digest.update((ROOT / name).read_bytes())
+    if STAMP.exists() and STAMP.read_text() == digest.hexdigest():
+        return
+    if not PY.exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    _run(PY, "-m", "pip", "install", "--quiet", "-c", "constraints.txt", "-e", ".[test]")
+    STAMP.write_text(digest.hexdigest())
+
+
+def main(argv: list[str]) -> None:
+    commands = {
+        "demo": [[PY, "-m", "copejax.demo", *argv[1:]]],
+        "test": [
+            [BIN / "ruff", "check", "."],
+            [BIN / "ruff", "format", "--check", "."],
+            [PY, "-m", "pytest", "-n", "2", "-q", *argv[1:]],
+        ],
+        "test-slow": [[PY, "-m", "pytest", "-n", "2", "-q", "-m", "slow", *argv[1:]]],
+        "format": [[BIN / "ruff", "format", "."], [BIN / "ruff", "check", "--fix", "."]],
+    }
+    if not argv or argv[0] not in commands:
+        sys.exit(f"usage: python3 dev.py {{{','.join(commands)}}} [args...]")
+    ensure_venv()
+    try:
+        for command in commands[argv[0]]:
+            _run(*command)
+    except subprocess.CalledProcessError as error:
+        sys.exit(error.returncode)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

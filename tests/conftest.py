@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny model configs and inputs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from copejax.model_config import ModelConfig  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def tiny_config(position: str, **overrides: object) -> ModelConfig:
+    """A 2-layer, 2-head, D=32 model: small enough to compile in about a second."""
+    kwargs: dict[str, object] = dict(
+        vocab_size=13, d_model=32, num_heads=2, num_layers=2, max_len=16, position=position
+    )
+    kwargs.update(overrides)
+    return ModelConfig(**kwargs).validate()
+
+
+def tokens_and_positions(batch: int = 2, length: int = 8, seed: int = 0) -> tuple[jax.Array, ...]:
+    rng = np.random.default_rng(seed)
+    tokens_BT = jnp.asarray(rng.integers(0, 13, (batch, length)), jnp.int32)
+    positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return tokens_BT, positions_BT
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)

@@ -1,0 +1,90 @@
+"""Properties every registered scheme must have inside the model.
+
+Parametrised over the registry, so a new scheme is covered the moment it registers:
+causality by gradients, jit == eager, bfloat16 close to float32, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model import Transformer
+from copejax.positions import registry
+from tests.conftest import tiny_config, tokens_and_positions
+
+SCHEMES = registry.names()
+
+
+def _init(position: str, **overrides: object) -> tuple[Transformer, dict]:
+    model = Transformer(tiny_config(position, **overrides))
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    return model, params
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_gradient_of_output_wrt_future_inputs_is_exactly_zero(position: str) -> None:
+    model, params = _init(position)
+    tokens_BT, positions_BT = tokens_and_positions(batch=1)
+    emb = model.apply(params, tokens_BT, positions_BT, True, method=Transformer.embed)
+    length = tokens_BT.shape[1]
+
+    def output_at(x_BTD: jax.Array, t: int) -> jax.Array:
+        logits_BTV = model.apply(
+            params, emb.replace(x_BTD=x_BTD), method=Transformer.forward_embedded
+        )
+        return logits_BTV[0, t].sum()
+
+    for t in (0, 3, length - 2):
+        grad_BTD = jax.grad(output_at)(emb.x_BTD, t)
+        assert np.all(np.asarray(grad_BTD[0, t + 1 :]) == 0.0), f"{position}: leak into t={t}"
+        assert np.any(np.asarray(grad_BTD[0, : t + 1]) != 0.0), f"{position}: no signal at t={t}"
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_jit_equals_eager_and_shapes(position: str) -> None:
+    model, params = _init(position)
+    tokens_BT, positions_BT = tokens_and_positions()
+    eager = model.apply(params, tokens_BT, positions_BT)
+    jitted = jax.jit(model.apply)(params, tokens_BT, positions_BT)
+    assert eager.shape == (2, 8, 13)
+    assert eager.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(eager)))
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_bfloat16_close_to_float32(position: str) -> None:
+    model32, params = _init(position)
+    model16 = Transformer(tiny_config(position, dtype="bfloat16"))
+    tokens_BT, positions_BT = tokens_and_positions()
+    out32 = np.asarray(model32.apply(params, tokens_BT, positions_BT))
+    out16 = model16.apply(params, tokens_BT, positions_BT)
+    assert out16.dtype == jnp.float32  # logits are float32 whatever the compute dtype
+    np.testing.assert_allclose(np.asarray(out16), out32, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_training_mode_runs_with_dropout_and_position_rngs(position: str) -> None:
+    model, params = _init(position, dropout=0.1)
+    tokens_BT, positions_BT = tokens_and_positions()
+    rngs = {"dropout": jax.random.key(1), "positions": jax.random.key(2)}
+
+    def loss(p: dict) -> jax.Array:
+        logits = model.apply(p, tokens_BT, positions_BT, deterministic=False, rngs=rngs)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+    grads = jax.grad(loss)(params)
+    leaves = jax.tree_util.tree_leaves(grads)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_scheme_is_documented(position: str) -> None:
+    cls = registry.get(position)
+    assert cls.paper, f"{position} must cite its paper"
+    assert set(cls.sites) <= {"embed", "qk", "bias", "normalizer", "output", "carry"}
+    assert cls.__doc__ and len(cls.__doc__) > 20

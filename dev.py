@@ -33,7 +33,7 @@ def _run(*args: str | Path) -> None:
 
 def ensure_venv() -> None:
     """Creates .venv and installs the pinned dependencies when they changed."""
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"copejax needs Python >= 3.11, this is {sys.version.split()[0]}")
     digest = hashlib.sha256()
     for name in ("pyproject.toml", "constraints.txt"):

@@ -18,9 +18,7 @@ from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext, AttentionSite, Carry
 
 
-def causal_segment_mask_BTS(
-    segment_ids_BT: jax.Array | None, batch: int, length: int
-) -> jax.Array:
+def causal_segment_mask_BTS(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:
     """True where query t may see key s: s <= t (by index) and both in the same segment."""
     t_T1 = jnp.arange(length)[:, None]
     s_1S = jnp.arange(length)[None, :]

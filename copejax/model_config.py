@@ -20,9 +20,7 @@ def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
         return options
     items = []
     for key, value in sorted(dict(options).items()):
-        if isinstance(value, list):
-            value = tuple(value)
-        items.append((key, value))
+        items.append((key, tuple(value) if isinstance(value, list) else value))
     return tuple(items)
 
 
@@ -125,8 +123,8 @@ class ModelConfig:
         return self
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _make_scheme(name: str, options: tuple[tuple[str, Any], ...]) -> PositionScheme:
-    from copejax.positions.registry import make_scheme  # noqa: PLC0415 (registry imports all)
+    from copejax.positions.registry import make_scheme
 
     return make_scheme(name, dict(options))

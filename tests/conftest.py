@@ -6,12 +6,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from copejax.model_config import ModelConfig  # noqa: E402
+from copejax.model_config import ModelConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

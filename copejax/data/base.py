@@ -104,10 +104,10 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 @functools.cache
 def _load_all() -> None:
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
+    import importlib
+    import pkgutil
 
-    import copejax.data as package  # noqa: PLC0415
+    import copejax.data as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):

@@ -87,12 +87,12 @@ class _CompositeAttention(AttentionSite):
         users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]
         self.normalizer_index = users[0] if users else None
 
-    def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):  # noqa: ANN001, ANN201
+    def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):
         for site in self.sites_:
             q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
         return q_BTNH, k_BSNH, v_BSNH
 
-    def bias(self, q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx: AttentionContext):  # noqa: ANN001, ANN201
+    def bias(self, q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx: AttentionContext):
         total = None
         for site in self.sites_:
             b = site.bias(q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx)

@@ -50,7 +50,7 @@ def make_scheme(name: str, options: Mapping[str, Any] | None = None) -> Position
     options = dict(options or {})
     parts = name.split("+")
     if len(parts) > 1:
-        from copejax.positions.composite import Composite  # noqa: PLC0415 (import cycle)
+        from copejax.positions.composite import Composite
 
         classes = [get(part) for part in parts]
         per_part: list[dict[str, Any]] = [{} for _ in parts]
@@ -60,10 +60,12 @@ def make_scheme(name: str, options: Mapping[str, Any] | None = None) -> Position
                 where = "no part" if not owners else "several parts"
                 raise ValueError(
                     f"option {key!r} of {name!r} is declared by {where}; options per part: "
-                    + "; ".join(f"{p}: {option_names(c)}" for p, c in zip(parts, classes))
+                    + "; ".join(
+                        f"{p}: {option_names(c)}" for p, c in zip(parts, classes, strict=True)
+                    )
                 )
             per_part[owners[0]][key] = value
-        return Composite(parts=tuple(_build(c, o) for c, o in zip(classes, per_part)))
+        return Composite(parts=tuple(_build(c, o) for c, o in zip(classes, per_part, strict=True)))
     return _build(get(name), options)
 
 
@@ -80,10 +82,10 @@ def _build(cls: type[PositionScheme], options: dict[str, Any]) -> PositionScheme
 @functools.cache
 def _load_all() -> None:
     """Imports every module of ``copejax.positions`` so that each registers its schemes."""
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
+    import importlib
+    import pkgutil
 
-    import copejax.positions as package  # noqa: PLC0415
+    import copejax.positions as package
 
     for info in pkgutil.iter_modules(package.__path__):
         if not info.name.startswith("_"):

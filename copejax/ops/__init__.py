@@ -1,0 +1,1 @@
+"""Array operations shared by position schemes: scans, interpolation, blockwise kernels."""

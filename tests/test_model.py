@@ -1,0 +1,118 @@
+"""The transformer itself: blocks, embeddings, packing, dtypes and configuration errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model import Transformer
+from copejax.model_config import ModelConfig
+from tests.conftest import tiny_config, tokens_and_positions
+
+
+def _logits(cfg: ModelConfig, **kwargs: object) -> np.ndarray:
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    return np.asarray(model.apply(params, tokens_BT, positions_BT, **kwargs))
+
+
+@pytest.mark.parametrize("block", ["llama", "gpt2"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_blocks_and_embedding_tying(block: str, tie: bool) -> None:
+    cfg = tiny_config("rope", block=block, tie_embeddings=tie)
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)["params"]
+    assert ("lm_head" in params) == (not tie)
+    mlp = params["block_0"]["mlp"]
+    assert ("wi_gate" in mlp) == (block == "llama")
+    has_bias = "bias" in params["block_0"]["attention"]["query"]
+    assert has_bias == (block == "gpt2")
+    assert ("bias" in params["block_0"]["attention_norm"]) == (block == "gpt2")  # LayerNorm
+    assert np.all(np.isfinite(_logits(cfg)))
+
+
+def test_params_are_float32_under_bfloat16_compute() -> None:
+    cfg = tiny_config("rope", dtype="bfloat16")
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    variables = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    dtypes = {leaf.dtype for leaf in jax.tree_util.tree_leaves(variables)}
+    assert dtypes == {jnp.dtype("float32")}
+
+
+def test_params_carry_logical_axis_names() -> None:
+    model = Transformer(tiny_config("rope"))
+    tokens_BT, positions_BT = tokens_and_positions()
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens_BT, positions_BT)
+    specs = jax.tree_util.tree_leaves(nn.get_partition_spec(variables))
+    assert specs and all(spec is not None and len(spec) > 0 for spec in specs)
+
+
+def test_packed_segments_do_not_attend_to_each_other() -> None:
+    """Two documents packed into one row give the same logits as each document alone."""
+    cfg = tiny_config("rope")
+    model = Transformer(cfg)
+    rng = np.random.default_rng(0)
+    doc_a, doc_b = rng.integers(0, 13, 5), rng.integers(0, 13, 3)
+    tokens_1T = jnp.asarray(np.concatenate([doc_a, doc_b])[None], jnp.int32)
+    positions_1T = jnp.asarray([[0, 1, 2, 3, 4, 0, 1, 2]], jnp.int32)
+    segments_1T = jnp.asarray([[1, 1, 1, 1, 1, 2, 2, 2]], jnp.int32)
+    params = model.init(jax.random.key(0), tokens_1T, positions_1T)
+    packed = model.apply(params, tokens_1T, positions_1T, segments_1T)
+    alone_b = model.apply(params, jnp.asarray(doc_b[None], jnp.int32), positions_1T[:, 5:])
+    alone_a = model.apply(params, jnp.asarray(doc_a[None], jnp.int32), positions_1T[:, :5])
+    np.testing.assert_allclose(packed[0, 5:], alone_b[0], atol=1e-5)
+    np.testing.assert_allclose(packed[0, :5], alone_a[0], atol=1e-5)
+
+
+def test_positions_are_an_input_not_created_inside() -> None:
+    """Shifting positions changes a nope-free scheme's output only through the scheme."""
+    cfg = tiny_config("nope")
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    a = model.apply(params, tokens_BT, positions_BT)
+    b = model.apply(params, tokens_BT, positions_BT + 7)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="positions_BT shape"):
+        model.apply(params, tokens_BT, positions_BT[:, :3])
+
+
+def test_dropout_is_active_only_in_training() -> None:
+    cfg = tiny_config("rope", dropout=0.5)
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    rngs = {"dropout": jax.random.key(1), "positions": jax.random.key(2)}
+    train = model.apply(params, tokens_BT, positions_BT, deterministic=False, rngs=rngs)
+    evals = [model.apply(params, tokens_BT, positions_BT) for _ in range(2)]
+    np.testing.assert_array_equal(np.asarray(evals[0]), np.asarray(evals[1]))
+    assert not np.allclose(np.asarray(train), np.asarray(evals[0]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"d_model": 30, "num_heads": 4}, "d_model=30 is not divisible by model.num_heads=4"),
+        ({"num_heads": 0}, "num_heads must be a positive integer, got 0"),
+        ({"d_model": -8}, "d_model must be a positive integer, got -8"),
+        ({"block": "t5"}, "block must be one of"),
+        ({"dtype": "float16"}, "dtype must be one of"),
+        ({"dropout": 1.5}, r"dropout must be in \[0, 1\)"),
+        ({"position": "sinusoid"}, "unknown position scheme 'sinusoid'; known schemes: "),
+        ({"position": "rope", "head_dim": 7}, "head_dim must be even"),
+        ({"position": "rope", "position_options": {"bse": 2}}, r"unknown option\(s\) \['bse'\]"),
+    ],
+)
+def test_bad_configs_name_the_value_and_what_is_allowed(
+    overrides: dict[str, object], message: str
+) -> None:
+    kwargs: dict[str, object] = dict(vocab_size=13, d_model=32, num_heads=2, num_layers=1)
+    kwargs.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**kwargs).validate()

@@ -1,0 +1,38 @@
+"""The registry, the `+` composition and `python -m copejax.positions`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from copejax.positions import registry
+from copejax.positions.__main__ import table
+from copejax.positions.composite import Composite
+
+
+def test_unknown_scheme_lists_the_known_names() -> None:
+    with pytest.raises(ValueError) as info:
+        registry.get("nonexistent")
+    for name in registry.names():
+        assert name in str(info.value)
+
+
+def test_composite_routes_options_to_their_part() -> None:
+    scheme = registry.make_scheme("nope+rope", {"base": 500.0})
+    assert isinstance(scheme, Composite)
+    assert scheme.name == "nope+rope"
+    assert scheme.parts[1].base == 500.0
+    assert scheme.sites == ("qk",)
+    with pytest.raises(ValueError, match="declared by no part"):
+        registry.make_scheme("nope+rope", {"nothing": 1})
+
+
+def test_positions_table_lists_every_scheme() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "copejax.positions"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == table()
+    for name in registry.names():
+        assert f"`{name}`" in out

@@ -6,6 +6,7 @@ causality by gradients, jit == eager, bfloat16 close to float32, shapes and dtyp
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +89,16 @@ def test_scheme_is_documented(position: str) -> None:
     assert cls.paper, f"{position} must cite its paper"
     assert set(cls.sites) <= {"embed", "qk", "bias", "normalizer", "output", "carry"}
     assert cls.__doc__ and len(cls.__doc__) > 20
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_every_parameter_has_logical_axis_names(position: str) -> None:
+    """Scheme parameters (tables, slopes, gates, MLPs) must be shardable by rules too."""
+    model = Transformer(tiny_config(position))
+    tokens_BT, positions_BT = tokens_and_positions()
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens_BT, positions_BT)
+    specs = jax.tree_util.tree_leaves_with_path(
+        nn.get_partition_spec(variables), is_leaf=lambda spec: spec is None
+    )
+    unnamed = [jax.tree_util.keystr(path) for path, spec in specs if spec is None]
+    assert not unnamed, f"{position}: parameters without logical axis names: {unnamed}"

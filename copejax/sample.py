@@ -1,0 +1,101 @@
+"""Text from a trained LM checkpoint, so a person can read what a model writes.
+
+    python -m copejax.sample --workdir=workdirs/lm_cope --prompt="ROMEO." \
+        [--max_new_tokens=300] [--temperature=0.8] [--seed=0] [--context=0]
+
+Greedy at ``--temperature=0``, else sampling from softmax(logits / temperature). Every new
+token re-runs the model on the whole context (no incremental decoding yet): the context is the
+last ``--context`` tokens (default: the training length T), padded on the right to that fixed
+length so that one compiled function serves every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from copejax.data import _tokenizers as tok
+from copejax.model import Transformer
+from copejax.model_config import ModelConfig
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of an lm training run.")
+_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 300, "Tokens to generate.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_CONTEXT = flags.DEFINE_integer("context", 0, "Context length (0 = the training length).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+
+
+def generate(
+    model_config: ModelConfig,
+    params: Any,
+    prompt_ids: np.ndarray,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    context: int,
+) -> np.ndarray:
+    """Continues ``prompt_ids`` (starting with ``<bos>``); stops after ``<eos>``.
+
+    Returns the new token ids, int32 [<= max_new_tokens].
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if context < 1:
+        raise ValueError(f"context must be >= 1, got {context}")
+    model = Transformer(model_config)
+
+    @jax.jit
+    def next_token(ids_1C: jax.Array, used: jax.Array, key: jax.Array) -> jax.Array:
+        positions_1C = jnp.arange(context)[None]
+        segments_1C = (positions_1C < used).astype(jnp.int32)
+        logits_1CV = model.apply({"params": params}, ids_1C, positions_1C, segments_1C)
+        logits_V = logits_1CV[0, used - 1]
+        if temperature == 0:
+            return jnp.argmax(logits_V)
+        return jax.random.categorical(key, logits_V / temperature)
+
+    ids, new = list(int(i) for i in prompt_ids), []
+    key = jax.random.key(seed)
+    for _ in range(max_new_tokens):
+        window = ids[-context:]
+        padded = np.zeros((1, context), np.int32)
+        padded[0, : len(window)] = window
+        key, step_key = jax.random.split(key)
+        token = int(next_token(padded, jnp.int32(len(window)), step_key))
+        ids.append(token)
+        new.append(token)
+        if token == tok.EOS_ID:
+            break
+    return np.asarray(new, np.int32)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from copejax.trained_run import load_run
+
+    run = load_run(_WORKDIR.value, _STEP.value)
+    tokenizer = run.task.text_tokenizer()
+    prompt_ids = np.concatenate([[tok.BOS_ID], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
+    new = generate(
+        run.model_config,
+        run.params,
+        prompt_ids,
+        max_new_tokens=_NEW.value,
+        temperature=_TEMPERATURE.value,
+        seed=_SEED.value,
+        context=_CONTEXT.value or run.task.seq_len,
+    )
+    print(_PROMPT.value + tokenizer.decode(new), flush=True)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["workdir"])
+    app.run(main)

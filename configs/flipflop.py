@@ -1,0 +1,84 @@
+"""Flip-Flop language modelling (Liu et al. 2023, arXiv 2306.00946; CoPE paper appendix C).
+
+    python -m copejax.main --config=configs/flipflop.py:smoke --workdir=/tmp/ff
+    python -m copejax.main --config=configs/flipflop.py:cpu,position=cope --workdir=workdirs/ff
+
+Arguments: ``smoke`` (seconds: tiny model, 31-token sequences), ``cpu`` (a few minutes on 2
+cores), ``paper`` (the CoPE paper's setting: 4 layers, 4 heads, D=256, AdamW lr 3e-4 with
+linear decay, 10,000 steps, batch 16, 512-token sequences); the default is ``cpu``. Shortcuts:
+``position=<scheme>``, ``seed=<int>``, ``steps=<int>``, ``batch_size=<int>``, ``lr=<float>``,
+``layers=<int>``, ``heads=<int>``, ``d_model=<int>``, ``instructions=<int>`` (sequence length
+is ``2 * instructions - 1``).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from copejax.config_base import apply_shortcuts, base_config, parse_arg
+
+SHORTCUTS = {
+    "position": "model.position",
+    "seed": "seed",
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "lr": "train.learning_rate",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "d_model": "model.d_model",
+    "instructions": "task.options.num_instructions",
+}
+VARIANTS = ("smoke", "cpu", "paper")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg)
+    chosen = [v for v in VARIANTS if args.pop(v, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
+    variant = chosen[0] if chosen else "cpu"
+
+    c = base_config()
+    c.task.name = "flipflop"
+    c.task.options = ml_collections.ConfigDict(
+        {
+            "num_instructions": 256,
+            "test_size": 1000,
+            "ood_sparse_size": 1000,
+            "ood_dense_size": 1000,
+        }
+    )
+    c.model.position = "rope"
+    c.train.schedule = "linear"
+    c.train.end_learning_rate_fraction = 0.0
+    c.train.b2 = 0.999
+    c.train.eps = 1e-8
+    c.train.weight_decay = 0.0
+    c.eval.splits = ("test", "ood_sparse", "ood_dense")
+
+    if variant == "smoke":
+        c.task.options.num_instructions = 16
+        c.model.update(d_model=32, num_heads=2, num_layers=2)
+        c.train.update(
+            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
+            eval_every=10, checkpoint_every=10,
+        )  # fmt: skip
+        c.eval.update(batch_size=16, max_examples=32)
+    elif variant == "cpu":
+        c.task.options.num_instructions = 32
+        c.model.update(d_model=64, num_heads=4, num_layers=2)
+        c.train.update(
+            steps=400, batch_size=32, learning_rate=3e-3, warmup_steps=40, log_every=25,
+            eval_every=100, checkpoint_every=100,
+        )  # fmt: skip
+        c.eval.update(batch_size=64, max_examples=256)
+    else:
+        c.model.update(d_model=256, num_heads=4, num_layers=4)
+        c.train.update(
+            steps=10_000, batch_size=16, learning_rate=3e-4, warmup_steps=0, log_every=100,
+            eval_every=1000, checkpoint_every=1000,
+        )  # fmt: skip
+        c.eval.update(batch_size=64, max_examples=0)
+
+    apply_shortcuts(c, args, SHORTCUTS)
+    return c

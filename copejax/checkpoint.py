@@ -1,0 +1,140 @@
+"""Checkpoints with orbax-checkpoint: train state, grain iterator state and resolved config.
+
+Each step directory ``<workdir>/checkpoints/<step>`` holds four items: ``state`` (parameters,
+optimizer state, step; sharded arrays), ``data`` (the grain iterator's position, one file per
+process), ``config`` (the resolved config as JSON) and ``host`` (the loop's running sums of the
+current logging window, so that a resumed run logs the same averages). orbax writes into a
+temporary directory and renames it when complete, so a run killed mid-save leaves the previous
+checkpoint as the latest one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit the current config's state."""
+
+
+def _shape_differences(saved: Any, abstract: Any) -> list[str]:
+    """'path: saved shape vs expected shape' for every leaf whose shape or presence differs."""
+    saved_leaves = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
+    }
+    wanted_leaves = {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+    diffs = []
+    for key in sorted(set(saved_leaves) | set(wanted_leaves)):
+        old, new = saved_leaves.get(key), wanted_leaves.get(key)
+        old_shape = tuple(getattr(old, "shape", ())) if old is not None else None
+        new_shape = tuple(getattr(new, "shape", ())) if new is not None else None
+        if old_shape != new_shape:
+            describe = lambda s: "absent" if s is None else str(s)
+            diffs.append(f"{key}: checkpoint {describe(old_shape)}, config {describe(new_shape)}")
+    return diffs
+
+
+class Checkpointer:
+    """An orbax CheckpointManager for (state, data iterator, config), keeping the last ``keep``.
+
+    Args:
+      directory: where step directories go (``<workdir>/checkpoints``).
+      keep: how many of the latest checkpoints to keep.
+      asynchronous: write arrays in a background thread (the loop goes on computing).
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int, asynchronous: bool = True) -> None:
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+            enable_async_checkpointing=asynchronous,
+            create=True,
+            cleanup_tmp_directories=True,
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "data", "config", "host")
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data_iterator: grain.DatasetIterator | None,
+        config: dict[str, Any],
+        host: dict[str, float] | None = None,
+    ) -> None:
+        """Saves (asynchronously when so configured); ``wait`` blocks until it is on disk."""
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardSave(state),
+            "config": ocp.args.JsonSave(config),
+            "host": ocp.args.JsonSave(dict(host or {})),
+        }
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The resolved config stored with checkpoint ``step``."""
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+        )
+        return dict(restored["config"])
+
+    def restore_host(self, step: int) -> dict[str, float]:
+        """The loop's host-side sums stored with checkpoint ``step`` (empty if none)."""
+        restored = self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))
+        return dict(restored["host"] or {})
+
+    def restore(
+        self,
+        step: int,
+        abstract_state: Any,
+        data_iterator: grain.DatasetIterator | None,
+    ) -> Any:
+        """Restores checkpoint ``step`` into ``abstract_state``'s shapes, dtypes and shardings.
+
+        ``data_iterator`` is moved to the saved position in place. A checkpoint whose arrays
+        have other shapes (written by a different model config) raises CheckpointMismatchError
+        listing the differing arrays, before orbax tries to read them.
+        """
+        metadata = self.manager.item_metadata(step)
+        saved_tree = metadata["state"] if metadata is not None else None
+        if saved_tree is not None:
+            diffs = _shape_differences(saved_tree, abstract_state)
+            if diffs:
+                shown = "\n  ".join(diffs[:10])
+                more = f"\n  ... and {len(diffs) - 10} more" if len(diffs) > 10 else ""
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory / str(step)} was written by a different model "
+                    f"or optimizer config; arrays that differ:\n  {shown}{more}\n"
+                    "Use the config that wrote it, or a fresh workdir (or --restart to discard "
+                    "the old checkpoints)."
+                )
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        return restored["state"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

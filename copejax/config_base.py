@@ -1,0 +1,142 @@
+"""The experiment config schema shared by every configs/<family>.py, and its argument parser.
+
+Configs are plain Python ``get_config(arg)`` functions (big_vision's pattern): the argument
+string after the colon in ``--config=configs/flipflop.py:smoke,position=cope`` picks a variant.
+Sizes that default from the task use 0 (``model.head_dim``, ``model.mlp_dim``,
+``model.max_len``) so that every key has a concrete type for ``--config.a.b=value`` overrides.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import ml_collections
+
+from copejax.sharding import DEFAULT_RULES
+
+SCHEDULES = ("cosine", "linear", "constant")
+NONFINITE = ("stop", "skip")
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every key of the schema at its default (a small CPU-sized run)."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "flipflop"
+    c.task.options = ml_collections.ConfigDict()
+
+    # copejax.model_config.ModelConfig fields except vocab_size (from the task's vocabulary).
+    c.model = ml_collections.ConfigDict()
+    c.model.d_model = 128
+    c.model.num_heads = 4
+    c.model.num_layers = 2
+    c.model.head_dim = 0  # 0: d_model // num_heads
+    c.model.mlp_dim = 0  # 0: the block's default width
+    c.model.block = "llama"
+    c.model.tie_embeddings = True
+    c.model.dropout = 0.0
+    c.model.dtype = "float32"
+    c.model.position = "rope"
+    c.model.position_options = ml_collections.ConfigDict()
+    c.model.max_len = 0  # 0: the task's training sequence length
+    c.model.init_std = 0.02
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 1000
+    c.train.batch_size = 32
+    c.train.learning_rate = 1e-3
+    c.train.warmup_steps = 100
+    c.train.schedule = "cosine"
+    c.train.end_learning_rate_fraction = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.98
+    c.train.eps = 1e-9
+    c.train.grad_clip = 1.0
+    c.train.log_every = 50
+    c.train.eval_every = 500
+    c.train.checkpoint_every = 500
+    c.train.keep_checkpoints = 3
+    c.train.nonfinite = "stop"
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.splits = ()  # empty: every split except "train"
+    c.eval.batch_size = 64
+    c.eval.max_examples = 512  # per split; 0 = all
+
+    c.data = ml_collections.ConfigDict()
+    c.data.worker_count = 0
+    c.data.shuffle = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: the devices left over by the other axes
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+
+    c.axis_rules = DEFAULT_RULES
+    return c
+
+
+def _parse_value(text: str) -> bool | int | float | str:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, int | float) else text
+
+
+def parse_arg(arg: str | None) -> dict[str, bool | int | float | str]:
+    """Parses a big_vision-style config argument.
+
+    ``"cpu,position=cope,seed=1"`` -> ``{"cpu": True, "position": "cope", "seed": 1}``. A bare
+    word is a flag set to True; values are parsed as bool, int, float or else kept as strings.
+
+    Raises:
+      ValueError: for an empty item, a key that is not an identifier, or a repeated key.
+    """
+    if arg is None or not arg.strip():
+        return {}
+    result: dict[str, bool | int | float | str] = {}
+    for raw_item in arg.split(","):
+        item = raw_item.strip()
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not item or not _KEY.match(key) or (sep and not raw.strip()):
+            raise ValueError(
+                f"malformed config argument {item!r} in {arg!r}: expected comma-separated "
+                "'word' or 'key=value' items, e.g. 'smoke,position=cope,seed=1'"
+            )
+        if key in result:
+            raise ValueError(f"config argument {key!r} given twice in {arg!r}")
+        result[key] = _parse_value(raw.strip()) if sep else True
+    return result
+
+
+def apply_shortcuts(
+    config: ml_collections.ConfigDict,
+    args: dict[str, bool | int | float | str],
+    shortcuts: dict[str, str],
+) -> None:
+    """Sets ``config`` keys from ``key=value`` arguments through a shortcut table.
+
+    ``shortcuts`` maps an argument name to a dotted config path (``{"position":
+    "model.position", "seed": "seed"}``); any other argument raises a ValueError listing the
+    known ones. Boolean switches such as ``smoke``
+    are the caller's to consume before calling this.
+    """
+    for key, value in args.items():
+        if key not in shortcuts:
+            raise ValueError(f"unknown config argument {key!r}; known: {sorted(shortcuts)}")
+        *parents, leaf = shortcuts[key].split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value

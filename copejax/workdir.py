@@ -1,0 +1,92 @@
+"""Workdir safety: one run per workdir, its config written atomically, restarts on request.
+
+``<workdir>/config.json`` holds the resolved config of the run that owns the workdir. Running
+the same config again resumes; a different config is refused (naming the keys that differ)
+unless the caller asks to restart, which removes the old run's checkpoints and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+CONFIG_FILE = "config.json"
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", CONFIG_FILE)
+
+
+class WorkdirConflictError(ValueError):
+    """The workdir belongs to a run with a different config."""
+
+
+def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as plain JSON data (tuples become lists), as stored in config.json."""
+    return json.loads(config.to_json(sort_keys=True))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat or {prefix[:-1]: {}}
+    return {prefix[:-1]: tree}
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'key: old -> new' for every dotted key whose value differs."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    missing = "<absent>"
+    return [
+        f"{key}: {flat_old.get(key, missing)!r} -> {flat_new.get(key, missing)!r}"
+        for key in sorted(set(flat_old) | set(flat_new))
+        if flat_old.get(key, missing) != flat_new.get(key, missing)
+    ]
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Writes JSON to a temporary file in the same directory, then renames it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(workdir) / CONFIG_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> bool:
+    """Checks that ``workdir`` may run ``config``; returns True when its outputs must be wiped.
+
+    Raises:
+      WorkdirConflictError: the workdir holds a run of a different config and ``restart`` is
+        False; the message lists the differing keys.
+    """
+    old = read_config(workdir)
+    if restart:
+        return any((Path(workdir) / name).exists() for name in RUN_OUTPUTS)
+    if old is None or old == config:
+        return False
+    diffs = config_differences(old, config)
+    shown = "\n  ".join(diffs[:20])
+    raise WorkdirConflictError(
+        f"workdir {workdir} holds a run with a different config; differing keys:\n  {shown}\n"
+        "Use another --workdir, or pass --restart to delete that run's checkpoints and metrics "
+        "and start over."
+    )
+
+
+def wipe(workdir: str | os.PathLike) -> None:
+    """Removes a previous run's outputs (only the files copejax writes)."""
+    for name in RUN_OUTPUTS:
+        path = Path(workdir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

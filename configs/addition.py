@@ -1,0 +1,81 @@
+"""Multi-digit addition (McLeish et al. 2024, arXiv 2405.17399; TAPE 4.1, arXiv 2501.00712).
+
+    python -m copejax.main --config=configs/addition.py:smoke --workdir=/tmp/add
+    python -m copejax.main --config=configs/addition.py:cpu,position=tape --workdir=workdirs/add
+    python -m copejax.plots.addition --workdir=workdirs/add --out=workdirs/add/grid.png
+
+Arguments: ``smoke`` (seconds: operands up to 3 digits), ``cpu`` (the default; up to 5 digits
+in training, the grid to 8, under 15 minutes on 2 cores), ``paper`` (TAPE 4.1 and its Table 5:
+operands up to 40 digits, the grid to 50 with 100 sums per pair, 16 layers, D = 1024, MLP 2048,
+16 heads, batch 512, 20k steps, AdamW lr 1e-4). Shortcuts: ``position=<scheme>``, ``seed``,
+``steps``, ``batch_size``, ``lr``, ``layers``, ``heads``, ``d_model``, ``digits=<N>``,
+``extra=<grid digits beyond N>``, ``per_pair=<sums per grid cell>``.
+
+The ``grid`` split is the heatmap's: ``eval.max_examples`` = 0 evaluates all of it.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from copejax.config_base import apply_shortcuts, base_config, parse_arg
+
+SHORTCUTS = {
+    "position": "model.position",
+    "seed": "seed",
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "lr": "train.learning_rate",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "d_model": "model.d_model",
+    "digits": "task.options.max_digits",
+    "extra": "task.options.extra_digits",
+    "per_pair": "task.options.samples_per_pair",
+}
+VARIANTS = ("smoke", "cpu", "paper")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg)
+    chosen = [v for v in VARIANTS if args.pop(v, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
+    variant = chosen[0] if chosen else "cpu"
+
+    c = base_config()
+    c.task.name = "addition"
+    c.task.options = ml_collections.ConfigDict(
+        {"max_digits": 40, "extra_digits": 10, "samples_per_pair": 100, "test_size": 1000}
+    )
+    c.model.position = "rope"
+    c.eval.splits = ("test", "grid")
+
+    if variant == "smoke":
+        c.task.options.update(max_digits=3, extra_digits=1, samples_per_pair=2)
+        c.model.update(d_model=32, num_heads=2, num_layers=2)
+        c.train.update(
+            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
+            eval_every=10, checkpoint_every=10,
+        )  # fmt: skip
+        c.eval.update(batch_size=16, max_examples=32)
+    elif variant == "cpu":
+        c.task.options.update(max_digits=5, extra_digits=3, samples_per_pair=8)
+        c.model.update(d_model=128, num_heads=4, num_layers=3)
+        c.train.update(
+            steps=2000, batch_size=64, learning_rate=1e-3, warmup_steps=100, log_every=50,
+            eval_every=500, checkpoint_every=500,
+        )  # fmt: skip
+        c.eval.update(batch_size=64, max_examples=0)
+    else:
+        c.model.update(d_model=1024, num_heads=16, num_layers=16, mlp_dim=2048)
+        c.train.update(
+            steps=20_000, batch_size=512, learning_rate=1e-4, warmup_steps=500, log_every=100,
+            eval_every=2000, checkpoint_every=2000,
+        )  # fmt: skip
+        c.eval.update(batch_size=256, max_examples=0)
+
+    apply_shortcuts(c, args, SHORTCUTS)
+    o = c.task.options
+    c.model.max_len = 3 * (o.max_digits + o.extra_digits) + 3  # the grid's length
+    return c

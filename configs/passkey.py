@@ -1,0 +1,84 @@
+"""Passkey retrieval (Mohtashami and Jaggi 2023, arXiv 2305.16300; TAPE 4.3, arXiv 2501.00712).
+
+    python -m copejax.main --config=configs/passkey.py:smoke --workdir=/tmp/pk
+    python -m copejax.main --config=configs/passkey.py:cpu,position=cope --workdir=workdirs/pk
+
+Arguments: ``smoke`` (seconds: T = 72), ``cpu`` (the default; trained at T = 128, evaluated at
+128, 256 and 512, under 15 minutes on 2 cores), ``paper`` (TAPE 4.3 fine-tunes Llama2-7B from
+4096 to 8192 tokens and tests 1k to 8k; we train from scratch instead: a D = 768, 12-layer,
+12-head model at T = 4096, batch 64, evaluated at 1024 to 8192 with 100 keys per length; for
+accelerators, not run by us). Shortcuts: ``position=<scheme>``, ``seed``, ``steps``,
+``batch_size``, ``lr``, ``layers``, ``heads``, ``d_model``, ``length=<training T>``.
+
+``model.max_len`` is the longest evaluation length, so that learned tables cover every split.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from copejax.config_base import apply_shortcuts, base_config, parse_arg
+
+SHORTCUTS = {
+    "position": "model.position",
+    "seed": "seed",
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "lr": "train.learning_rate",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "d_model": "model.d_model",
+    "length": "task.options.train_len",
+}
+VARIANTS = ("smoke", "cpu", "paper")
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    args = parse_arg(arg)
+    chosen = [v for v in VARIANTS if args.pop(v, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
+    variant = chosen[0] if chosen else "cpu"
+
+    c = base_config()
+    c.task.name = "passkey"
+    c.task.options = ml_collections.ConfigDict(
+        {
+            "train_len": 4096,
+            "eval_lengths": (1024, 2048, 4096, 8192),
+            "depths": DEPTHS,
+            "max_key": 50_000,
+            "eval_size": 100,
+        }
+    )
+    c.model.position = "rope"
+    c.eval.splits = ()  # every len_<L> split
+
+    if variant == "smoke":
+        c.task.options.update(train_len=72, eval_lengths=(72, 96), depths=(0.0, 1.0))
+        c.model.update(d_model=32, num_heads=2, num_layers=2)
+        c.train.update(
+            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
+            eval_every=10, checkpoint_every=10,
+        )  # fmt: skip
+        c.eval.update(batch_size=16, max_examples=16)
+    elif variant == "cpu":
+        c.task.options.update(train_len=128, eval_lengths=(128, 256, 512))
+        c.model.update(d_model=64, num_heads=4, num_layers=2)
+        c.train.update(
+            steps=800, batch_size=16, learning_rate=3e-3, warmup_steps=50, log_every=50,
+            eval_every=400, checkpoint_every=400,
+        )  # fmt: skip
+        c.eval.update(batch_size=20, max_examples=100)
+    else:
+        c.model.update(d_model=768, num_heads=12, num_layers=12)
+        c.train.update(
+            steps=10_000, batch_size=64, learning_rate=2e-4, warmup_steps=500, log_every=100,
+            eval_every=2000, checkpoint_every=2000,
+        )  # fmt: skip
+        c.eval.update(batch_size=8, max_examples=0)
+
+    apply_shortcuts(c, args, SHORTCUTS)
+    c.model.max_len = max(c.task.options.train_len, *c.task.options.eval_lengths)
+    return c

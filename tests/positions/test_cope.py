@@ -1,0 +1,509 @@
+"""CoPE (Golovneva et al. 2024, arXiv 2405.18719) against a loop port of Appendix B's listing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model import Transformer
+from copejax.ops.cope import cope_positions
+from copejax.positions import registry
+from copejax.positions.base import AttentionContext, Dims, masked_softmax_BNTS
+from copejax.positions.cope import CoPE
+from tests.conftest import tiny_config, tokens_and_positions
+
+B, T, N, H, D = 2, 6, 2, 8, 16
+DIMS = Dims(d_model=D, num_heads=N, head_dim=H, num_layers=1, max_len=T)
+
+
+# ----------------------------------------------------------------------------------------------
+# The NumPy reference: Appendix B's listing with explicit loops, float64.
+# ----------------------------------------------------------------------------------------------
+
+
+def _sigmoid(x: float) -> float:
+    if x == -np.inf:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _gelu(x: float) -> float:
+    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def reference_cope(
+    inp: dict[str, np.ndarray],
+    params: dict[str, np.ndarray],
+    opts: dict[str, Any],
+    num_positions: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (term, gates, positions), each (B, N, T, S), from the listing's algorithm.
+
+    ``inp`` holds q, k, v (B, T, N, H), the layer input x (B, T, D) and the mask (B, T, S).
+    """
+    q, k, v, x = (np.asarray(inp[key], np.float64) for key in ("q", "k", "v", "x"))
+    mask = inp["mask"]
+    batch, length, heads, hd = q.shape
+    keys = k.shape[1]
+    gates_src = opts.get("gates", "keys")
+    term_kind = opts.get("position_term", "interpolate")
+    term = np.zeros((batch, heads, length, keys))
+    gates = np.zeros_like(term)
+    positions = np.zeros_like(term)
+    if gates_src == "sep_keys":
+        w = params["gate_key"]["kernel"]
+        other = np.einsum("bsd,dnh->bsnh", x, w)
+    elif gates_src == "values":
+        other = v
+    else:
+        other = k
+    for b in range(batch):
+        for n in range(heads):
+            for i in range(length):
+                qi = q[b, i, n]
+                # attn_logits = q k^T / sqrt(d) + mask.log(); gates = sigmoid(attn_logits)
+                g = np.zeros(keys)
+                for j in range(keys):
+                    logit = float(qi @ other[b, j, n]) / math.sqrt(hd)
+                    logit = logit if mask[b, i, j] else -np.inf
+                    g[j] = _sigmoid(logit)
+                    if opts.get("force_unit_gates"):
+                        g[j] = 1.0 if mask[b, i, j] else 0.0
+                # pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=npos_max - 1)
+                pos = np.zeros(keys)
+                for j in range(keys):
+                    total = 0.0
+                    for kk in range(j, keys):
+                        total += g[kk]
+                    pos[j] = min(total, num_positions - 1)
+                for j in range(keys):
+                    p = pos[j]
+                    if term_kind == "interpolate":
+                        table = params["pos_emb"]
+                        e = table[n] if table.ndim == 3 else table
+                        logits_int = [float(qi @ e[r]) for r in range(num_positions)]
+                        c, f = math.ceil(p), math.floor(p)
+                        wgt = p - f
+                        value = logits_int[c] * wgt + logits_int[f] * (1 - wgt)
+                    elif term_kind == "alibi":
+                        slopes = opts.get("alibi_slopes")
+                        if slopes is None:
+                            m = params["alibi_slopes"][n]
+                        elif slopes == "press":
+                            m = -(2.0 ** (-8.0 * (n + 1) / heads))
+                        else:
+                            m = -slopes[n]
+                        value = m * p
+                    else:  # CoPE-MLP: e(p) = W_out^T gelu(w_in p / P + b_in), then q . e(p)
+                        hidden = [
+                            _gelu(params["mlp_w_in"][f] * p / num_positions + params["mlp_b_in"][f])
+                            for f in range(len(params["mlp_w_in"]))
+                        ]
+                        e_p = np.asarray(hidden) @ params["mlp_w_out"]
+                        value = float(qi @ e_p)
+                    if opts.get("scale_position_term"):
+                        value /= math.sqrt(hd)
+                    term[b, n, i, j] = value
+                gates[b, n, i] = g
+                positions[b, n, i] = pos
+    return term, gates, positions
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _mask(segments: bool, seed: int = 0) -> np.ndarray:
+    causal = np.tril(np.ones((T, T), bool))
+    mask = np.broadcast_to(causal, (B, T, T)).copy()
+    if segments:
+        rng = np.random.default_rng(seed)
+        seg = np.sort(rng.integers(0, 2, (B, T)), axis=1)
+        mask &= seg[:, :, None] == seg[:, None, :]
+    return mask
+
+
+def _inputs(scale: float = 1.0, seed: int = 0, segments: bool = True) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return dict(
+        q=scale * rng.normal(size=(B, T, N, H)).astype(np.float32),
+        k=scale * rng.normal(size=(B, T, N, H)).astype(np.float32),
+        v=rng.normal(size=(B, T, N, H)).astype(np.float32),
+        x=rng.normal(size=(B, T, D)).astype(np.float32),
+        mask=_mask(segments, seed),
+    )
+
+
+def _ctx(inp: dict[str, np.ndarray]) -> AttentionContext:
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    return AttentionContext(
+        x_BTD=jnp.asarray(inp["x"]),
+        q_positions_BT=positions,
+        k_positions_BS=positions,
+        mask_BTS=jnp.asarray(inp["mask"]),
+    )
+
+
+def _qk_then_bias(mdl: nn.Module, q, k, v, ctx: AttentionContext) -> jax.Array:
+    """What attention.py does around the bias site: qk, scaled content logits, bias."""
+    q, k, v = mdl.qk(q, k, v, ctx)
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / math.sqrt(q.shape[-1])
+    return mdl.bias(q, k, v, logits, ctx)
+
+
+def _randomise(params: Any, seed: int, scale: float = 0.5) -> Any:
+    """Random values for every parameter (the listing initialises e at zero)."""
+    leaves, tree = jax.tree_util.tree_flatten(nn.unbox(params))
+    rng = np.random.default_rng(seed)
+    new = [jnp.asarray(scale * rng.normal(size=leaf.shape), leaf.dtype) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, new)
+
+
+def _site_setup(
+    position: str, opts: dict[str, Any], inp: dict[str, np.ndarray], dims: Dims = DIMS
+) -> tuple[nn.Module, Any]:
+    scheme = registry.make_scheme(position, opts)
+    scheme.validate(dims)
+    site = scheme.attention_module(dims)
+    ctx = _ctx(inp)
+    args = (jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), ctx)
+    params = site.init(jax.random.key(0), *args, method=_qk_then_bias)
+    return site, _randomise(params, seed=7)
+
+
+def _run(site: nn.Module, params: Any, inp: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
+    ctx = _ctx(inp)
+    args = (jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]), ctx)
+    term, state = site.apply(params, *args, method=_qk_then_bias, mutable=["intermediates"])
+    inter = {
+        "/".join(str(getattr(p, "key", p)) for p in path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.get("intermediates", {}))
+    }
+    return np.asarray(term), inter
+
+
+def _find(inter: dict[str, np.ndarray], name: str) -> np.ndarray:
+    (value,) = [v for key, v in inter.items() if name in key]
+    return value
+
+
+def _np_params(params: Any) -> dict:
+    return jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params.get("params", {}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the reference, every variant
+# ----------------------------------------------------------------------------------------------
+
+VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"gates": "sep_keys"},
+    {"gates": "values"},
+    {"per_head_embeddings": True},
+    {"p_max": 3},
+    {"p_max": 16},
+    {"p_max": None},  # p_max = T = max_len
+    {"p_max": 1},
+    {"scale_position_term": True},
+    {"force_unit_gates": True, "p_max": 4},
+    {"scan_impl": "associative_scan"},
+    {"scan_impl": "cumsum", "gates": "values", "p_max": 2},
+    {"position_term": "alibi"},
+    {"position_term": "alibi", "alibi_slopes": "press"},
+    {"position_term": "alibi", "alibi_slopes": (1.0, 0.5), "gates": "sep_keys"},
+    {"position_term": "mlp", "mlp_hidden": 5},
+    {"position_term": "mlp", "mlp_hidden": 7, "p_max": 3, "scale_position_term": True},
+    {"share_layers": True, "gates": "sep_keys"},
+]
+
+
+@pytest.mark.parametrize("opts", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_variant_matches_the_listing(opts: dict[str, Any]) -> None:
+    inp = _inputs(seed=3)
+    site, params = _site_setup("cope", opts, inp)
+    term, inter = _run(site, params, inp)
+    num_positions = CoPE(**opts).num_positions(DIMS)
+    want, gates, positions = reference_cope(inp, _np_params(params), opts, num_positions)
+    allowed = np.broadcast_to(inp["mask"][:, None], term.shape)
+    assert term.dtype == np.float32 and term.shape == (B, N, T, T)
+    np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_find(inter, "gates_BNTS"), gates, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_find(inter, "positions_BNTS"), positions, rtol=1e-5, atol=1e-5)
+    assert positions.max() <= num_positions - 1
+    if opts.get("p_max") == 3 or opts.get("force_unit_gates"):
+        assert positions.max() == num_positions - 1  # the cap is exercised
+
+
+def test_masked_keys_contribute_exactly_zero_to_gates_and_positions() -> None:
+    inp = _inputs(seed=4)
+    site, params = _site_setup("cope", {}, inp)
+    _, inter = _run(site, params, inp)
+    gates, positions = _find(inter, "gates_BNTS"), _find(inter, "positions_BNTS")
+    masked = ~np.broadcast_to(inp["mask"][:, None], gates.shape)
+    assert np.all(gates[masked] == 0.0)
+    # Positions of future keys are sums over masked gates only: exactly zero.
+    future = np.broadcast_to(~np.tril(np.ones((T, T), bool)), gates.shape)
+    assert np.all(positions[future] == 0.0)
+    # Changing a future key changes nothing at all in the bias of earlier queries.
+    inp2 = dict(inp, k=inp["k"].copy())
+    inp2["k"][:, -1] += 5.0
+    term1, _ = _run(site, params, inp)
+    term2, _ = _run(site, params, inp2)
+    np.testing.assert_array_equal(term1[:, :, :-1], term2[:, :, :-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's identity: all gates 1 is relative PE with embeddings e[i - j + 1]
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p_max", [T + 1, 3])
+def test_unit_gates_equal_relative_pe_with_e_at_i_minus_j_plus_1(p_max: int) -> None:
+    inp = _inputs(seed=5, segments=False)
+    site, params = _site_setup("cope", {"force_unit_gates": True, "p_max": p_max}, inp)
+    term, _ = _run(site, params, inp)
+    e = np.asarray(params["params"]["pos_emb"], np.float64)
+    q = inp["q"].astype(np.float64)
+    for b in range(B):
+        for n in range(N):
+            for i in range(T):
+                for j in range(i + 1):
+                    rel = min(i - j + 1, p_max - 1)  # eq. (1) with the p_max cap
+                    want = q[b, i, n] @ e[rel]
+                    np.testing.assert_allclose(term[b, n, i, j], want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics: extreme logits, float32 positions in bfloat16
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"gates": "sep_keys"},
+        {"gates": "values"},
+        {"position_term": "alibi"},
+        {"position_term": "mlp", "mlp_hidden": 4},
+        {"p_max": 3, "scale_position_term": True},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_finite_values_and_gradients_at_logits_of_1e4(opts: dict[str, Any], sign: float) -> None:
+    inp = _inputs(scale=1.0, seed=6)
+    inp["q"] = np.abs(inp["q"]) * 60.0
+    inp["k"] = sign * np.abs(inp["k"]) * 60.0
+    inp["v"] = sign * np.abs(inp["v"]) * 60.0
+    inp["x"] = inp["x"] * 1e3
+    site, params = _site_setup("cope", opts, inp)
+    ctx = _ctx(inp)
+
+    def loss(params: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / math.sqrt(H)
+        bias = site.apply(params, q, k, v, logits, ctx, method=site.bias)
+        weights = masked_softmax_BNTS(logits + bias, ctx.mask_BTS)
+        return jnp.sum(weights * jnp.arange(T)) + jnp.sum(jnp.where(ctx.mask_BTS[:, None], bias, 0))
+
+    q, k, v = (jnp.asarray(inp[key]) for key in ("q", "k", "v"))
+    logits = np.einsum("btnh,bsnh->bnts", inp["q"], inp["k"]) / math.sqrt(H)
+    assert np.abs(logits).max() > 1e4  # the test really reaches the extreme regime
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(params, q, k, v)
+    assert np.isfinite(float(value))
+    for leaf in jax.tree_util.tree_leaves(grads):
+        assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_positions_accumulate_in_float32_from_bfloat16_gates() -> None:
+    length = 300  # bfloat16 cannot represent 257: a bfloat16 sum would be off
+    gates = jnp.ones((1, 1, 1, length), jnp.bfloat16)
+    positions = cope_positions(gates, p_max=length + 1)
+    assert positions.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(positions)[0, 0, 0], np.arange(length, 0, -1))
+
+
+def _model_intermediates(position: str, **overrides: object) -> tuple[Any, dict, jax.Array]:
+    model = Transformer(tiny_config(position, **overrides))
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    logits, state = model.apply(params, tokens_BT, positions_BT, mutable=["intermediates"])
+    plain = model.apply(params, tokens_BT, positions_BT)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain))  # sow changes nothing
+    inter = {
+        "/".join(str(getattr(p, "key", p)) for p in path): leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.get("intermediates", {}))
+    }
+    return params, inter, logits
+
+
+def test_bfloat16_model_keeps_gates_and_positions_in_float32() -> None:
+    opts = {"force_unit_gates": True, "p_max": 32}
+    _, inter, logits = _model_intermediates("cope", dtype="bfloat16", position_options=opts)
+    assert logits.dtype == jnp.float32
+    positions = [v for key, v in inter.items() if "positions_BNTS" in key]
+    assert len(positions) == 2  # one per layer
+    causal = np.tril(np.ones((8, 8)))
+    rel = (np.arange(8)[:, None] - np.arange(8)[None, :] + 1) * causal
+    for pos in positions:
+        assert pos.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(pos), np.broadcast_to(rel, pos.shape))
+
+
+def test_sowed_intermediates_have_shapes_and_ranges() -> None:
+    _, inter, _ = _model_intermediates("cope", position_options={"p_max": 4})
+    causal = np.tril(np.ones((8, 8), bool))
+    for name in ("gates_BNTS", "positions_BNTS", "position_attention_BNTS"):
+        found = [np.asarray(v) for key, v in inter.items() if name in key]
+        assert len(found) == 2, name
+        for value in found:
+            assert value.shape == (2, 2, 8, 8) and value.dtype == np.float32
+    for gates in (np.asarray(v) for key, v in inter.items() if "gates_BNTS" in key):
+        assert np.all((gates >= 0) & (gates <= 1))
+        assert np.all(gates[..., ~causal] == 0)
+    for pos in (np.asarray(v) for key, v in inter.items() if "positions_BNTS" in key):
+        assert np.all((pos >= 0) & (pos <= 3))
+    for att in (np.asarray(v) for key, v in inter.items() if "position_attention" in key):
+        np.testing.assert_allclose(att.sum(-1), 1.0, rtol=1e-5)
+        assert np.all(att[..., ~causal] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters: per layer vs shared across layers (Table 8), p_max = T
+# ----------------------------------------------------------------------------------------------
+
+
+def _count(params: Any, name: str) -> int:
+    return sum(
+        int(np.prod(leaf.shape))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(params))
+        if name in "/".join(str(getattr(p, "key", p)) for p in path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("opts", "name", "per_layer"),
+    [
+        ({}, "pos_emb", 64 * 16),
+        ({"p_max": None}, "pos_emb", 16 * 16),  # p_max = T = max_len = 16
+        ({"per_head_embeddings": True, "p_max": 16}, "pos_emb", 2 * 16 * 16),
+        ({"position_term": "alibi"}, "alibi_slopes", 2),
+        ({"position_term": "mlp"}, "mlp_w", 64 + 64 * 16),
+        ({"gates": "sep_keys"}, "gate_key", 32 * 2 * 16),
+    ],
+)
+def test_parameter_counts_per_layer_and_shared(
+    opts: dict[str, Any], name: str, per_layer: int
+) -> None:
+    tokens_BT, positions_BT = tokens_and_positions()
+    counts = []
+    for share in (False, True):
+        model = Transformer(tiny_config("cope", position_options=dict(opts, share_layers=share)))
+        params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+        counts.append(_count(params, name))
+        assert model.cfg.scheme().share_across_layers is share
+    assert counts == [2 * per_layer, per_layer]  # tiny_config has 2 layers
+
+
+def test_shared_embeddings_are_one_table_used_by_every_layer() -> None:
+    opts = {"share_layers": True, "p_max": 8}
+    params, inter, _ = _model_intermediates("cope", position_options=opts)
+    assert _count(params, "pos_emb") == 8 * 16
+    assert len([k for k in inter if "gates_BNTS" in k]) == 2  # still applied in both layers
+
+
+def test_fixed_alibi_slopes_have_no_parameters() -> None:
+    tokens_BT, positions_BT = tokens_and_positions()
+    opts = {"position_term": "alibi", "alibi_slopes": "press"}
+    model = Transformer(tiny_config("cope", position_options=opts))
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    assert _count(params, "alibi") == 0 and _count(params, "pos_emb") == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Combinations (Table 5)
+# ----------------------------------------------------------------------------------------------
+
+
+def _rope_half(x: np.ndarray, base: float = 10000.0) -> np.ndarray:
+    """RoFormer rotation, rotate-half layout, positions 0..T-1, float64."""
+    half = x.shape[-1] // 2
+    freq = base ** (-np.arange(0, x.shape[-1], 2) / x.shape[-1])
+    angle = np.arange(x.shape[1])[:, None] * freq  # (T, half)
+    cos, sin = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_cope_plus_rope_gates_use_the_rotated_logits() -> None:
+    inp = _inputs(seed=8)
+    opts = {"p_max": 4}
+    site, params = _site_setup("cope+rope", opts, inp)
+    term, inter = _run(site, params, inp)
+    q_rot, k_rot = (_rope_half(inp[key].astype(np.float64)) for key in ("q", "k"))
+    cope_params = _np_params(params)
+    (cope_params,) = cope_params.values()  # the composite's one parametrised part
+    want, gates, _ = reference_cope(dict(inp, q=q_rot, k=k_rot), cope_params, opts, 4)
+    allowed = np.broadcast_to(inp["mask"][:, None], term.shape)
+    np.testing.assert_allclose(_find(inter, "gates_BNTS"), gates, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-5, atol=1e-5)
+
+
+def test_cope_plus_relative_sums_both_biases() -> None:
+    assert "relative" in registry.names(), "relative (cope+relative, Table 5) is not registered"
+    inp = _inputs(seed=9)
+    combo, combo_params = _site_setup("cope+relative", {"p_max": 5}, inp)
+    term, _ = _run(combo, combo_params, inp)
+    parts = combo_params["params"]
+    cope_part = next(v for v in parts.values() if "pos_emb" in v)
+    relative_part = next(v for v in parts.values() if "pos_emb" not in v)
+    cope_site, _ = _site_setup("cope", {"p_max": 5}, inp)
+    relative_site, _ = _site_setup("relative", {}, inp)
+    cope_term, _ = _run(cope_site, {"params": cope_part}, inp)
+    relative_term, _ = _run(relative_site, {"params": relative_part}, inp)
+    allowed = np.broadcast_to(inp["mask"][:, None], term.shape)
+    np.testing.assert_allclose(
+        term[allowed], (cope_term + relative_term)[allowed], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_option_names_do_not_clash_with_rope() -> None:
+    cope_options = set(registry.option_names(CoPE))
+    assert not cope_options & set(registry.option_names(registry.get("rope")))
+    scheme = registry.make_scheme(
+        "cope+rope", {"p_max": 16, "gates": "values", "base": 500.0, "share_layers": True}
+    )
+    assert scheme.parts[0].p_max == 16 and scheme.parts[1].base == 500.0
+    assert scheme.share_across_layers is False  # rope's part is per layer
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("opts", "message"),
+    [
+        ({"p_max": 0}, "p_max"),
+        ({"p_max": -3}, "p_max"),
+        ({"p_max": 2.5}, "p_max"),
+        ({"gates": "queries"}, "gates"),
+        ({"position_term": "sine"}, "position_term"),
+        ({"mlp_hidden": 0}, "mlp_hidden"),
+        ({"alibi_slopes": (1.0,)}, "alibi_slopes"),
+        ({"alibi_slopes": (1.0, -0.5)}, "alibi_slopes"),
+        ({"alibi_slopes": "geometric"}, "alibi_slopes"),
+        ({"scan_impl": "loop"}, "scan_impl"),
+    ],
+)
+def test_bad_options_raise_value_error_naming_them(opts: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        registry.make_scheme("cope", opts).validate(DIMS)

@@ -1,0 +1,89 @@
+"""Every configs/*.py: get_config for each variant, its command in the docstring, and (for the
+synthetic tasks) a config that the trainer's validation accepts, with every eval split fitting
+the model's max_len."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from copejax.config_base import base_config
+from copejax.data.base import make_task
+from copejax.train import validate
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+SYNTHETIC = ("addition", "counting", "flipflop", "passkey", "selective_copy")
+VARIANTS = ("smoke", "cpu", "paper")
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", CONFIG_DIR / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flatten(config: object, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in config.items():
+        if hasattr(value, "items") and key not in ("options", "position_options"):
+            keys |= flatten(value, f"{prefix}{key}.")
+        else:
+            keys.add(prefix + key)
+    return keys
+
+
+def test_every_synthetic_task_has_a_config() -> None:
+    assert set(SYNTHETIC) <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_docstring_holds_the_command(name: str) -> None:
+    doc = load(name).__doc__ or ""
+    assert f"python -m copejax.main --config=configs/{name}.py:smoke" in doc
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, None])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_get_config_variants(name: str, variant: str | None) -> None:
+    config = load(name).get_config(variant)
+    assert flatten(config) == flatten(base_config())  # the schema's keys, no more, no fewer
+    assert config.train.steps > 0 and config.train.batch_size > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_configs_validate(name: str, variant: str) -> None:
+    config = load(name).get_config(variant)
+    assert config.task.name == name
+    plan = validate(config, device_count=1)
+    task = make_task(name, config.task.options.to_dict())
+    max_len = plan.model_config.max_len
+    for split in plan.eval_splits:
+        length = task.split_len(split) if hasattr(task, "split_len") else task.seq_len
+        assert length <= max_len, (split, length, max_len)
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_smoke_is_smaller_than_cpu_is_smaller_than_paper(name: str) -> None:
+    module = load(name)
+    tasks = [make_task(name, module.get_config(v).task.options.to_dict()) for v in VARIANTS]
+    steps = [module.get_config(v).train.steps for v in VARIANTS]
+    assert tasks[0].seq_len <= tasks[1].seq_len <= tasks[2].seq_len
+    assert steps[0] < steps[1] < steps[2]
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_shortcuts_and_bad_arguments(name: str) -> None:
+    module = load(name)
+    config = module.get_config("smoke,position=cope,seed=3")
+    assert config.model.position == "cope" and config.seed == 3
+    with pytest.raises(ValueError, match="nonsense"):
+        module.get_config("smoke,nonsense=1")
+    with pytest.raises(ValueError, match="at most one"):
+        module.get_config("smoke,paper")

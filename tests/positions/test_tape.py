@@ -1,0 +1,408 @@
+"""TAPE (arXiv 2501.00712) against NumPy loops written from eq. 6, 7, 8, and its identities:
+RoPE at initialisation, O(R) invariance / equivariance (eq. 4, 5), permutation equivariance,
+the Table 6 ablations and the section 3.3 retrofit."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from copejax.model import Block, Transformer
+from copejax.positions.base import AttentionContext, Dims
+from copejax.positions.rope import apply_rope, rope_inv_freq
+from copejax.positions.tape import (
+    Tape,
+    TapeCarry,
+    rope_tape_embeddings,
+    tape_mix,
+    tape_qk,
+    tape_update,
+)
+from copejax.positions.tape_retrofit import (
+    retrofit_rope_params,
+    tape_config_from_rope,
+    tape_param_mask,
+)
+from tests.conftest import tiny_config, tokens_and_positions
+
+DIMS = Dims(d_model=8, num_heads=2, head_dim=4, num_layers=1, max_len=8)
+
+
+def _block_features(head_dim: int, size: int, layout: str) -> list[list[int]]:
+    """Feature indices of each block of a head, written out from the layout's definition."""
+    per_head = head_dim // size
+    if layout == "half":
+        return [[k + row * per_head for row in range(size)] for k in range(per_head)]
+    return [[k * size + row for row in range(size)] for k in range(per_head)]
+
+
+def _flat(params: dict) -> dict:
+    return traverse_util.flatten_dict(nn.meta.unbox(params), sep="/")
+
+
+def _unflat(flat: dict) -> dict:
+    return traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:  # flax's default (tanh) GELU
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+# ----------------------------------------------------------------------------- eq. 6
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_tensorial_logits_match_eq6_loops(rng: np.random.Generator, layout: str) -> None:
+    b, t, n, h, size, coords = 2, 4, 2, 6, 2, 3
+    q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    k = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    e = rng.normal(size=(b, t, n * h // size, size, coords)).astype(np.float32)
+    q2 = np.asarray(tape_qk(jnp.asarray(q), jnp.asarray(e), layout, True))
+    k2 = np.asarray(tape_qk(jnp.asarray(k), jnp.asarray(e), layout, True))
+    got = np.einsum("btnh,bsnh->bnts", q2, k2)
+    blocks = _block_features(h, size, layout)
+    want = np.zeros((b, n, t, t), np.float64)
+    for bb in range(b):
+        for hd in range(n):
+            for i in range(t):
+                for j in range(t):
+                    for kk, feats in enumerate(blocks):
+                        m = hd * len(blocks) + kk
+                        gram = e[bb, i, m] @ e[bb, j, m].T  # L x L, contracts over R
+                        want[bb, hd, i, j] += q[bb, i, hd, feats] @ gram @ k[bb, j, hd, feats]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vector_logits_match_phi_scalar_times_identity(rng: np.random.Generator) -> None:
+    b, t, n, h, size, coords = 1, 4, 2, 4, 2, 4
+    q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    k = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    e = rng.normal(size=(b, t, n * h // size, 1, coords)).astype(np.float32)
+    q2 = np.asarray(tape_qk(jnp.asarray(q), jnp.asarray(e), "half", False))
+    k2 = np.asarray(tape_qk(jnp.asarray(k), jnp.asarray(e), "half", False))
+    got = np.einsum("btnh,bsnh->bnts", q2, k2)
+    blocks = _block_features(h, size, "half")
+    want = np.zeros((b, n, t, t))
+    for hd in range(n):
+        for i in range(t):
+            for j in range(t):
+                for kk, feats in enumerate(blocks):
+                    m = hd * len(blocks) + kk
+                    content = q[0, i, hd, feats] @ k[0, j, hd, feats]
+                    want[0, hd, i, j] += content * (e[0, i, m, 0] @ e[0, j, m, 0])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_initialisation_rotates_like_rope(rng: np.random.Generator, layout: str) -> None:
+    b, t, n, h = 2, 5, 2, 8
+    x = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 50, (b, t)), jnp.int32)
+    e = rope_tape_embeddings(positions, n, h, 10000.0)
+    want = apply_rope(x, positions, rope_inv_freq(h, 10000.0), layout)
+    np.testing.assert_allclose(np.asarray(tape_qk(x, e, layout, True)), want, atol=1e-6)
+
+
+def test_vector_rope_initialisation_gives_cosine_of_distance(rng: np.random.Generator) -> None:
+    positions = jnp.asarray([[0, 3, 7, 20]], jnp.int32)
+    e = np.asarray(rope_tape_embeddings(positions, 1, 4, 100.0, tensorial=False))
+    theta = 100.0 ** (-np.arange(0, 4, 2) / 4)
+    for i in range(4):
+        for j in range(4):
+            for m in range(2):
+                dist = int(positions[0, i] - positions[0, j])
+                want = math.cos(theta[m] * dist)
+                assert abs(e[0, i, m, 0] @ e[0, j, m, 0] - want) < 1e-5
+
+
+# ----------------------------------------------------------------------------- eq. 7, 8
+
+
+def test_mixing_matches_eq7_loops(rng: np.random.Generator) -> None:
+    b, t, n, per_head, size, coords = 2, 5, 2, 3, 2, 4
+    e = rng.normal(size=(b, t, n * per_head, size, coords)).astype(np.float32)
+    logits = rng.normal(size=(b, n, t, t))
+    logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
+    got = np.asarray(tape_mix(jnp.asarray(e), jnp.asarray(w)))
+    want = np.zeros_like(e, dtype=np.float64)
+    for bb in range(b):
+        for j in range(t):
+            for m in range(n * per_head):
+                for i in range(t):
+                    want[bb, j, m] += w[bb, m // per_head, j, i] * e[bb, i, m]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("equivariant", [True, False])
+def test_update_matches_eq8_loops(rng: np.random.Generator, equivariant: bool) -> None:
+    b, t, blocks, size, coords, hidden = 2, 3, 4, 2, 3, 5
+    e = rng.normal(size=(b, t, blocks, size, coords)).astype(np.float32)
+    gates = rng.normal(size=(b, t, blocks, hidden)).astype(np.float32)
+    width = size if equivariant else size * coords
+    w1 = rng.normal(size=(hidden, width)).astype(np.float32)
+    w2 = rng.normal(size=(width, hidden)).astype(np.float32)
+    got = np.asarray(tape_update(*map(jnp.asarray, (e, gates, w1, w2)), equivariant))
+    want = np.zeros_like(e, dtype=np.float64)
+    for bb in range(b):
+        for j in range(t):
+            for m in range(blocks):
+                middle = w2 @ np.diag(gates[bb, j, m]) @ w1
+                if equivariant:
+                    want[bb, j, m] = middle @ e[bb, j, m]
+                else:
+                    want[bb, j, m] = (middle @ e[bb, j, m].reshape(-1)).reshape(size, coords)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _site_and_params(scheme: Tape, carry: TapeCarry, attn_out: jax.Array, seed: int = 0):
+    site = scheme.attention_module(DIMS)
+    params = nn.meta.unbox(
+        site.init(jax.random.key(seed), carry, attn_out, attn_out, method=site.carry_after_mlp)
+    )
+    # Random W2 so that the update is not identically zero.
+    w2 = params["params"]["w2"]
+    params["params"]["w2"] = jax.random.normal(jax.random.key(seed + 1), w2.shape)
+    return site, params
+
+
+def _random_carry(rng: np.random.Generator, scheme: Tape, t: int = 4) -> TapeCarry:
+    m = DIMS.num_heads * DIMS.head_dim // scheme.block
+    e = jnp.asarray(rng.normal(size=(2, t, m, scheme.rows, scheme.cols)), jnp.float32)
+    mixed = jnp.asarray(rng.normal(size=e.shape), jnp.float32)
+    return TapeCarry(e_BTMLR=e, mixed_BTMLR=mixed)
+
+
+def test_site_update_matches_eq8_with_psi_on_attention_output_blocks(
+    rng: np.random.Generator,
+) -> None:
+    scheme = Tape(init="random", coords=3, hidden=6)
+    carry = _random_carry(rng, scheme)
+    attn_out = jnp.asarray(rng.normal(size=(2, 4, DIMS.d_model)), jnp.float32)
+    site, params = _site_and_params(scheme, carry, attn_out)
+    got = np.asarray(
+        site.apply(params, carry, attn_out, attn_out, method=site.carry_after_mlp).e_BTMLR
+    )
+    p = {k: np.asarray(v) for k, v in _flat(params["params"]).items()}
+    e, mixed, x = map(np.asarray, (carry.e_BTMLR, carry.mixed_BTMLR, attn_out))
+    blocks = _block_features(DIMS.head_dim, scheme.block, "half")
+    want = e.astype(np.float64).copy()
+    for bb in range(2):
+        for j in range(4):
+            for hd in range(DIMS.num_heads):
+                for kk, feats in enumerate(blocks):
+                    m = hd * len(blocks) + kk
+                    x_block = x[bb, j, hd * DIMS.head_dim + np.asarray(feats)]
+                    hid = _gelu(x_block @ p["psi_in/kernel"] + p["psi_in/bias"])
+                    psi = hid @ p["psi_out/kernel"] + p["psi_out/bias"]
+                    want[bb, j, m] += p["w2"] @ np.diag(psi) @ p["w1"] @ mixed[bb, j, m]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- ablations
+
+
+def test_contextualize_switches_pick_the_update_sources(rng: np.random.Generator) -> None:
+    attn_out = jnp.asarray(rng.normal(size=(2, 4, DIMS.d_model)), jnp.float32)
+    other_out = jnp.asarray(rng.normal(size=attn_out.shape), jnp.float32)
+    weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 2, 4, 4)), jnp.float32), -1)
+    ctx = AttentionContext(attn_out, None, None, None)
+    results = {}
+    for mode in ("both", "attention", "mlp"):
+        scheme = Tape(contextualize=mode)
+        carry = TapeCarry(_random_carry(rng, scheme).e_BTMLR)
+        site, params = _site_and_params(scheme, _random_carry(rng, scheme), attn_out)
+        after = site.apply(params, carry, weights, ctx, method=site.carry_after_attention)
+        out = [
+            site.apply(params, after, a, a, method=site.carry_after_mlp).e_BTMLR
+            for a in (attn_out, other_out)
+        ]
+        results[mode] = (carry, after, out, params)
+    carry, after, (out, out_other), params = results["attention"]
+    assert "psi_in" not in params["params"]  # no psi: token features do not enter
+    np.testing.assert_array_equal(out, out_other)
+    w = params["params"]
+    want = carry.e_BTMLR + tape_update(tape_mix(carry.e_BTMLR, weights), None, w["w1"], w["w2"])
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    carry, after, (out, out_other), params = results["mlp"]
+    assert after.mixed_BTMLR is None  # no attention mixing
+    assert not np.allclose(out, out_other)
+    assert not np.allclose(out, carry.e_BTMLR)
+    carry, after, (out, out_other), params = results["both"]
+    np.testing.assert_allclose(after.mixed_BTMLR, tape_mix(carry.e_BTMLR, weights), atol=1e-6)
+    assert not np.allclose(out, out_other)
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def _copy_shared(src: dict, dst: dict) -> dict:
+    flat_src, flat_dst = _flat(src), _flat(dst)
+    for key, value in flat_src.items():
+        assert flat_dst[key].shape == value.shape, key
+        flat_dst[key] = value
+    return _unflat(flat_dst)
+
+
+@pytest.mark.parametrize(
+    ("layout", "block"), [("half", "llama"), ("interleaved", "llama"), ("half", "gpt2")]
+)
+def test_tape_at_init_equals_rope_model(layout: str, block: str) -> None:
+    tokens, _ = tokens_and_positions()
+    positions = jnp.asarray(np.random.default_rng(3).integers(0, 40, tokens.shape), jnp.int32)
+    rope = Transformer(tiny_config("rope", block=block, position_options={"layout": layout}))
+    tape = Transformer(tiny_config("tape", block=block, position_options={"layout": layout}))
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_params = _copy_shared(rope_params, tape.init(jax.random.key(1), tokens, positions))
+    want = np.asarray(jax.jit(rope.apply)(rope_params, tokens, positions))
+    got = np.asarray(jax.jit(tape.apply)(tape_params, tokens, positions))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The identity is W2 = 0's doing: a non-zero W2 (and psi gates away from psi(0) = 0, as
+    # the tiny initial attention outputs give) moves the positions and the logits.
+    flat = _flat(tape_params)
+    for key in [k for k in flat if k.endswith(("own_site/w2", "psi_out/bias"))]:
+        flat[key] = jax.random.normal(jax.random.key(2), flat[key].shape)
+    moved = np.asarray(jax.jit(tape.apply)(_unflat(flat), tokens, positions))
+    assert np.abs(moved - want).max() > 1e-3
+
+
+def _random_orthogonal(rng: np.random.Generator, size: int) -> np.ndarray:
+    q, r = np.linalg.qr(rng.normal(size=(size, size)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def _block_setup(rng: np.random.Generator, **options: object):
+    cfg = tiny_config("tape", position_options=dict(init="random", coords=4, **options))
+    scheme = cfg.scheme()
+    b, t = 2, 6
+    x = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
+    m = scheme.num_blocks(cfg.dims)
+    e = jnp.asarray(rng.normal(size=(b, t, m, scheme.rows, scheme.cols)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    ctx = AttentionContext(x, positions, positions, jnp.ones((b, t, t), bool), TapeCarry(e))
+    block = Block(cfg)
+    params = nn.meta.unbox(block.init(jax.random.key(0), x, ctx))
+    site = params["params"]["attention"]["own_site"]
+    # Non-zero W2 and psi gates of order one, so that the position update is not ~0.
+    site["w2"] = jax.random.normal(jax.random.key(1), site["w2"].shape)
+    site["psi_out"]["bias"] = jax.random.normal(jax.random.key(2), site["psi_out"]["bias"].shape)
+    return block, params, x, e, ctx
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_is_orthogonally_invariant_and_equivariant(
+    rng: np.random.Generator, causal: bool
+) -> None:
+    block, params, x, e, ctx = _block_setup(rng)
+    if causal:
+        ctx = ctx.replace(mask_BTS=jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool)), (2, 6, 6)))
+    rot = jnp.asarray(_random_orthogonal(rng, 4))
+    x_out, carry = block.apply(params, x, ctx)
+    x_rot, carry_rot = block.apply(params, x, ctx.replace(carry=TapeCarry(e @ rot)))
+    np.testing.assert_allclose(x_rot, x_out, rtol=1e-5, atol=1e-5)  # eq. 4
+    np.testing.assert_allclose(carry_rot.e_BTMLR, carry.e_BTMLR @ rot, atol=1e-4)  # eq. 5
+    assert np.abs(carry.e_BTMLR - e).max() > 1e-2  # the update is not trivially zero
+
+
+def test_without_rotation_equivariance_the_update_is_not_equivariant(
+    rng: np.random.Generator,
+) -> None:
+    block, params, x, e, ctx = _block_setup(rng, equivariant=False)
+    rot = jnp.asarray(_random_orthogonal(rng, 4))
+    x_out, carry = block.apply(params, x, ctx)
+    x_rot, carry_rot = block.apply(params, x, ctx.replace(carry=TapeCarry(e @ rot)))
+    np.testing.assert_allclose(x_rot, x_out, rtol=1e-5, atol=1e-5)  # logits still invariant
+    assert np.abs(carry_rot.e_BTMLR - carry.e_BTMLR @ rot).max() > 1e-2
+
+
+def test_block_is_permutation_equivariant_without_causal_mask(rng: np.random.Generator) -> None:
+    block, params, x, e, ctx = _block_setup(rng)
+    perm = rng.permutation(x.shape[1])
+    x_out, carry = block.apply(params, x, ctx)
+    ctx_p = ctx.replace(x_BTD=x[:, perm], carry=TapeCarry(e[:, perm]))
+    x_p, carry_p = block.apply(params, x[:, perm], ctx_p)
+    np.testing.assert_allclose(x_p, x_out[:, perm], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(carry_p.e_BTMLR, carry.e_BTMLR[:, perm], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block": 3}, "not divisible by block=3"),
+        ({"init": "rope", "coords": 4}, "init='rope' needs block=2 and coords=2"),
+        ({"init": "sinusoid"}, "init must be one of"),
+        ({"contextualize": "neither"}, "contextualize must be one of"),
+        ({"hidden": 0}, "hidden must be a positive integer"),
+    ],
+)
+def test_bad_options_raise(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config("tape", position_options=options)
+
+
+def test_psi_needs_heads_to_tile_the_model_width() -> None:
+    with pytest.raises(ValueError, match="must equal num_heads"):
+        tiny_config("tape", head_dim=8)
+    tiny_config("tape", head_dim=8, position_options={"contextualize": "attention"})
+
+
+# ----------------------------------------------------------------------------- retrofit
+
+
+def test_retrofit_is_identical_and_the_mask_trains_only_tape() -> None:
+    rope_cfg = tiny_config("rope", position_options={"layout": "interleaved"})
+    tokens, positions = tokens_and_positions()
+    rope = Transformer(rope_cfg)
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_cfg = tape_config_from_rope(rope_cfg, hidden=8)
+    assert tape_cfg.scheme().layout == "interleaved"
+    tape = Transformer(tape_cfg)
+    tape_params = retrofit_rope_params(rope_params, tape_cfg, jax.random.key(1))
+    np.testing.assert_allclose(
+        tape.apply(tape_params, tokens, positions),
+        rope.apply(rope_params, tokens, positions),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    mask = tape_param_mask(tape_params)
+    flat_mask = _flat(mask)
+    new_keys = set(_flat(tape_params)) - set(_flat(rope_params))
+    assert new_keys and {k for k, v in flat_mask.items() if v} == new_keys
+
+    def loss(p: dict) -> jax.Array:
+        return jnp.mean(jax.nn.logsumexp(tape.apply(p, tokens, positions), -1))
+
+    params = nn.meta.unbox(tape_params)
+    mask = nn.meta.unbox(mask)
+    frozen = jax.tree_util.tree_map(lambda m: not m, mask)
+    tx = optax.chain(optax.masked(optax.sgd(0.1), mask), optax.masked(optax.set_to_zero(), frozen))
+    updates, _ = tx.update(jax.jit(jax.grad(loss))(params), tx.init(params), params)
+    new = _flat(optax.apply_updates(params, updates))
+    old = _flat(params)
+    for key in set(old) - new_keys:
+        np.testing.assert_array_equal(new[key], old[key], err_msg=key)
+    # At W2 = 0 only W2 has a gradient (psi and W1 feed into it), and only in the layers
+    # whose output positions are read by a later layer.
+    assert not np.array_equal(
+        new["params/block_0/attention/own_site/w2"], old["params/block_0/attention/own_site/w2"]
+    )
+
+
+def test_retrofit_rejects_non_rope_configs() -> None:
+    with pytest.raises(ValueError, match="position='rope'"):
+        tape_config_from_rope(tiny_config("nope"))
+    with pytest.raises(ValueError, match=r"fraction=1\.0"):
+        tape_config_from_rope(tiny_config("rope", position_options={"fraction": 0.5}))
+    with pytest.raises(ValueError, match="fixes the TAPE option 'coords'"):
+        tape_config_from_rope(tiny_config("rope"), coords=4)

@@ -150,7 +150,9 @@ def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
 )
 def test_layer_matches_numpy_reference(options: dict) -> None:
     attention, variables, flat, x_BTD = _layer(options)
-    y_BTD, _ = attention.apply(variables, jnp.asarray(x_BTD), _ctx(jnp.asarray(x_BTD), SEGMENTS_BT))
+    y_BTD, _ = jax.jit(attention.apply)(
+        variables, jnp.asarray(x_BTD), _ctx(jnp.asarray(x_BTD), SEGMENTS_BT)
+    )
     expected = _ref_attention(flat, x_BTD, SEGMENTS_BT, options)
     np.testing.assert_allclose(np.asarray(y_BTD), expected, rtol=1e-4, atol=1e-5)
 
@@ -183,9 +185,8 @@ def test_segment_cumsum_restarts_exactly() -> None:
     got = scan.segment_cumsum(jnp.asarray(x_BT), jnp.asarray(starts_BT), axis=1)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-4)
     # Nothing before a start reaches the sums after it, not even through the gradient.
-    grad = jax.grad(lambda x: scan.segment_cumsum(x, jnp.asarray(starts_BT), axis=1)[0, 5])(
-        jnp.asarray(x_BT)
-    )
+    sum_at_5 = lambda x: scan.segment_cumsum(x, jnp.asarray(starts_BT), axis=1)[0, 5]
+    grad = jax.jit(jax.grad(sum_at_5))(jnp.asarray(x_BT))
     assert np.all(np.asarray(grad)[0, :3] == 0) and np.all(np.asarray(grad)[0, 3:6] == 1)
 
 
@@ -211,7 +212,7 @@ def test_unit_forget_gate_equals_plain_softmax_model() -> None:
 
 def test_segments_do_not_leak_values_or_gradients() -> None:
     options = dict.fromkeys(PRO, True)
-    model = Transformer(tiny_config("fox", position_options=options))
+    model = Transformer(tiny_config("fox", position_options=options, num_layers=1))
     tokens_BT, _ = tokens_and_positions(batch=1)
     segments_BT = jnp.asarray(SEGMENTS_BT[:1])
     positions_BT = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4]])
@@ -224,12 +225,13 @@ def test_segments_do_not_leak_values_or_gradients() -> None:
         )
         return logits_BTV[0, 3:].sum()
 
-    grad_BTD = np.asarray(jax.grad(second_segment)(emb.x_BTD))
+    grad_BTD = np.asarray(jax.jit(jax.grad(second_segment))(emb.x_BTD))
     assert np.all(grad_BTD[0, :3] == 0.0), "second segment depends on the first"
     assert np.any(grad_BTD[0, 3:] != 0.0)
     other_tokens_BT = tokens_BT.at[0, :3].set((tokens_BT[0, :3] + 5) % 13)
-    a = model.apply(params, tokens_BT, positions_BT, segments_BT)
-    b = model.apply(params, other_tokens_BT, positions_BT, segments_BT)
+    apply = jax.jit(model.apply)
+    a = apply(params, tokens_BT, positions_BT, segments_BT)
+    b = apply(params, other_tokens_BT, positions_BT, segments_BT)
     np.testing.assert_array_equal(np.asarray(a[0, 3:]), np.asarray(b[0, 3:]))
 
 
@@ -246,7 +248,7 @@ def test_extreme_logits_and_gates_give_finite_values_and_gradients() -> None:
         )
         return jnp.sum(weights_BNTS * jnp.arange(8.0))
 
-    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(logits_BNTS, gate_z_BTN)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(logits_BNTS, gate_z_BTN)
     assert np.isfinite(float(value))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
@@ -267,7 +269,7 @@ def test_extreme_scale_model_is_finite() -> None:
     def loss(p: dict) -> jax.Array:
         return jnp.sum(model.apply(p, tokens_BT, positions_BT, jnp.asarray(SEGMENTS_BT)))
 
-    value, grads = jax.value_and_grad(loss)(big)
+    value, grads = jax.jit(jax.value_and_grad(loss))(big)
     assert np.isfinite(float(value))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree_util.tree_leaves(grads))
 

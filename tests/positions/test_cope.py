@@ -316,7 +316,7 @@ def test_finite_values_and_gradients_at_logits_of_1e4(opts: dict[str, Any], sign
     q, k, v = (jnp.asarray(inp[key]) for key in ("q", "k", "v"))
     logits = np.einsum("btnh,bsnh->bnts", inp["q"], inp["k"]) / math.sqrt(H)
     assert np.abs(logits).max() > 1e4  # the test really reaches the extreme regime
-    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(params, q, k, v)
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v)
     assert np.isfinite(float(value))
     for leaf in jax.tree_util.tree_leaves(grads):
         assert np.all(np.isfinite(np.asarray(leaf)))

@@ -1,8 +1,8 @@
 """A finished (or running) training run read back from its workdir: config, task, parameters.
 
 Used by the tools that look at a trained model (``copejax.extrapolate``, ``copejax.sample``,
-``copejax.plots.maps``). Parameters are restored with ``copejax.checkpoint.Checkpointer`` into
-the state shapes the run's own config builds, on this machine's devices.
+``copejax.plots.maps``). The parameters of a checkpoint written by
+``copejax.checkpoint.Checkpointer`` are read back as saved, onto this machine's default device.
 """
 
 from __future__ import annotations
@@ -12,16 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
+import orbax.checkpoint as ocp
 
-from copejax import sharding, train, workdir
+from copejax import train, workdir
 from copejax.checkpoint import Checkpointer
 from copejax.data.base import Task
-from copejax.model import Transformer
 from copejax.model_config import ModelConfig
-from copejax.train_step import make_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +67,12 @@ def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
         if chosen is None or chosen not in steps:
             raise ValueError(f"no checkpoint {step if step is not None else ''} in {ckpt.directory}"
                              f" (saved steps: {sorted(steps)})")  # fmt: skip
-        rules = sharding.rules_tuple(config.axis_rules)
-        mesh = sharding.make_mesh(*plan.mesh_shape)
-        model = Transformer(plan.model_config)
-        with nn.logical_axis_rules(rules):
-            built = make_steps(
-                model, config.train, config.seed, (plan.mesh_shape[0], plan.task.seq_len), mesh,
-                rules,
-            )  # fmt: skip
-            state = ckpt.restore(chosen, built.abstract_state, None)
+        # Only the parameters are needed: restoring the saved tree as it is (no target built
+        # from the current optimizer) keeps old runs readable when the optimizer state changes.
+        restored = ckpt.manager.restore(
+            chosen, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+        )
     finally:
         ckpt.close()
-    params = jax.device_get(state.params)
+    params = jax.device_get(restored["state"]["params"])
     return TrainedRun(root, config, plan.task, plan.model_config, params, int(chosen))

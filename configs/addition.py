@@ -63,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.task.options.update(max_digits=5, extra_digits=3, samples_per_pair=8)
         c.model.update(d_model=128, num_heads=4, num_layers=3)
         c.train.update(
-            steps=2000, batch_size=64, learning_rate=1e-3, warmup_steps=100, log_every=50,
+            steps=1200, batch_size=64, learning_rate=1e-3, warmup_steps=100, log_every=50,
             eval_every=500, checkpoint_every=500,
         )  # fmt: skip
         c.eval.update(batch_size=64, max_examples=0)

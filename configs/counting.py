@@ -72,7 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     elif variant == "cpu":
         c.task.options.update(max_ops=32, max_len=96)
         c.train.update(
-            steps=1500, batch_size=32, learning_rate=3e-3, warmup_steps=100, log_every=50,
+            steps=1000, batch_size=32, learning_rate=3e-3, warmup_steps=100, log_every=50,
             eval_every=500, checkpoint_every=500,
         )  # fmt: skip
         c.eval.update(batch_size=64, max_examples=512)

@@ -15,14 +15,6 @@ from pathlib import Path
 
 from absl import app, flags
 
-_WORKDIRS = flags.DEFINE_multi_string("workdir", None, "Workdir(s) of lm training runs.")
-_OUT = flags.DEFINE_string("out", None, "Path prefix of the comparison (.json and .png).")
-_BATCH = flags.DEFINE_integer("batch_size", 8, "Rows per batch at the training length.")
-_MAX = flags.DEFINE_integer("max_examples", 0, "Rows per split (0 = all).")
-_WIDTH = flags.DEFINE_integer("bucket_width", 64, "Width of the position buckets.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
-flags.mark_flags_as_required(["workdir"])
-
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
@@ -32,13 +24,13 @@ def main(argv: list[str]) -> None:
     from copejax.trained_run import load_run
 
     runs, train_length = {}, 0
-    for path in _WORKDIRS.value:
-        run = load_run(path, _STEP.value)
+    for path in flags.FLAGS.workdir:
+        run = load_run(path, flags.FLAGS.step)
         if not isinstance(run.task, LanguageModel):
             raise app.UsageError(f"{path} trained task {run.task.name!r}, not 'lm'")
         results = lm_eval.evaluate_lengths(
-            run.model_config, run.params, run.task, batch_size=_BATCH.value,
-            max_examples=_MAX.value, bucket_width=_WIDTH.value,
+            run.model_config, run.params, run.task, batch_size=flags.FLAGS.batch_size,
+            max_examples=flags.FLAGS.max_examples, bucket_width=flags.FLAGS.bucket_width,
         )  # fmt: skip
         record = {"workdir": str(path), "step": run.step, "position": run.label, "splits": results}
         (Path(path) / "extrapolation.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -51,12 +43,25 @@ def main(argv: list[str]) -> None:
         for split, r in results.items():
             shown = f"ppl {r['perplexity']:.3f}" if "error" not in r else r["error"]
             print(f"{label} {split} (length {r['length']}): {shown}", flush=True)
-    if _OUT.value:
-        out = Path(_OUT.value)
+    if flags.FLAGS.out:
+        out = Path(flags.FLAGS.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(runs, indent=2) + "\n")
         lm_eval.plot_extrapolation(runs, train_length, str(out.with_suffix(".png")))
 
 
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so that importing this
+    module next to other tools defines no clashing flags)."""
+    flags.DEFINE_multi_string("workdir", None, "Workdir(s) of lm training runs.")
+    flags.DEFINE_string("out", None, "Path prefix of the comparison (.json and .png).")
+    flags.DEFINE_integer("batch_size", 8, "Rows per batch at the training length.")
+    flags.DEFINE_integer("max_examples", 0, "Rows per split (0 = all).")
+    flags.DEFINE_integer("bucket_width", 64, "Width of the position buckets.")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+    flags.mark_flags_as_required(["workdir"])
+
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -22,14 +22,6 @@ from copejax.data import _tokenizers as tok
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of an lm training run.")
-_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
-_NEW = flags.DEFINE_integer("max_new_tokens", 300, "Tokens to generate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-_CONTEXT = flags.DEFINE_integer("context", 0, "Context length (0 = the training length).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
-
 
 def generate(
     model_config: ModelConfig,
@@ -81,21 +73,36 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from copejax.trained_run import load_run
 
-    run = load_run(_WORKDIR.value, _STEP.value)
+    run = load_run(flags.FLAGS.workdir, flags.FLAGS.step)
     tokenizer = run.task.text_tokenizer()
-    prompt_ids = np.concatenate([[tok.BOS_ID], tokenizer.encode(_PROMPT.value)]).astype(np.int32)
+    prompt_ids = np.concatenate([[tok.BOS_ID], tokenizer.encode(flags.FLAGS.prompt)]).astype(
+        np.int32
+    )
     new = generate(
         run.model_config,
         run.params,
         prompt_ids,
-        max_new_tokens=_NEW.value,
-        temperature=_TEMPERATURE.value,
-        seed=_SEED.value,
-        context=_CONTEXT.value or run.task.seq_len,
+        max_new_tokens=flags.FLAGS.max_new_tokens,
+        temperature=flags.FLAGS.temperature,
+        seed=flags.FLAGS.seed,
+        context=flags.FLAGS.context or run.task.seq_len,
     )
-    print(_PROMPT.value + tokenizer.decode(new), flush=True)
+    print(flags.FLAGS.prompt + tokenizer.decode(new), flush=True)
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so that importing this
+    module next to other tools defines no clashing flags)."""
+    flags.DEFINE_string("workdir", None, "Workdir of an lm training run.")
+    flags.DEFINE_string("prompt", "", "Text to continue.")
+    flags.DEFINE_integer("max_new_tokens", 300, "Tokens to generate.")
+    flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_integer("context", 0, "Context length (0 = the training length).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+    flags.mark_flags_as_required(["workdir"])
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["workdir"])
+    define_flags()
     app.run(main)

@@ -70,25 +70,29 @@ def plot_curves(
     plt.close(fig)
 
 
-_WORKDIRS = flags.DEFINE_multi_string("workdir", None, "Workdirs holding metrics.jsonl.")
-_METRICS = flags.DEFINE_multi_string("metric", ["eval/valid/loss"], "Metric key(s) to plot.")
-_OUT = flags.DEFINE_string("out", "curves.png", "PNG file to write.")
-_LOG_Y = flags.DEFINE_bool("log_y", False, "Logarithmic y axis.")
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     runs = {}
-    for workdir in _WORKDIRS.value:
+    for workdir in flags.FLAGS.workdir:
         label = run_label(workdir)
         runs[label if label not in runs else f"{label} ({workdir})"] = read_jsonl(
             Path(workdir) / "metrics.jsonl"
         )
-    plot_curves(runs, _METRICS.value, _OUT.value, _LOG_Y.value)
-    print(f"wrote {_OUT.value}", flush=True)
+    plot_curves(runs, flags.FLAGS.metric, flags.FLAGS.out, flags.FLAGS.log_y)
+    print(f"wrote {flags.FLAGS.out}", flush=True)
+
+
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so that importing this
+    module next to other tools defines no clashing flags)."""
+    flags.DEFINE_multi_string("workdir", None, "Workdirs holding metrics.jsonl.")
+    flags.DEFINE_multi_string("metric", ["eval/valid/loss"], "Metric key(s) to plot.")
+    flags.DEFINE_string("out", "curves.png", "PNG file to write.")
+    flags.DEFINE_bool("log_y", False, "Logarithmic y axis.")
+    flags.mark_flags_as_required(["workdir"])
 
 
 if __name__ == "__main__":
-    flags.mark_flags_as_required(["workdir"])
+    define_flags()
     app.run(main)

@@ -138,34 +138,40 @@ def render(
     draw_maps(panels, labels, path, panel_inches, dpi)
 
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Workdir of a training run.")
-_TEXT = flags.DEFINE_string("text", None, "Text to run the model on (lm task).")
-_LAYER = flags.DEFINE_integer("layer", 0, "Layer.")
-_HEAD = flags.DEFINE_integer("head", 0, "Head.")
-_KINDS = flags.DEFINE_list("kinds", ["attention"], f"Maps, among {sorted(KINDS)}.")
-_OUT = flags.DEFINE_string("out", None, "PNG path (default <workdir>/maps_l<L>_h<H>.png).")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from copejax.data import _tokenizers as tok
     from copejax.trained_run import load_run
 
-    run = load_run(_WORKDIR.value, _STEP.value)
+    run = load_run(flags.FLAGS.workdir, flags.FLAGS.step)
     if not hasattr(run.task, "text_tokenizer"):
-        raise app.UsageError(f"{_WORKDIR.value} trained task {run.task.name!r}, not 'lm'")
+        raise app.UsageError(f"{flags.FLAGS.workdir} trained task {run.task.name!r}, not 'lm'")
     tokenizer = run.task.text_tokenizer()
-    tokens_T = np.concatenate([[tok.BOS_ID], tokenizer.encode(_TEXT.value)]).astype(np.int32)
-    out = _OUT.value or os.path.join(_WORKDIR.value, f"maps_l{_LAYER.value}_h{_HEAD.value}.png")
+    tokens_T = np.concatenate([[tok.BOS_ID], tokenizer.encode(flags.FLAGS.text)]).astype(np.int32)
+    out = flags.FLAGS.out or os.path.join(
+        flags.FLAGS.workdir, f"maps_l{flags.FLAGS.layer}_h{flags.FLAGS.head}.png"
+    )
     render(
         run.model_config, run.params, tokens_T, tokenizer.token_strings(tokens_T),
-        layer=_LAYER.value, head=_HEAD.value, kinds=_KINDS.value, path=out,
+        layer=flags.FLAGS.layer, head=flags.FLAGS.head, kinds=flags.FLAGS.kinds, path=out,
     )  # fmt: skip
     print(f"wrote {out}", flush=True)
 
 
-if __name__ == "__main__":
+def define_flags() -> None:
+    """The command line's flags (defined only when run as a program, so that importing this
+    module next to other tools defines no clashing flags)."""
+    flags.DEFINE_string("workdir", None, "Workdir of a training run.")
+    flags.DEFINE_string("text", None, "Text to run the model on (lm task).")
+    flags.DEFINE_integer("layer", 0, "Layer.")
+    flags.DEFINE_integer("head", 0, "Head.")
+    flags.DEFINE_list("kinds", ["attention"], f"Maps, among {sorted(KINDS)}.")
+    flags.DEFINE_string("out", None, "PNG path (default <workdir>/maps_l<L>_h<H>.png).")
+    flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
     flags.mark_flags_as_required(["workdir", "text"])
+
+
+if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -136,6 +136,16 @@ class LanguageModel(Task):
     def source(self, split: str, seed: int) -> TaskSource:
         return LMSource(self, split, self.packing(split))
 
+    def metrics(self, batch: Example, predictions_BT: np.ndarray) -> dict[str, float]:
+        """Next-token errors on scored tokens (a glitch rate means nothing for free text)."""
+        mask = batch["loss_mask"] > 0
+        wrong = (predictions_BT != batch["targets"]) & mask
+        return {"errors": float(wrong.sum()), "scored": float(mask.sum())}
+
+    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
+        """``error``: the fraction of scored next tokens the argmax gets wrong."""
+        return {"error": totals["errors"] / max(totals["scored"], 1.0)}
+
 
 @functools.cache
 def _split_documents(task: LanguageModel) -> dict[str, list[_corpora.Document]]:

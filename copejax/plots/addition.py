@@ -21,10 +21,6 @@ from absl import app, flags
 from copejax.data.addition import accuracy_grid
 from copejax.metrics import read_jsonl
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding metrics.jsonl.")
-_OUT = flags.DEFINE_string("out", None, "PNG file to write.")
-_SPLIT = flags.DEFINE_string("split", "grid", "Eval split whose per-pair accuracy is drawn.")
-
 
 def last_grid(records: list[dict[str, float]], split: str) -> tuple[int, np.ndarray]:
     """(step, [M, M] accuracy) of the last record holding ``eval/<split>/accuracy/..x..``."""
@@ -60,10 +56,14 @@ def write_heatmap(grid: np.ndarray, path: str | os.PathLike, title: str = "") ->
 
 def main(argv: list[str]) -> None:
     del argv
-    step, grid = last_grid(read_jsonl(os.path.join(_WORKDIR.value, "metrics.jsonl")), _SPLIT.value)
-    write_heatmap(grid, _OUT.value, f"step {step}: mean accuracy {np.nanmean(grid):.1%}")
+    values = flags.FLAGS
+    step, grid = last_grid(read_jsonl(os.path.join(values.workdir, "metrics.jsonl")), values.split)
+    write_heatmap(grid, values.out, f"step {step}: mean accuracy {np.nanmean(grid):.1%}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run as a program: no clashes with copejax.main
+    flags.DEFINE_string("workdir", None, "Training workdir holding metrics.jsonl.")
+    flags.DEFINE_string("out", None, "PNG file to write.")
+    flags.DEFINE_string("split", "grid", "Eval split whose per-pair accuracy is drawn.")
     flags.mark_flags_as_required(["workdir", "out"])
     app.run(main)

@@ -23,18 +23,23 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint whose arrays do not fit the current config's state."""
 
 
+def _leaves_by_path(tree: Any) -> dict[str, Any]:
+    """Array leaves keyed by 'a/b/0/c' (metadata trees use dicts where the state has
+    dataclass fields and tuples, so only the key names are compared)."""
+    leaves = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if hasattr(leaf, "shape"):
+            names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+            leaves["/".join(str(n) for n in names)] = leaf
+    return leaves
+
+
 def _shape_differences(saved: Any, abstract: Any) -> list[str]:
     """'path: saved shape vs expected shape' for every leaf whose shape or presence differs."""
-    saved_leaves = {
-        jax.tree_util.keystr(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
-    }
-    wanted_leaves = {
-        jax.tree_util.keystr(path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
-    }
+    saved_leaves = _leaves_by_path(saved)
+    wanted_leaves = _leaves_by_path(abstract)
     diffs = []
-    for key in sorted(set(saved_leaves) | set(wanted_leaves)):
+    for key in sorted(set(saved_leaves) | set(wanted_leaves), key=lambda k: (k[:6] != "params", k)):
         old, new = saved_leaves.get(key), wanted_leaves.get(key)
         old_shape = tuple(getattr(old, "shape", ())) if old is not None else None
         new_shape = tuple(getattr(new, "shape", ())) if new is not None else None
@@ -61,8 +66,14 @@ class Checkpointer:
             create=True,
             cleanup_tmp_directories=True,
         )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data": grain.checkpoint.CheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler(),
+            "host": ocp.JsonCheckpointHandler(),
+        }
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "data", "config", "host")
+            self.directory, options=options, item_handlers=handlers
         )
 
     def latest_step(self) -> int | None:
@@ -92,17 +103,13 @@ class Checkpointer:
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
-    def saved_config(self, step: int) -> dict[str, Any]:
-        """The resolved config stored with checkpoint ``step``."""
+    def saved_config_and_host(self, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """The resolved config and the loop's host-side sums stored with checkpoint ``step``."""
         restored = self.manager.restore(
-            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())
+            step,
+            args=ocp.args.Composite(config=ocp.args.JsonRestore(), host=ocp.args.JsonRestore()),
         )
-        return dict(restored["config"])
-
-    def restore_host(self, step: int) -> dict[str, float]:
-        """The loop's host-side sums stored with checkpoint ``step`` (empty if none)."""
-        restored = self.manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))
-        return dict(restored["host"] or {})
+        return dict(restored["config"]), dict(restored["host"] or {})
 
     def restore(
         self,

@@ -164,9 +164,15 @@ def _global_batch(local: dict[str, np.ndarray], batch_sharding: Any) -> dict[str
 
 
 def run(
-    config: ml_collections.ConfigDict, workdir_path: str | os.PathLike, restart: bool = False
+    config: ml_collections.ConfigDict,
+    workdir_path: str | os.PathLike,
+    restart: bool = False,
+    stop_after: int | None = None,
 ) -> dict[str, float]:
     """Trains ``config`` in ``workdir_path`` (resuming when it holds this config's checkpoints).
+
+    ``stop_after`` ends this invocation after that step (as a preemption would; what was saved
+    stays), without changing the run's config: re-running resumes.
 
     Returns the last logged metrics (train and eval). Raises ValueError for a bad config or a
     workdir holding a different run, NonFiniteLossError when ``train.nonfinite`` is "stop" and
@@ -204,6 +210,7 @@ def run(
             resolved=resolved,
             stack=stack,
             main_process=main_process,
+            stop_after=stop_after,
         )
 
 
@@ -217,6 +224,7 @@ def _train(
     resolved: dict[str, Any],
     stack: contextlib.ExitStack,
     main_process: bool,
+    stop_after: int | None,
 ) -> dict[str, float]:
     train = config.train
     model = Transformer(plan.model_config)
@@ -235,15 +243,13 @@ def _train(
     )
     ckpt = Checkpointer(root / "checkpoints", train.keep_checkpoints)
     stack.callback(ckpt.close)
-    writer = MetricsWriter(root, enabled=main_process)
-    stack.callback(writer.close)
 
     start = ckpt.latest_step()
     host: dict[str, float] = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
     if start is None:
         state, start = steps.init(), 0
     else:
-        saved = ckpt.saved_config(start)
+        saved, saved_host = ckpt.saved_config_and_host(start)
         if saved != resolved:
             diffs = "\n  ".join(workdir.config_differences(saved, resolved)[:20])
             raise workdir.WorkdirConflictError(
@@ -251,12 +257,13 @@ def _train(
                 "Pass --restart to discard it and start over."
             )
         state = ckpt.restore(start, steps.abstract_state, data)
-        host = ckpt.restore_host(start) or host
+        host = saved_host or host
         if main_process:
-            truncate_after(writer.path, start)
+            truncate_after(root / "metrics.jsonl", start)
         print(f"resumed from checkpoint {start} in {root / 'checkpoints'}", flush=True)
 
-    schedule = optim.learning_rate_schedule(train)
+    writer = MetricsWriter(root, enabled=main_process)  # after truncate_after: it appends
+    stack.callback(writer.close)
     tokens_per_step = train.batch_size * plan.task.seq_len
     progress = Progress(train.steps, start, tokens_per_step)
     last: dict[str, float] = {}
@@ -285,7 +292,7 @@ def _train(
                 {
                     "train/loss": host["loss_sum"] / max(host["count"], 1.0),
                     "train/grad_norm": host["grad_norm_sum"] / max(host["count"], 1.0),
-                    "train/learning_rate": float(schedule(step - 1)),
+                    "train/learning_rate": float(out["learning_rate"]),
                     "train/nonfinite_steps": float(state.nonfinite_count),
                     **speed,
                 }
@@ -301,6 +308,8 @@ def _train(
         if (train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps:
             ckpt.save(step, state, data, resolved, host)
             last_saved = step
+        if stop_after is not None and step >= stop_after:
+            break
     if start == train.steps:
         print(f"run already complete at step {start}; nothing to do", flush=True)
     return last

@@ -109,6 +109,7 @@ def make_steps(
 
     boxed_abstract = jax.eval_shape(lambda: _boxed_init(model, seed, init_shape))
     tx = optim.make_optimizer(train_config, boxed_abstract)
+    schedule = optim.learning_rate_schedule(train_config)
 
     def boxed_state() -> TrainState:
         params = _boxed_init(model, seed, init_shape)
@@ -158,7 +159,13 @@ def make_steps(
             opt_state=jax.tree.map(keep, opt_state, state.opt_state),
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
         )
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "scored": scored}
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "finite": finite,
+            "scored": scored,
+            "learning_rate": schedule(state.step),
+        }
         return new_state, metrics
 
     def eval_step(params: Any, batch: Batch) -> dict[str, jax.Array]:

@@ -23,6 +23,7 @@ memory.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
@@ -149,7 +150,7 @@ class FoX(PositionScheme):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"{self.name}: {key} must be True or False, got {value!r}")
-        if not isinstance(self.forget_bias_init, int | float) or not jnp.isfinite(
+        if not isinstance(self.forget_bias_init, int | float) or not math.isfinite(
             self.forget_bias_init
         ):
             raise ValueError(

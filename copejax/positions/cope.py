@@ -49,9 +49,11 @@ class CoPE(PositionScheme):
         sigmoid(q.v / sqrt(H)) (Section 4 "val-gates").
       p_max: number of integer positions; p_ij is capped at p_max - 1. The paper uses 64
         (default), 16 and T; None means T = the model's max_len.
-      share_layers: one set of CoPE parameters for all layers (Table 8's default "layers share
-        embeddings"); False (default) gives each layer its own. When shared, the whole CoPE
-        site is shared: e, and the sep-keys projection, MLP or learned slopes if used.
+      share_layers: one set of CoPE parameters for all layers. The paper's Wikitext-103
+        baseline shares e across layers and Table 8's "Layers do not share embeddings" is the
+        per-layer ablation; here per layer is the default (False). When shared, the whole CoPE
+        site is shared: e, and the sep-keys projection, MLP or learned slopes if used. In a
+        combination ("cope+rope") the model shares a site only when every part asks to.
       per_head_embeddings: one table e per head, shape (N, p_max, H), instead of the paper's
         default table shared by the heads, shape (p_max, H).
       position_term: "interpolate" (default, eq. 7-9, e initialised to zero as in the
@@ -87,6 +89,10 @@ class CoPE(PositionScheme):
     scale_position_term: bool = False
     force_unit_gates: bool = False
     scan_impl: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alibi_slopes, list):  # keep the scheme hashable
+            object.__setattr__(self, "alibi_slopes", tuple(self.alibi_slopes))
 
     @property
     def share_across_layers(self) -> bool:  # type: ignore[override]

@@ -90,7 +90,10 @@ class ModelConfig:
         )
 
     def scheme(self) -> PositionScheme:
-        return _make_scheme(self.position, self.position_options)
+        # The cache key carries each value's type: 1 == True would otherwise return a scheme
+        # built (and validated) from the other value.
+        typed = tuple((k, type(v).__name__, v) for k, v in self.position_options)
+        return _make_scheme(self.position, typed)
 
     def validate(self) -> ModelConfig:
         """Raises ValueError naming the first bad value and what is allowed; returns self."""
@@ -124,7 +127,7 @@ class ModelConfig:
 
 
 @functools.cache
-def _make_scheme(name: str, options: tuple[tuple[str, Any], ...]) -> PositionScheme:
+def _make_scheme(name: str, typed_options: tuple[tuple[str, str, Any], ...]) -> PositionScheme:
     from copejax.positions.registry import make_scheme
 
-    return make_scheme(name, dict(options))
+    return make_scheme(name, {key: value for key, _, value in typed_options})

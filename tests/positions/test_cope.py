@@ -510,3 +510,31 @@ def test_option_names_do_not_clash_with_rope() -> None:
 def test_bad_options_raise_value_error_naming_them(opts: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         registry.make_scheme("cope", opts).validate(DIMS)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"gates": "sep_keys", "position_term": "mlp", "mlp_hidden": 4, "p_max": 3},
+        {"gates": "values", "position_term": "alibi", "share_layers": True},
+        {"per_head_embeddings": True, "p_max": 4, "scale_position_term": True},
+    ],
+    ids=str,
+)
+def test_variants_in_the_model_are_causal_with_random_parameters(opts: dict[str, Any]) -> None:
+    model = Transformer(tiny_config("cope", position_options=opts))
+    tokens_BT, positions_BT = tokens_and_positions(batch=1)
+    params = _randomise(model.init(jax.random.key(0), tokens_BT, positions_BT), seed=3, scale=0.3)
+    emb = model.apply(params, tokens_BT, positions_BT, True, method=Transformer.embed)
+
+    def output_at(x_BTD: jax.Array, t: int) -> jax.Array:
+        logits_BTV = model.apply(
+            params, emb.replace(x_BTD=x_BTD), method=Transformer.forward_embedded
+        )
+        return logits_BTV[0, t].sum()
+
+    grad_fn = jax.jit(jax.grad(output_at), static_argnums=1)
+    for t in (2, 5):
+        grad_BTD = np.asarray(grad_fn(emb.x_BTD, t))
+        assert np.all(grad_BTD[0, t + 1 :] == 0.0)
+        assert np.all(np.isfinite(grad_BTD)) and np.any(grad_BTD[0, : t + 1] != 0.0)

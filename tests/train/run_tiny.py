@@ -1,6 +1,7 @@
 """Runs tiny_copy training in a subprocess: ``python -m tests.train.run_tiny WORKDIR JSON``.
 
-JSON holds ``{"position": ..., "train": {...}, "mesh": {...}, "distributed": [addr, n, i]}``.
+JSON holds ``{"position", "train", "mesh", "eval", "distributed": [addr, n, i]}`` (all
+optional). WORKDIR may be a comma-separated list: the same config runs in each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def main() -> None:
 
     config = tiny_config(spec.get("position", "rope"), **spec.get("train", {}))
     config.mesh.update(spec.get("mesh", {}))
-    train.run(config, workdir)
+    config.eval.update(spec.get("eval", {}))
+    for root in workdir.split(","):  # several runs share one process (and its start-up cost)
+        train.run(config, root)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import numpy as np
 from copejax import sharding as ax
 from copejax.ops import cope as cope_ops
 from copejax.ops.scan import IMPLS
+from copejax.positions.alibi import alibi_slopes as press_slopes
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -60,8 +61,9 @@ class CoPE(PositionScheme):
         listing); "alibi" (eq. 10, ``m_h * p_ij``); "mlp" (CoPE-MLP, Appendix C,
         ``q_i . MLP(p_ij)``, see ``copejax.ops.cope.cope_mlp_term``).
       alibi_slopes: for "alibi". None (default): m is learned, one per head (and per layer
-        unless shared), initialised at 0. "press": Press et al.'s slopes 2^(-8h/N), or a tuple
-        of N positive slopes (the paper's fixed sets, e.g. (1, 1/2, 1/4, 1/8)). Fixed slopes
+        unless shared), initialised at 0. "press": Press et al.'s slopes 2^(-8h/N) (Appendix
+        D's CoPE_ALiBi), or a tuple of N positive slopes (Appendix C's fixed geometric sets,
+        first slope m[0] = 1, 1/2^2 or 1/2^4 in Table 7). Fixed slopes
         are magnitudes applied as a penalty, ``m_h = -slope_h``, as ALiBi's ``-m (i - j)``
         does: a larger count of gated tokens lowers the logit.
       mlp_hidden: hidden units of CoPE-MLP (Appendix C's N; 64 in its Table 7). The MLP reads
@@ -126,9 +128,7 @@ class CoPE(PositionScheme):
             return None
         if isinstance(slopes, str):
             check_choice(self.name, "alibi_slopes", slopes, ("press",))
-            from copejax.positions.alibi import alibi_slopes
-
-            return alibi_slopes(dims.num_heads)
+            return press_slopes(dims.num_heads)
         values = np.asarray(slopes, dtype=np.float64)
         if values.shape != (dims.num_heads,) or not np.all(values > 0):
             raise ValueError(

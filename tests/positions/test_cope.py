@@ -534,7 +534,7 @@ def test_variants_in_the_model_are_causal_with_random_parameters(opts: dict[str,
         return logits_BTV[0, t].sum()
 
     grad_fn = jax.jit(jax.grad(output_at), static_argnums=1)
-    for t in (2, 5):
+    for t in (3,):
         grad_BTD = np.asarray(grad_fn(emb.x_BTD, t))
         assert np.all(grad_BTD[0, t + 1 :] == 0.0)
         assert np.all(np.isfinite(grad_BTD)) and np.any(grad_BTD[0, : t + 1] != 0.0)

@@ -105,31 +105,44 @@ def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | os.PathLik
     # One "sentence" per line: SentencePiece cannot hold a newline inside a piece, and lines
     # keep its sentence length limit out of the way. Newlines are learnt by byte fallback.
     lines = (line for text in texts for line in text.splitlines() if line.strip())
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines,
-        model_prefix=str(path / BPE_FILE.removesuffix(".model")),
-        model_type="bpe",
-        vocab_size=vocab_size,
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        split_digits=True,
-        character_coverage=1.0,
-        pad_id=PAD_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        unk_id=3,
-        num_threads=1,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines,
+            model_prefix=str(path / BPE_FILE.removesuffix(".model")),
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_digits=True,
+            character_coverage=1.0,
+            pad_id=PAD_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=3,
+            num_threads=1,
+            minloglevel=2,
+        )
+    except RuntimeError as error:
+        # The vocabulary holds 4 specials, 256 byte pieces and every distinct character of the
+        # texts, and at most as many merges as the texts offer: both bounds depend on the texts.
+        if "ocabulary size" in str(error):
+            raise ValueError(
+                f"bpe vocab_size {vocab_size} does not fit these training texts: {error}"
+            ) from error
+        raise
     return path / BPE_FILE
 
 
 def make_tokenizer(
     kind: str, directory: str = "", texts: Iterable[str] = (), vocab_size: int = 0
 ) -> Tokenizer:
-    """``"byte"``, or ``"bpe"``: loads ``<directory>/bpe.model``, training it first if absent."""
+    """``"byte"``, or ``"bpe"``: loads ``<directory>/bpe.model``, training it first if absent.
+
+    A saved model whose vocabulary is not ``vocab_size`` (when given) is refused, so that the
+    model's embedding table always matches the tokenizer.
+    """
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
@@ -138,5 +151,11 @@ def make_tokenizer(
         model = Path(directory) / BPE_FILE
         if not model.exists():
             train_bpe(texts, vocab_size, directory)
-        return BpeTokenizer(model)
+        tokenizer = BpeTokenizer(model)
+        if vocab_size and len(tokenizer.vocab) != vocab_size:
+            raise ValueError(
+                f"{model} has a vocabulary of {len(tokenizer.vocab)}, not bpe_vocab_size "
+                f"{vocab_size}: use another tokenizer_dir or bpe_vocab_size={len(tokenizer.vocab)}"
+            )
+        return tokenizer
     raise ValueError(f"unknown tokenizer {kind!r}; allowed: 'byte', 'bpe'")

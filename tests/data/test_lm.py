@@ -205,3 +205,111 @@ def test_tfds_corpus_on_a_local_builder(tmp_path: Path) -> None:
     bad = make_task("lm", {**options, "text_feature": "text"})
     with pytest.raises(ValueError, match="body"):
         bad.documents()
+
+
+_WORDS = ("the", "king", "queen", "crown", "shall", "thou", "thee", "hath", "speak", "night")
+
+
+def _english_like(seed: int, count: int) -> list[str]:
+    """``count`` documents of random words, lines and a few non-ASCII characters (~2 KB each)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(count):
+        lines = []
+        for _ in range(int(rng.integers(20, 40))):
+            words = rng.choice([*_WORDS, "é", "œuvre", "1604"], size=int(rng.integers(3, 12)))
+            lines.append(" ".join(words).capitalize() + rng.choice([".", ",", "!", ""]))
+        docs.append("\n".join(lines) + "\n")
+    return docs
+
+
+def _reference_decode(vocab: tuple[str, ...], ids: np.ndarray) -> str:
+    """Pieces concatenated: ``<0xNN>`` is that byte, ``▁`` is a space, specials are dropped."""
+    data = b""
+    for i in ids:
+        piece = vocab[int(i)]
+        if int(i) < len(tok.SPECIALS):
+            continue
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            data += bytes([int(piece[3:5], 16)])
+        else:
+            data += piece.replace("▁", " ").encode("utf-8")
+    return data.decode("utf-8")
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tok.train_bpe(_english_like(0, 4), 360, tmp_path_factory.mktemp("bpe"))
+
+
+def test_bpe_vocabulary_and_compression(bpe_model: Path) -> None:
+    tokenizer = tok.BpeTokenizer(bpe_model)
+    vocab = tokenizer.vocab
+    assert len(vocab) == 360 and vocab[:3] == tok.SPECIALS
+    assert vocab[4:260] == tuple(f"<0x{b:02X}>" for b in range(256)), "byte fallback pieces"
+    assert all(f"▁{word}" in vocab for word in _WORDS), "the frequent words are merged"
+    text = _english_like(1, 1)[0]  # unseen text from the same distribution
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int32 and (ids >= len(tok.SPECIALS)).all() and (ids < 360).all()
+    assert len(ids) < len(text.encode("utf-8")) / 2, "merges shorten the text"
+    assert _reference_decode(vocab, ids) == text == tokenizer.decode(ids)
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text())
+def test_bpe_round_trip(bpe_model: Path, text: str) -> None:
+    tokenizer = tok.BpeTokenizer(bpe_model)
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text == _reference_decode(tokenizer.vocab, ids)
+    document = tokenizer.encode_document(text)
+    assert document[0] == tok.BOS_ID and document[-1] == tok.EOS_ID
+    assert tokenizer.decode(document) == text
+
+
+def test_bpe_saved_model_reloads_and_training_is_deterministic(
+    bpe_model: Path, tmp_path: Path
+) -> None:
+    first = tok.BpeTokenizer(bpe_model)
+    text = "".join(_english_like(2, 2)) + "unseen: ß 😀\t"
+    loaded = tok.make_tokenizer("bpe", str(bpe_model.parent), (), 360)  # no texts: loads
+    assert loaded.vocab == first.vocab
+    np.testing.assert_array_equal(loaded.encode(text), first.encode(text))
+    again = tok.BpeTokenizer(tok.train_bpe(_english_like(0, 4), 360, tmp_path))
+    assert again.vocab == first.vocab
+    np.testing.assert_array_equal(again.encode(text), first.encode(text))
+    with pytest.raises(ValueError, match="bpe_vocab_size 400"):
+        tok.make_tokenizer("bpe", str(bpe_model.parent), (), 400)
+
+
+def test_bpe_vocab_size_that_does_not_fit_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vocab_size 5000"):
+        tok.train_bpe(_english_like(0, 1), 5000, tmp_path)
+
+
+def test_lm_task_with_bpe(tmp_path: Path) -> None:
+    texts = _english_like(3, 8)
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc_{i}.txt").write_text(text, encoding="utf-8")
+    options = {
+        "corpus": f"files:{tmp_path}/*.txt",
+        "tokenizer": "bpe",
+        "tokenizer_dir": str(tmp_path / "tok"),
+        "bpe_vocab_size": 300,
+        "length": 16,
+    }
+    task = make_task("lm", options)
+    assert len(task.vocab) == 300
+    assert (tmp_path / "tok" / tok.BPE_FILE).exists()
+    docs = task.documents()
+    tokenizer = task.text_tokenizer()
+    for split in ("train", "valid_x2"):
+        source = task.source(split, seed=0)
+        rows = [source[i] for i in range(len(source))]
+        assert all((row["inputs"] < 300).all() and (row["targets"] < 300).all() for row in rows)
+        encoded = [tokenizer.encode_document(t) for _, t in docs[split.removesuffix("_x2")]]
+        _check_rows(rows, encoded, task.split_length(split))
+    # The saved model is reused by a task with other options (here: another length).
+    model_bytes = (tmp_path / "tok" / tok.BPE_FILE).read_bytes()
+    other = make_task("lm", {**options, "length": 32})
+    assert other.vocab == task.vocab
+    assert (tmp_path / "tok" / tok.BPE_FILE).read_bytes() == model_bytes

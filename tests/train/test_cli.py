@@ -1,0 +1,50 @@
+"""The programs users run: ``python -m copejax.main`` and the demo's table and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from copejax import demo
+from copejax.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_main_trains_a_smoke_config_with_overrides(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "copejax.main", "--config=configs/flipflop.py:smoke",
+        f"--workdir={tmp_path}", "--config.train.steps=3", "--config.train.log_every=1",
+        "--config.eval.max_examples=16",
+    ]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3/3 | loss" in done.stdout and "tokens/s | ETA" in done.stdout
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["steps"] == 3 and saved["task"]["name"] == "flipflop"
+    refused = subprocess.run(
+        [*command[:-1], "--config.eval.max_examples=8"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "eval.max_examples: 16 -> 8" in refused.stderr and "--restart" in refused.stderr
+
+
+def test_demo_table_and_plot(tmp_path: Path) -> None:
+    records = [
+        {"step": 10, "train/loss": 2.0},
+        {"step": 20, "train/loss": 1.0, "eval/test/loss": 1.1, "eval/test/error": 0.25,
+         "eval/ood/loss": 1.5, "eval/ood/error": 0.5},
+    ]  # fmt: skip
+    table = demo.results_table(records).splitlines()
+    assert table[0] == "step 20"
+    assert table[1].split() == ["split", "error", "loss"]
+    assert table[2].split() == ["ood", "0.5000", "1.5000"]
+    assert table[3].split() == ["test", "0.2500", "1.1000"]
+    demo.plot_losses(records, tmp_path / "loss.png", "t")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

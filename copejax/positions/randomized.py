@@ -3,7 +3,7 @@
 During training the positions of each sequence of length T are replaced by an ordered random
 subset of ``[0, max_position)``: T distinct integers drawn without replacement and sorted, so
 the model sees position values of sequences up to ``max_position`` long while training on
-short ones. A base encoding (sinusoidal, learned or rope) then encodes the new positions.
+short ones. An ``encoding`` (sinusoidal, learned or rope) then encodes the new positions.
 
 Relabelling: position p (in ``[0, T)``) becomes ``sample[p]``; with plain positions
 ``0..T-1`` that is the sorted sample itself, and with packed documents (positions restarting
@@ -37,7 +37,7 @@ from copejax.positions.registry import register
 from copejax.positions.rope import RoPE
 from copejax.positions.sinusoidal import Sinusoidal
 
-BASES = ("sinusoidal", "learned", "rope", "none")
+ENCODINGS = ("sinusoidal", "learned", "rope", "none")
 
 
 def sample_ordered_positions(
@@ -76,10 +76,10 @@ def relabel_positions(positions_BT: jax.Array, sample_BT: jax.Array) -> jax.Arra
 @register
 @dataclasses.dataclass(frozen=True)
 class Randomized(PositionScheme):
-    """Random ordered positions from a larger range during training, encoded by a base scheme.
+    """Random ordered positions from a larger range during training, then encoded.
 
     Options:
-      base: "sinusoidal" (added, default options), "learned" (a table of max_position rows),
+      encoding: "sinusoidal" (added, default options), "learned" (a table of max_position rows),
         "rope" (default options) or "none" (only relabel: compose as "randomized+alibi" etc.).
       max_position: size of the position range; None uses 4 * max_len.
       sample_at_eval: also sample at evaluation, as the paper does (default False).
@@ -89,24 +89,24 @@ class Randomized(PositionScheme):
     sites = ("embed", "qk")
     paper = "Ruoss et al. 2023, arXiv 2305.16843"
 
-    base: str = "sinusoidal"
+    encoding: str = "sinusoidal"
     max_position: int | None = None
     sample_at_eval: bool = False
 
     def resolved_max_position(self, dims: Dims) -> int:
         return self.max_position if self.max_position is not None else 4 * dims.max_len
 
-    def base_scheme(self, dims: Dims) -> PositionScheme | None:
-        if self.base == "sinusoidal":
+    def encoding_scheme(self, dims: Dims) -> PositionScheme | None:
+        if self.encoding == "sinusoidal":
             return Sinusoidal()
-        if self.base == "learned":
+        if self.encoding == "learned":
             return Learned(table_size=self.resolved_max_position(dims))
-        if self.base == "rope":
+        if self.encoding == "rope":
             return RoPE()
         return None
 
     def validate(self, dims: Dims) -> None:
-        check_choice(self.name, "base", self.base, BASES)
+        check_choice(self.name, "encoding", self.encoding, ENCODINGS)
         if self.max_position is not None and (
             not isinstance(self.max_position, int) or self.max_position < dims.max_len
         ):
@@ -114,26 +114,26 @@ class Randomized(PositionScheme):
                 f"{self.name}: max_position must be an integer >= max_len={dims.max_len} or "
                 f"None, got {self.max_position!r}"
             )
-        base = self.base_scheme(dims)
-        if base is not None:
-            base.validate(dims)
+        encoding = self.encoding_scheme(dims)
+        if encoding is not None:
+            encoding.validate(dims)
 
     def embed_module(self, dims: Dims) -> EmbedSite:
         return RandomizedEmbed(dims=dims, scheme=self)
 
     def attention_module(self, dims: Dims) -> AttentionSite | None:
-        base = self.base_scheme(dims)
-        return base.attention_module(dims) if base is not None else None
+        encoding = self.encoding_scheme(dims)
+        return encoding.attention_module(dims) if encoding is not None else None
 
 
 class RandomizedEmbed(EmbedSite):
-    """Relabels positions (training, or always with sample_at_eval), then the base's embed."""
+    """Relabels positions (training, or always with sample_at_eval), then the encoding's embed."""
 
     scheme: Randomized = Randomized()
 
     def setup(self) -> None:
-        base = self.scheme.base_scheme(self.dims)
-        self.base_embed = base.embed_module(self.dims) if base is not None else None
+        encoding = self.scheme.encoding_scheme(self.dims)
+        self.encoding_embed = encoding.embed_module(self.dims) if encoding is not None else None
 
     def __call__(
         self, x_BTD: jax.Array, positions_BT: jax.Array, deterministic: bool = True
@@ -147,6 +147,6 @@ class RandomizedEmbed(EmbedSite):
                 self.scheme.resolved_max_position(self.dims),
             )
             positions_BT = relabel_positions(positions_BT, sample_BT)
-        if self.base_embed is None:
+        if self.encoding_embed is None:
             return EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
-        return self.base_embed(x_BTD, positions_BT, deterministic)
+        return self.encoding_embed(x_BTD, positions_BT, deterministic)

@@ -89,38 +89,38 @@ def test_packed_positions_relabel_each_document_with_an_increasing_prefix() -> N
         relabel_positions(jnp.asarray([[0, 1, 2, 3, 5]]), sample)
 
 
-def test_learned_base_has_a_table_of_max_position_rows(rng: np.random.Generator) -> None:
+def test_learned_encoding_has_a_table_of_max_position_rows(rng: np.random.Generator) -> None:
     x = rng.normal(size=(1, 6, 8)).astype(np.float32)
     pos = np.arange(6)[None]
-    out, params = embed({"base": "learned"}, x, pos, deterministic=False)
-    table = np.asarray(params["params"]["base_embed"]["table"].unbox())
+    out, params = embed({"encoding": "learned"}, x, pos, deterministic=False)
+    table = np.asarray(params["params"]["encoding_embed"]["table"].unbox())
     assert table.shape == (4 * 6, 8)
     new = np.asarray(out.positions_BT)[0]
     np.testing.assert_allclose(np.asarray(out.x_BTD)[0], x[0] + table[new], rtol=1e-6)
 
 
-def test_none_base_only_relabels(rng: np.random.Generator) -> None:
+def test_none_encoding_only_relabels(rng: np.random.Generator) -> None:
     x = rng.normal(size=(1, 6, 8)).astype(np.float32)
-    out, _ = embed({"base": "none"}, x, np.arange(6)[None], deterministic=False)
+    out, _ = embed({"encoding": "none"}, x, np.arange(6)[None], deterministic=False)
     np.testing.assert_array_equal(np.asarray(out.x_BTD), x)
-    assert registry.make_scheme("randomized", {"base": "none"}).attention_module(DIMS) is None
+    assert registry.make_scheme("randomized", {"encoding": "none"}).attention_module(DIMS) is None
 
 
-def test_rope_base_passes_random_positions_to_rope_in_the_model() -> None:
-    cfg = tiny_config("randomized", position_options={"base": "rope", "max_position": 1000})
+def test_rope_encoding_passes_random_positions_to_rope_in_the_model() -> None:
+    cfg = tiny_config("randomized", position_options={"encoding": "rope", "max_position": 1000})
     model = Transformer(cfg)
     tokens = jnp.ones((2, 8), jnp.int32)
     positions = jnp.tile(jnp.arange(8), (2, 1))
     rngs = {"params": jax.random.key(0), "positions": jax.random.key(5)}
     emb, params = model.init_with_output(rngs, tokens, positions, False, method=Transformer.embed)
-    assert "position_embed" not in params["params"]  # rope base: no parameters
+    assert "position_embed" not in params["params"]  # rope encoding: no parameters
     new = np.asarray(emb.positions_BT)  # what forward_embedded hands to the rope site
     assert np.all(np.diff(new, axis=1) > 0) and new.max() < 1000
     np.testing.assert_array_equal(
         np.asarray(emb.x_BTD),
         np.asarray(params["params"]["token_embed"]["embedding"].unbox()[1]) * np.ones((2, 8, 1)),
     )  # rope does not touch the embeddings
-    site = registry.make_scheme("randomized", {"base": "rope"}).attention_module(DIMS)
+    site = registry.make_scheme("randomized", {"encoding": "rope"}).attention_module(DIMS)
     assert type(site).__name__ == "_RoPESite"
 
 
@@ -132,7 +132,7 @@ def test_sequence_longer_than_max_position_raises() -> None:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"base": "alibi"}, "base must be one of"),
+        ({"encoding": "alibi"}, "encoding must be one of"),
         ({"max_position": 10}, "max_position must be an integer >= max_len=16"),
         ({"max_position": 20.5}, "max_position must be an integer"),
     ],
@@ -140,3 +140,14 @@ def test_sequence_longer_than_max_position_raises() -> None:
 def test_bad_options_are_rejected(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tiny_config("randomized", position_options=options)
+
+
+def test_randomized_plus_rope_routes_each_option_to_its_part() -> None:
+    """``encoding`` belongs to randomized and ``base`` (the frequency base) to rope."""
+    scheme = registry.make_scheme(
+        "randomized+rope", {"encoding": "none", "base": 500.0, "max_position": 64}
+    )
+    randomized, rope = scheme.parts
+    assert (randomized.encoding, randomized.max_position) == ("none", 64)
+    assert rope.base == 500.0
+    tiny_config("randomized+rope", position_options={"encoding": "none", "base": 500.0})

@@ -57,7 +57,13 @@ class Progress:
         )
 
     def print_eval(self, step: int, record: Mapping[str, float]) -> None:
-        parts = [
-            f"{k.removeprefix('eval/')} {v:.4f}" for k, v in record.items() if k.startswith("eval/")
-        ]
+        """Prints ``eval/<split>/<name>`` scalars; breakdowns (``<name>/<bucket>``) are counted.
+
+        Breakdowns such as addition's 2,500 ``accuracy/<la>x<lb>`` stay in metrics.jsonl only.
+        """
+        names = [k.removeprefix("eval/") for k in record if k.startswith("eval/")]
+        shown = [name for name in names if name.count("/") <= 1]
+        parts = [f"{name} {record['eval/' + name]:.4f}" for name in shown]
+        if len(shown) < len(names):
+            parts.append(f"+{len(names) - len(shown)} breakdown values in metrics.jsonl")
         print(f"eval at step {step}: " + " | ".join(parts), flush=True)

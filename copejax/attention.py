@@ -8,6 +8,7 @@ carry. Logits, bias and normalisation are float32 whatever the compute dtype.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -33,12 +34,12 @@ class Attention(nn.Module):
 
     Attributes:
       cfg: the model configuration.
-      site: the scheme's attention-site module when it is shared across layers; otherwise
-        None and this layer builds its own from ``cfg``.
+      shared: what the scheme's ``shared_attention_module`` built once for the whole model
+        (None when nothing is shared); this layer asks ``layer_attention_module`` for its own.
     """
 
     cfg: ModelConfig
-    site: AttentionSite | None = None
+    shared: Any = None
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -75,11 +76,13 @@ class Attention(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)),
             name="out",
         )
-        if self.site is None:
-            self.own_site = cfg.scheme().attention_module(cfg.dims) or AttentionSite(cfg.dims)
+        own = cfg.scheme().layer_attention_module(cfg.dims, self.shared)
+        if own is None and self.shared is None:
+            own = AttentionSite(cfg.dims)  # a scheme without attention sites (nope)
+        self.own_site = own
 
     def _site(self) -> AttentionSite:
-        return self.site if self.site is not None else self.own_site
+        return self.own_site if self.own_site is not None else self.shared
 
     def __call__(self, x_BTD: jax.Array, ctx: AttentionContext) -> tuple[jax.Array, Carry]:
         """Args: x_BTD the normalised layer input; ctx positions, mask and carry.

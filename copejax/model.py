@@ -7,6 +7,8 @@ CoPE paper's language-modelling runs use. Positions are always passed in.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 from copejax import sharding as ax
 from copejax.attention import Attention, causal_segment_mask_BTS
 from copejax.model_config import ModelConfig
-from copejax.positions.base import AttentionContext, AttentionSite, Carry, EmbedOutput
+from copejax.positions.base import AttentionContext, Carry, EmbedOutput
 
 
 def _norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -68,13 +70,13 @@ class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     cfg: ModelConfig
-    site: AttentionSite | None = None
+    shared: Any = None
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array, ctx: AttentionContext) -> tuple[jax.Array, Carry]:
         cfg = self.cfg
         drop = nn.Dropout(cfg.dropout, deterministic=ctx.deterministic)
-        attention = Attention(cfg, site=self.site, name="attention")
+        attention = Attention(cfg, shared=self.shared, name="attention")
         h_BTD = _norm(cfg, "attention_norm")(x_BTD)
         attn_out_BTD, carry = attention(h_BTD, ctx.replace(x_BTD=h_BTD))
         x_BTD = x_BTD + drop(attn_out_BTD)
@@ -106,8 +108,12 @@ class Transformer(nn.Module):
             name="token_embed",
         )
         self.position_embed = scheme.embed_module(cfg.dims)
-        shared = scheme.attention_module(cfg.dims) if scheme.share_across_layers else None
-        self.blocks = [Block(cfg, site=shared, name=f"block_{i}") for i in range(cfg.num_layers)]
+        # Modules shared by every layer (T5's table, CoPE with share_layers) are owned here.
+        self.shared_positions = scheme.shared_attention_module(cfg.dims)
+        self.blocks = [
+            Block(cfg, shared=self.shared_positions, name=f"block_{i}")
+            for i in range(cfg.num_layers)
+        ]
         self.final_norm = _norm(cfg, "final_norm")
         if not cfg.tie_embeddings:
             self.lm_head = nn.Dense(

@@ -36,3 +36,18 @@ def test_positions_table_lists_every_scheme() -> None:
     assert out.strip() == table()
     for name in registry.names():
         assert f"`{name}`" in out
+
+
+def test_composite_shares_a_part_across_layers_while_others_stay_per_layer() -> None:
+    """cope+rope with share_layers: one CoPE table for the model, rope has no parameters."""
+    import jax
+
+    from copejax.model import Transformer
+    from tests.conftest import tiny_config, tokens_and_positions
+
+    tokens_BT, positions_BT = tokens_and_positions()
+    for options, tables in (({"share_layers": True}, 1), ({"share_layers": False}, 3)):
+        model = Transformer(tiny_config("cope+rope", position_options=options, num_layers=3))
+        params = model.init(jax.random.key(0), tokens_BT, positions_BT)["params"]
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        assert sum("pos_emb" in path for path in paths) == tables, paths

@@ -197,6 +197,21 @@ class PositionScheme:
         """The attention-site module (per layer, or shared), or None."""
         return None
 
+    def shared_attention_module(self, dims: Dims) -> Any:
+        """What the model builds once and hands to every layer (None: nothing is shared).
+
+        By default the whole attention module when ``share_across_layers`` is true. Composite
+        schemes return one entry per part, so that one part can share while another does not.
+        """
+        return self.attention_module(dims) if self.share_across_layers else None
+
+    def layer_attention_module(self, dims: Dims, shared: Any) -> AttentionSite | None:
+        """This layer's own module, given :meth:`shared_attention_module`'s result.
+
+        None means the layer uses ``shared`` itself (or, when that is None too, no site).
+        """
+        return None if self.share_across_layers else self.attention_module(dims)
+
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

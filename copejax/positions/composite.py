@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 
@@ -39,7 +39,7 @@ class Composite(PositionScheme):
 
     @property
     def share_across_layers(self) -> bool:  # type: ignore[override]
-        return all(p.share_across_layers for p in self.parts)
+        return any(p.share_across_layers for p in self.parts)
 
     def validate(self, dims: Dims) -> None:
         for site in ("normalizer", "carry"):
@@ -60,6 +60,16 @@ class Composite(PositionScheme):
     def attention_module(self, dims: Dims) -> AttentionSite | None:
         return _CompositeAttention(dims=dims, parts=self.parts)
 
+    def shared_attention_module(self, dims: Dims) -> tuple[Any, ...] | None:
+        """One entry per part: the part's shared module, or None for a per-layer part."""
+        shared = tuple(p.shared_attention_module(dims) for p in self.parts)
+        return None if all(s is None for s in shared) else shared
+
+    def layer_attention_module(self, dims: Dims, shared: Any) -> AttentionSite | None:
+        if shared is None:
+            shared = (None,) * len(self.parts)
+        return _CompositeAttention(dims=dims, parts=self.parts, shared=shared)
+
 
 class _CompositeEmbed(EmbedSite):
     parts: tuple[PositionScheme, ...] = ()
@@ -79,9 +89,14 @@ class _CompositeEmbed(EmbedSite):
 
 class _CompositeAttention(AttentionSite):
     parts: tuple[PositionScheme, ...] = ()
+    shared: tuple[Any, ...] = ()
 
     def setup(self) -> None:
-        pairs = [(p, p.attention_module(self.dims)) for p in self.parts]
+        shared = self.shared or (None,) * len(self.parts)
+        pairs = []
+        for part, part_shared in zip(self.parts, shared, strict=True):
+            own = part.layer_attention_module(self.dims, part_shared)
+            pairs.append((part, own if own is not None else part_shared))
         pairs = [(p, m) for p, m in pairs if m is not None]
         self.sites_ = [m for _, m in pairs]
         users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]

@@ -7,6 +7,7 @@ carry. Logits, bias and normalisation are float32 whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -29,6 +30,44 @@ def causal_segment_mask_BTS(segment_ids_BT: jax.Array | None, batch: int, length
     return mask_BTS
 
 
+class Projection(nn.Module):
+    """A multi-axis linear map by einsum, with an explicitly shaped, axis-named kernel.
+
+    (Flax's DenseGeneral flattens its kernel at creation, which breaks a 3-axis sharding
+    annotation under ``jax.set_mesh``; an explicit kernel keeps its logical axes.)
+    """
+
+    cfg: ModelConfig
+    equation: str
+    kernel_shape: tuple[int, ...]
+    kernel_axes: tuple[str, ...]
+    use_bias: bool
+    init_std: float | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        std = cfg.init_std if self.init_std is None else self.init_std
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(nn.initializers.normal(std), self.kernel_axes),
+            self.kernel_shape,
+            jnp.float32,
+        )
+        y = jnp.einsum(self.equation, x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype))
+        if self.use_bias:
+            out_rank = len(self.equation.split("->")[1]) - 2  # output axes after B, T
+            out_shape = y.shape[2:]
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[-out_rank:]),
+                out_shape,
+                jnp.float32,
+            )
+            y = y + bias.astype(cfg.compute_dtype)
+        return y
+
+
 class Attention(nn.Module):
     """Attention with position-scheme sites.
 
@@ -43,37 +82,23 @@ class Attention(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        dtype = cfg.compute_dtype
-        use_bias = cfg.block == "gpt2"
-
-        def dense(features: tuple[int, ...], axes: tuple[str, ...], name: str) -> nn.Module:
-            return nn.DenseGeneral(
-                features=features,
-                axis=-1,
-                use_bias=use_bias,
-                dtype=dtype,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(cfg.init_std), axes
-                ),
-                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
-                name=name,
-            )
-
-        shape = (cfg.num_heads, cfg.resolved_head_dim)
-        qkv_axes = (ax.EMBED, ax.HEADS, ax.HEAD_DIM)
-        self.query = dense(shape, qkv_axes, "query")
-        self.key = dense(shape, qkv_axes, "key")
-        self.value = dense(shape, qkv_axes, "value")
-        self.out = nn.DenseGeneral(
-            features=cfg.d_model,
-            axis=(-2, -1),
-            use_bias=use_bias,
-            dtype=dtype,
-            kernel_init=nn.with_logical_partitioning(
-                nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.num_layers)),
-                (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
-            ),
-            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)),
+        heads, head_dim, use_bias = cfg.num_heads, cfg.resolved_head_dim, cfg.block == "gpt2"
+        qkv = functools.partial(
+            Projection,
+            cfg,
+            "BTD,DNH->BTNH",
+            (cfg.d_model, heads, head_dim),
+            (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+            use_bias,
+        )
+        self.query, self.key, self.value = qkv(name="query"), qkv(name="key"), qkv(name="value")
+        self.out = Projection(
+            cfg,
+            "BTNH,NHD->BTD",
+            (heads, head_dim, cfg.d_model),
+            (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+            use_bias,
+            init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
             name="out",
         )
         own = cfg.scheme().layer_attention_module(cfg.dims, self.shared)
@@ -96,6 +121,25 @@ class Attention(nn.Module):
         q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
 
+        y_BTNH = site.attend(q_BTNH, k_BSNH, v_BSNH, ctx)
+        weights_BNTS = None
+        if y_BTNH is None:
+            weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+            y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)
+        y_BTNH = site.output(y_BTNH, ctx)
+        carry = site.carry_after_attention(ctx.carry, weights_BNTS, ctx)
+        y_BTD = self.out(y_BTNH)
+        return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+    def _weights(
+        self,
+        site: AttentionSite,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array:
+        """The generic path: float32 content logits, the bias site, the normalizer site."""
         scale = 1.0 / math.sqrt(q_BTNH.shape[-1])
         logits_BNTS = (
             jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH, preferred_element_type=jnp.float32)
@@ -106,12 +150,7 @@ class Attention(nn.Module):
             logits_BNTS = logits_BNTS + bias_BNTS.astype(jnp.float32)
         weights_BNTS = site.normalize(logits_BNTS, ctx)
         self.sow("intermediates", "attention_weights", weights_BNTS)
-
-        y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)
-        y_BTNH = site.output(y_BTNH, ctx)
-        carry = site.carry_after_attention(ctx.carry, weights_BNTS, ctx)
-        y_BTD = self.out(y_BTNH)
-        return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+        return weights_BNTS
 
     def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
         """Lets the block update the scheme's carry after its MLP (TAPE eq. 8)."""

@@ -147,6 +147,17 @@ class AttentionSite(nn.Module):
         """
         return None
 
+    def attend(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> jax.Array | None:
+        """A fused path: the whole attention output y_BTNH computed by the scheme itself.
+
+        For blockwise forms that never build (T, S) tensors (CoPE, FoX, stick-breaking in O(T)
+        memory). Returning None (the default) selects the generic path: logits, bias,
+        normalize. When a fused path is taken, ``carry_after_attention`` gets no weights.
+        """
+        return None
+
     def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
         """The normalizer site: attention weights from the biased logits. Default: softmax."""
         return masked_softmax_BNTS(logits_BNTS, ctx.mask_BTS)
@@ -156,9 +167,12 @@ class AttentionSite(nn.Module):
         return y_BTNH
 
     def carry_after_attention(
-        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+        self, carry: Carry, weights_BNTS: jax.Array | None, ctx: AttentionContext
     ) -> Carry:
-        """The carry site, inside attention (TAPE eq. 7). Default: unchanged."""
+        """The carry site, inside attention (TAPE eq. 7). Default: unchanged.
+
+        ``weights_BNTS`` is None when the fused ``attend`` path was taken.
+        """
         return carry
 
     def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
+from copejax.kv_cache import KeyCache
 from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext, AttentionSite, Carry
 
@@ -105,6 +106,7 @@ class Attention(nn.Module):
         if own is None and self.shared is None:
             own = AttentionSite(cfg.dims)  # a scheme without attention sites (nope)
         self.own_site = own
+        self.key_cache = KeyCache(name="key_cache")  # used only in decode mode
 
     def _site(self) -> AttentionSite:
         return self.own_site if self.own_site is not None else self.shared
@@ -118,10 +120,14 @@ class Attention(nn.Module):
         q_BTNH = self.query(x_BTD)
         k_BSNH = self.key(x_BTD)
         v_BSNH = self.value(x_BTD)
-        q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
+        if ctx.decode:
+            q_BTNH, k_BSNH, v_BSNH, ctx = self._decode_qkv(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+        else:
+            q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
 
-        y_BTNH = site.attend(q_BTNH, k_BSNH, v_BSNH, ctx)
+        # Decoding takes the generic path: the fused blockwise forms assume T == S.
+        y_BTNH = None if ctx.decode else site.attend(q_BTNH, k_BSNH, v_BSNH, ctx)
         weights_BNTS = None
         if y_BTNH is None:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
@@ -130,6 +136,27 @@ class Attention(nn.Module):
         carry = site.carry_after_attention(ctx.carry, weights_BNTS, ctx)
         y_BTD = self.out(y_BTNH)
         return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+    def _decode_qkv(
+        self,
+        site: AttentionSite,
+        q_BTNH: jax.Array,
+        k_BTNH: jax.Array,
+        v_BTNH: jax.Array,
+        ctx: AttentionContext,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionContext]:
+        """Decode mode: the scheme's per-key state and the qk site's k, v go into the cache.
+
+        Returns the new queries, the cached keys and values of every slot (B, S, N, H) and the
+        context with ``key_state`` (the scheme's cached arrays, new tokens included).
+        """
+        ctx = ctx.replace(key_state=self.key_cache.read() or None)
+        state = site.cache_state(k_BTNH, v_BTNH, ctx)
+        ctx = ctx.replace(key_state=self.key_cache(state, ctx.cache_index) if state else None)
+        qk_ctx = ctx.replace(k_positions_BS=ctx.q_positions_BT)  # qk sees the new keys only
+        q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
+        kv = self.key_cache({"key": k_BTNH, "value": v_BTNH}, ctx.cache_index)
+        return q_BTNH, kv["key"], kv["value"], ctx
 
     def _weights(
         self,

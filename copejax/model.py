@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from copejax import sharding as ax
 from copejax.attention import Attention, causal_segment_mask_BTS
+from copejax.kv_cache import DecodeCursor
 from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext, Carry, EmbedOutput
 
@@ -92,6 +93,11 @@ class Transformer(nn.Module):
     optionally ``segment_ids_BT`` (packed documents attend only within their segment).
     Training passes ``deterministic=False`` and the rngs ``dropout`` and ``positions``.
     Returns float32 logits of shape (B, T, V).
+
+    Incremental decoding: ``decode=True`` with variables ``{"params": ..., "cache": ...}``
+    (``copejax.decode.init_cache``) and ``mutable=["cache"]``; each call appends its T tokens
+    to the cache (T > 1 a prefill, T = 1 a step) and returns their logits, equal to those of
+    the full forward pass over the whole sequence.
     """
 
     cfg: ModelConfig
@@ -125,6 +131,7 @@ class Transformer(nn.Module):
                 name="lm_head",
             )
         self.dropout = nn.Dropout(cfg.dropout)
+        self.decode_cursor = DecodeCursor(name="decode_cursor")  # used only in decode mode
 
     def embed(
         self, tokens_BT: jax.Array, positions_BT: jax.Array, deterministic: bool
@@ -144,6 +151,7 @@ class Transformer(nn.Module):
         positions_BT: jax.Array,
         segment_ids_BT: jax.Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
     ) -> jax.Array:
         if positions_BT.shape != tokens_BT.shape:
             raise ValueError(
@@ -151,13 +159,14 @@ class Transformer(nn.Module):
                 f"{tokens_BT.shape}"
             )
         emb = self.embed(tokens_BT, positions_BT, deterministic)
-        return self.forward_embedded(emb, segment_ids_BT, deterministic)
+        return self.forward_embedded(emb, segment_ids_BT, deterministic, decode)
 
     def forward_embedded(
         self,
         emb: EmbedOutput,
         segment_ids_BT: jax.Array | None = None,
         deterministic: bool = True,
+        decode: bool = False,
     ) -> jax.Array:
         """The blocks and the output layer, from :meth:`embed`'s output (logits_BTV, float32).
 
@@ -174,6 +183,15 @@ class Transformer(nn.Module):
             carry=emb.carry,
             deterministic=deterministic,
         )
+        if decode:
+            view = self.decode_cursor(emb.positions_BT, segment_ids_BT)
+            cfg.scheme().check_decode(cfg.dims, view.positions_BS.shape[1])
+            ctx = ctx.replace(
+                k_positions_BS=view.positions_BS,
+                mask_BTS=view.mask_BTS,
+                decode=True,
+                cache_index=view.index,
+            )
         for block in self.blocks:
             x_BTD, carry = block(x_BTD, ctx)
             ctx = ctx.replace(carry=carry)
@@ -185,6 +203,7 @@ class Transformer(nn.Module):
             logits_BTV = self.token_embed.attend(x_BTD[..., :token_dim].astype(jnp.float32))
         else:
             logits_BTV = self.lm_head(x_BTD.astype(jnp.float32))
-        return nn.with_logical_constraint(
-            logits_BTV.astype(jnp.float32), (ax.BATCH, ax.LENGTH, ax.VOCAB)
-        )
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if decode:  # writes past the cache's slots are clamped: make them visibly invalid
+            logits_BTV = jnp.where(view.fits, logits_BTV, jnp.nan)
+        return nn.with_logical_constraint(logits_BTV, (ax.BATCH, ax.LENGTH, ax.VOCAB))

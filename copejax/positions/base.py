@@ -67,6 +67,15 @@ class AttentionContext:
       mask_BTS: True where query t may attend to key s (causal and same segment).
       carry: the scheme's layer-to-layer state (None unless the scheme uses the carry site).
       deterministic: True at evaluation (no dropout, no random positions).
+      decode: True in incremental decoding (``Transformer(..., decode=True)``): the T
+        queries are new tokens and the S keys are the cache's slots (see ``copejax.kv_cache``);
+        k_BSNH, v_BSNH, ``k_positions_BS`` and ``mask_BTS`` cover the S slots, except at the qk
+        site, which transforms the new keys only (there ``k_positions_BS`` are the new
+        tokens' positions).
+      cache_index: the key index of query 0: query t is key ``cache_index + t`` (0 without a
+        cache; an int32 scalar, traced, in decode mode).
+      key_state: in decode mode, the per-key arrays (B, S, ...) that the sites asked to keep
+        with :meth:`AttentionSite.cache_state`; None otherwise.
     """
 
     x_BTD: jax.Array
@@ -75,6 +84,9 @@ class AttentionContext:
     mask_BTS: jax.Array
     carry: Carry = None
     deterministic: bool = struct.field(pytree_node=False, default=True)
+    decode: bool = struct.field(pytree_node=False, default=False)
+    cache_index: Any = 0
+    key_state: dict[str, jax.Array] | None = None
 
 
 @struct.dataclass
@@ -125,6 +137,19 @@ class AttentionSite(nn.Module):
     """
 
     dims: Dims
+
+    def cache_state(
+        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Decode mode only: per-key arrays (B, T, ...) of the T new tokens to cache.
+
+        Called before the qk site with the projected (raw) keys and values; ``ctx.key_state``
+        holds what was cached before this call (None before the first). The cached arrays,
+        new tokens included, reach every later site as ``ctx.key_state`` (B, S, ...). Names
+        start with the scheme's name (``"fox_..."``) and must be unique in a combination;
+        "key" and "value" are taken. Default: nothing.
+        """
+        return {}
 
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
@@ -202,6 +227,11 @@ class PositionScheme:
     def token_dim(self, d_model: int) -> int:
         """Width of the token embedding (smaller than D for concatenative schemes)."""
         return d_model
+
+    def check_decode(self, dims: Dims, cache_length: int) -> None:
+        """Raises ValueError when a decode cache of ``cache_length`` slots outgrows the
+        scheme's position tables, NotImplementedError when the scheme cannot decode
+        incrementally. Default: any length decodes."""
 
     def embed_module(self, dims: Dims) -> EmbedSite | None:
         """The embed-site module (built once per model), or None."""

@@ -52,6 +52,10 @@ class Composite(PositionScheme):
         for part in self.parts:
             part.validate(dims)
 
+    def check_decode(self, dims: Dims, cache_length: int) -> None:
+        for part in self.parts:
+            part.check_decode(dims, cache_length)
+
     def embed_module(self, dims: Dims) -> EmbedSite | None:
         if not any(p.embed_module is not PositionScheme.embed_module for p in self.parts):
             return None
@@ -101,6 +105,17 @@ class _CompositeAttention(AttentionSite):
         self.sites_ = [m for _, m in pairs]
         users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]
         self.normalizer_index = users[0] if users else None
+
+    def cache_state(self, k_BTNH, v_BTNH, ctx: AttentionContext) -> dict[str, jax.Array]:
+        state: dict[str, jax.Array] = {}
+        for site in self.sites_:
+            part_state = site.cache_state(k_BTNH, v_BTNH, ctx)
+            clash = sorted(set(state) & set(part_state))
+            if clash:
+                names = "+".join(p.name for p in self.parts)
+                raise ValueError(f"{names}: two parts cache the same arrays {clash}")
+            state.update(part_state)
+        return state
 
     def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):
         for site in self.sites_:

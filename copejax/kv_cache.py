@@ -1,0 +1,109 @@
+"""The "cache" collection for incremental decoding (a KV cache; Pope et al. 2022, arXiv 2211.05102).
+
+Two Linen modules keep their arrays in the ``cache`` collection, sized by the length S of the
+call that created them (``copejax.decode.init_cache`` creates them with zeros):
+
+- :class:`DecodeCursor`, one per model: the write index, the positions and the segment ids of
+  every cached token, and the decode mask of the new queries over the S cache slots;
+- :class:`KeyCache`, one per attention layer: the keys and values after the qk site and any
+  per-key arrays the position scheme keeps (``AttentionSite.cache_state``).
+
+A call with T new tokens writes slots ``index .. index + T - 1`` and advances the index by T
+(T > 1 is a prefill, T = 1 a step). New query t sits at slot ``index + t`` and may attend to
+slot s iff ``s <= index + t`` (so s was written) and both are in the same segment.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+CACHE = "cache"
+
+
+@struct.dataclass
+class DecodeView:
+    """What the model learns from the cursor for one decode call.
+
+    Attributes:
+      index: slot of the first new token (int32 scalar); query t is key ``index + t``.
+      positions_BS: positions of the S cache slots (after this call's write).
+      mask_BTS: True where new query t may attend to slot s.
+      fits: False when the call wrote past the cache's S slots (results are then invalid).
+    """
+
+    index: jax.Array
+    positions_BS: jax.Array
+    mask_BTS: jax.Array
+    fits: jax.Array
+
+
+def decode_mask_BTS(
+    index: jax.Array, segment_ids_BT: jax.Array, cached_segment_ids_BS: jax.Array
+) -> jax.Array:
+    """True where new query t (slot ``index + t``) may see slot s: s <= index + t, same segment."""
+    length_q, length_k = segment_ids_BT.shape[1], cached_segment_ids_BS.shape[1]
+    slot_T1 = index + jnp.arange(length_q)[:, None]
+    s_1S = jnp.arange(length_k)[None, :]
+    same_BTS = segment_ids_BT[:, :, None] == cached_segment_ids_BS[:, None, :]
+    return (s_1S <= slot_T1)[None] & same_BTS
+
+
+class DecodeCursor(nn.Module):
+    """The model's write index, cached positions and segment ids (B, S)."""
+
+    @nn.compact
+    def __call__(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> DecodeView:
+        if not self.has_variable(CACHE, "index") and not self.is_initializing():
+            raise ValueError(
+                "decode=True needs a cache: pass variables {'params': ..., 'cache': "
+                "copejax.decode.init_cache(cfg, batch, max_len)} and mutable=['cache']"
+            )
+        batch, length = positions_BT.shape
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.zeros((batch, length), jnp.int32)
+        index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+        positions = self.variable(CACHE, "positions", jnp.zeros, (batch, length), jnp.int32)
+        segments = self.variable(CACHE, "segment_ids", jnp.zeros, (batch, length), jnp.int32)
+        cache_batch, slots = positions.value.shape
+        if cache_batch != batch or length > slots:
+            raise ValueError(
+                f"decode: {length} new tokens for batch {batch} do not fit a cache of batch "
+                f"{cache_batch} with {slots} slots; allowed: the cache's batch and T <= {slots}"
+            )
+        start = index.value
+        positions.value = jax.lax.dynamic_update_slice_in_dim(
+            positions.value, positions_BT.astype(jnp.int32), start, axis=1
+        )
+        segments.value = jax.lax.dynamic_update_slice_in_dim(
+            segments.value, segment_ids_BT.astype(jnp.int32), start, axis=1
+        )
+        index.value = start + length
+        return DecodeView(
+            index=start,
+            positions_BS=positions.value,
+            mask_BTS=decode_mask_BTS(start, segment_ids_BT.astype(jnp.int32), segments.value),
+            fits=start + length <= slots,
+        )
+
+
+class KeyCache(nn.Module):
+    """One layer's cached per-key arrays, each (B, S, ...), written at the cursor's index."""
+
+    @nn.compact
+    def __call__(self, new: dict[str, jax.Array], index: jax.Array) -> dict[str, jax.Array]:
+        """Writes each (B, T, ...) array of ``new`` at slots ``index ..``; returns (B, S, ...)."""
+        full = {}
+        for name, new_BT in new.items():
+            slot = self.variable(CACHE, name, jnp.zeros, new_BT.shape, new_BT.dtype)
+            slot.value = jax.lax.dynamic_update_slice_in_dim(
+                slot.value, new_BT.astype(slot.value.dtype), index, axis=1
+            )
+            full[name] = slot.value
+        return full
+
+    def read(self) -> dict[str, jax.Array]:
+        """The arrays cached so far (before this call's writes); empty before the first call."""
+        return dict(self.variables.get(CACHE, {}))

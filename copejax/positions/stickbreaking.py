@@ -23,15 +23,19 @@ from copejax.positions.base import AttentionContext, AttentionSite, Dims, Positi
 from copejax.positions.registry import register
 
 
-def stickbreaking_allowed_BTS(mask_BTS: jax.Array, include_self: bool) -> jax.Array:
+def stickbreaking_allowed_BTS(
+    mask_BTS: jax.Array, include_self: bool, query_offset: jax.Array | int | None = None
+) -> jax.Array:
     """The keys each query breaks sticks over: the mask, without its own token unless asked.
 
-    Query t's own key is key ``t + S - T`` (the queries are the last T of the S keys).
+    Query t's own key is key ``t + query_offset``; None means ``S - T`` (the queries are the
+    last T of the S keys). In incremental decoding the offset is the cache index.
     """
     if include_self:
         return mask_BTS
     length_q, length_k = mask_BTS.shape[1:]
-    t_T1 = jnp.arange(length_q)[:, None] + (length_k - length_q)
+    offset = length_k - length_q if query_offset is None else query_offset
+    t_T1 = jnp.arange(length_q)[:, None] + offset
     s_1S = jnp.arange(length_k)[None, :]
     return mask_BTS & (s_1S != t_T1)
 
@@ -100,7 +104,8 @@ class _StickBreakingSite(AttentionSite):
     scheme: StickBreaking = StickBreaking()
 
     def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
-        allowed_BTS = stickbreaking_allowed_BTS(ctx.mask_BTS, self.scheme.include_self)
+        offset = ctx.cache_index if ctx.decode else None
+        allowed_BTS = stickbreaking_allowed_BTS(ctx.mask_BTS, self.scheme.include_self, offset)
         weights_BNTS, leftover_BNT = stickbreaking_weights(
             logits_BNTS, allowed_BTS, self.scheme.scan_impl
         )

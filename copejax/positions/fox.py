@@ -67,6 +67,46 @@ def segment_starts_BT(mask_BTS: jax.Array) -> jax.Array:
     return jnp.concatenate([first_B1, ~sees_previous_BT], axis=1)
 
 
+def segment_starts_at(mask_BTS: jax.Array, offset: jax.Array | int) -> jax.Array:
+    """True where query t, which is key ``offset + t``, begins a segment (incremental decoding).
+
+    A segment begins at key 0 and wherever the query may not attend to the key before it.
+    With ``offset = 0`` and T == S this is :func:`segment_starts_BT`.
+
+    Args:
+      mask_BTS: True where query t may attend to key s (S >= offset + T).
+      offset: the key index of query 0 (the cache index).
+
+    Returns:
+      starts_BT, bool.
+    """
+    key_T = offset + jnp.arange(mask_BTS.shape[1])
+    previous_BT1 = jnp.broadcast_to(jnp.maximum(key_T - 1, 0)[:, None], (*mask_BTS.shape[:2], 1))
+    sees_previous_BT = jnp.take_along_axis(mask_BTS, previous_BT1, axis=2)[..., 0]
+    return (key_T == 0)[None] | ~sees_previous_BT
+
+
+def fox_cached_cumsum(
+    logf_BTN: jax.Array,
+    starts_BT: jax.Array,
+    previous_BN: jax.Array | None,
+    impl: str = "auto",
+) -> jax.Array:
+    """The prefix sums ``c`` of log forget gates of T new tokens, continuing cached ones.
+
+    ``c`` restarts at each segment start; new tokens before the first start continue the
+    previous token's sum ``previous_BN`` (ignored when the first new token starts a segment).
+
+    Returns:
+      c_BTN, float32.
+    """
+    c_BTN = scan.segment_cumsum(logf_BTN, starts_BT[:, :, None], axis=1, impl=impl)
+    if previous_BN is None:
+        return c_BTN
+    continues_BT1 = (jnp.cumsum(starts_BT, axis=1) == 0)[:, :, None]
+    return c_BTN + jnp.where(continues_BT1, previous_BN[:, None, :].astype(jnp.float32), 0.0)
+
+
 def fox_decay_bias(logf_BTN: jax.Array, mask_BTS: jax.Array, impl: str = "auto") -> jax.Array:
     """D_ij = sum_{l=j+1..i} log f_l for allowed (i, j), exactly 0 elsewhere.
 
@@ -202,16 +242,61 @@ class _FoXSite(AttentionSite):
     def _sigmoid_gate(self, x_BTD: jax.Array, w_DN: jax.Array) -> jax.Array:
         return jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x_BTD.astype(jnp.float32), w_DN))
 
+    def _log_forget_gates(self, x_BTD: jax.Array) -> jax.Array:
+        if self.scheme.unit_forget_gate:
+            # log f = 0 through the same scan and masking: D = 0, plain softmax attention.
+            return jnp.zeros((*x_BTD.shape[:2], self.dims.num_heads), jnp.float32)
+        return fox_log_forget_gates(x_BTD, self.forget_w, self.forget_b)
+
+    def cache_state(
+        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Per key: the prefix sum ``c`` of log forget gates; the raw k / v for token shift."""
+        s = self.scheme
+        starts_BT = segment_starts_at(ctx.mask_BTS, ctx.cache_index)
+        previous_BN = None
+        if ctx.key_state is not None and "fox_cumsum" in ctx.key_state:
+            previous_BN = jnp.take(
+                ctx.key_state["fox_cumsum"], jnp.maximum(ctx.cache_index - 1, 0), axis=1
+            )
+        logf_BTN = self._log_forget_gates(ctx.x_BTD)
+        state = {"fox_cumsum": fox_cached_cumsum(logf_BTN, starts_BT, previous_BN, s.scan_impl)}
+        if s.key_shift:
+            state["fox_raw_key"] = k_BTNH
+        if s.value_shift:
+            state["fox_raw_value"] = v_BTNH
+        return state
+
+    def _shift_cached(
+        self, x_BTNH: jax.Array, name: str, w_DN: jax.Array, ctx: AttentionContext
+    ) -> jax.Array:
+        """Token shift of new tokens whose previous token may be cached (decode mode)."""
+        length = x_BTNH.shape[1]
+        raw_BSNH = ctx.key_state[name]
+        previous_T = jnp.maximum(ctx.cache_index + jnp.arange(length) - 1, 0)
+        previous_BTNH = jnp.take(raw_BSNH, previous_T, axis=1).astype(jnp.float32)
+        starts_BT11 = segment_starts_at(ctx.mask_BTS, ctx.cache_index)[:, :, None, None]
+        previous_BTNH = jnp.where(starts_BT11, 0.0, previous_BTNH)
+        a_BTN1 = self._sigmoid_gate(ctx.x_BTD, w_DN)[..., None]
+        mixed_BTNH = a_BTN1 * x_BTNH.astype(jnp.float32) + (1.0 - a_BTN1) * previous_BTNH
+        return mixed_BTNH.astype(x_BTNH.dtype)
+
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         s = self.scheme
-        if s.key_shift:
-            a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w)
-            k_BSNH = token_shift(k_BSNH, a_BSN, ctx.mask_BTS)
-        if s.value_shift:
-            a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w)
-            v_BSNH = token_shift(v_BSNH, a_BSN, ctx.mask_BTS)
+        if ctx.decode:  # the previous token's raw k / v may come from the cache
+            if s.key_shift:
+                k_BSNH = self._shift_cached(k_BSNH, "fox_raw_key", self.key_shift_w, ctx)
+            if s.value_shift:
+                v_BSNH = self._shift_cached(v_BSNH, "fox_raw_value", self.value_shift_w, ctx)
+        else:
+            if s.key_shift:
+                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w)
+                k_BSNH = token_shift(k_BSNH, a_BSN, ctx.mask_BTS)
+            if s.value_shift:
+                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w)
+                v_BSNH = token_shift(v_BSNH, a_BSN, ctx.mask_BTS)
         if s.qk_norm:
             q_BTNH = rms_norm_heads(q_BTNH, self.q_scale)
             k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
@@ -225,12 +310,14 @@ class _FoXSite(AttentionSite):
         logits_BNTS: jax.Array,
         ctx: AttentionContext,
     ) -> jax.Array | None:
-        if self.scheme.unit_forget_gate:
-            # log f = 0 through the same scan and masking: D = 0, plain softmax attention.
-            logf_BTN = jnp.zeros((*ctx.x_BTD.shape[:2], self.dims.num_heads), jnp.float32)
-        else:
-            logf_BTN = fox_log_forget_gates(ctx.x_BTD, self.forget_w, self.forget_b)
+        logf_BTN = self._log_forget_gates(ctx.x_BTD)
         self.sow("intermediates", "log_forget_gates", logf_BTN)
+        if ctx.decode:  # D_ts = c of query t (key cache_index + t) minus c of key s
+            c_BSN = ctx.key_state["fox_cumsum"]
+            keys_T = ctx.cache_index + jnp.arange(logf_BTN.shape[1])
+            c_BNT = jnp.moveaxis(jnp.take(c_BSN, keys_T, axis=1), 2, 1)
+            bias_BNTS = c_BNT[..., None] - jnp.moveaxis(c_BSN, 2, 1)[:, :, None, :]
+            return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
         return fox_decay_bias(logf_BTN, ctx.mask_BTS, self.scheme.scan_impl)
 
     def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:

@@ -199,6 +199,14 @@ class _CoPESite(AttentionSite):
                 name="gate_key",
             )
 
+    def cache_state(
+        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Decode mode: the separate gate keys k' = W x of the new tokens (sep_keys only)."""
+        if self.scheme.gates != "sep_keys":
+            return {}
+        return {"cope_sep_keys": self.gate_key(ctx.x_BTD)}
+
     def _gate_logits(
         self,
         q_BTNH: jax.Array,
@@ -208,7 +216,12 @@ class _CoPESite(AttentionSite):
     ) -> jax.Array:
         if self.scheme.gates == "keys":
             return logits_BNTS
-        other_BSNH = self.gate_key(ctx.x_BTD) if self.scheme.gates == "sep_keys" else v_BSNH
+        if self.scheme.gates == "values":
+            other_BSNH = v_BSNH
+        elif ctx.decode:
+            other_BSNH = ctx.key_state["cope_sep_keys"]
+        else:
+            other_BSNH = self.gate_key(ctx.x_BTD)
         scores_BNTS = jnp.einsum(
             "BTNH,BSNH->BNTS",
             q_BTNH.astype(jnp.float32),

@@ -382,12 +382,21 @@ class _TapeSite(AttentionSite):
             q2 = q2 * jnp.asarray(math.sqrt(q2.shape[-1] / head_dim), q2.dtype)
         return q2, k2, v_BSNH
 
+    def cache_state(
+        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Decode mode: each key's position tensor e_j entering this layer, for eq. 7."""
+        if self.scheme.contextualize == "mlp":
+            return {}
+        return {"tape_e": ctx.carry.e_BTMLR}
+
     def carry_after_attention(
         self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
     ) -> Carry:
         if self.scheme.contextualize == "mlp":
             return carry
-        return carry.replace(mixed_BTMLR=tape_mix(carry.e_BTMLR, weights_BNTS))
+        e_BSMLR = ctx.key_state["tape_e"] if ctx.decode else carry.e_BTMLR
+        return carry.replace(mixed_BTMLR=tape_mix(e_BSMLR, weights_BNTS))
 
     def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
         s = self.scheme

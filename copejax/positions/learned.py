@@ -92,6 +92,15 @@ class Learned(PositionScheme):
             )
         check_positive(self.name, init_std=self.init_std)
 
+    def check_decode(self, dims: Dims, cache_length: int) -> None:
+        table_size = self.resolved_table_size(dims)
+        if cache_length > table_size:
+            raise ValueError(
+                f"{self.name}: a decode cache of {cache_length} tokens needs positions up to "
+                f"{cache_length - 1}, beyond table_size={table_size}; allowed: max_len <= "
+                f"{table_size}"
+            )
+
     def embed_module(self, dims: Dims) -> EmbedSite:
         return LearnedEmbed(dims=dims, table_size=self.resolved_table_size(dims), std=self.init_std)
 

@@ -118,6 +118,16 @@ class Randomized(PositionScheme):
         if encoding is not None:
             encoding.validate(dims)
 
+    def check_decode(self, dims: Dims, cache_length: int) -> None:
+        if self.sample_at_eval:
+            raise NotImplementedError(
+                f"{self.name}: sample_at_eval=True draws new positions for every call, so "
+                "incremental decoding cannot equal a full pass; decode with sample_at_eval=False"
+            )
+        encoding = self.encoding_scheme(dims)
+        if encoding is not None:
+            encoding.check_decode(dims, cache_length)
+
     def embed_module(self, dims: Dims) -> EmbedSite:
         return RandomizedEmbed(dims=dims, scheme=self)
 

@@ -95,6 +95,15 @@ class Relative(PositionScheme):
                 f"got {self.max_distance!r}"
             )
 
+    def check_decode(self, dims: Dims, cache_length: int) -> None:
+        max_distance = self.resolved_max_distance(dims)
+        if not self.capped and cache_length > max_distance + 1:
+            raise ValueError(
+                f"{self.name}: a decode cache of {cache_length} tokens needs distances up to "
+                f"{cache_length - 1}, beyond max_distance={max_distance}; allowed: max_len <= "
+                f"{max_distance + 1} (or relative_capped)"
+            )
+
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _RelativeSite(dims=dims, scheme=self)
 

@@ -3,10 +3,11 @@
     python -m copejax.sample --workdir=workdirs/lm_cope --prompt="ROMEO." \
         [--max_new_tokens=300] [--temperature=0.8] [--seed=0] [--context=0]
 
-Greedy at ``--temperature=0``, else sampling from softmax(logits / temperature). Every new
-token re-runs the model on the whole context (no incremental decoding yet): the context is the
-last ``--context`` tokens (default: the training length T), padded on the right to that fixed
-length so that one compiled function serves every step.
+Greedy at ``--temperature=0``, else sampling from softmax(logits / temperature). When the
+prompt and the new tokens fit in ``--context`` tokens (default: the training length T), the
+text comes from incremental decoding with the KV cache (``copejax.decode.generate``). Past
+that, every new token re-runs the model on the last ``--context`` tokens (a sliding window,
+padded on the right to that fixed length so that one compiled function serves every step).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from copejax import decode
 from copejax.data import _tokenizers as tok
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
@@ -32,8 +34,13 @@ def generate(
     temperature: float,
     seed: int,
     context: int,
+    use_cache: bool = True,
 ) -> np.ndarray:
     """Continues ``prompt_ids`` (starting with ``<bos>``); stops after ``<eos>``.
+
+    With ``use_cache`` (and prompt + new tokens within ``context``) the KV cache decodes;
+    otherwise each token re-runs the model on the window. Both give the same tokens: token i
+    is drawn with the i-th key of the chain ``key, step_key = split(key)`` from ``seed``.
 
     Returns the new token ids, int32 [<= max_new_tokens].
     """
@@ -41,6 +48,21 @@ def generate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if context < 1:
         raise ValueError(f"context must be >= 1, got {context}")
+    if max_new_tokens < 1:
+        return np.zeros((0,), np.int32)
+    if use_cache and len(prompt_ids) + max_new_tokens - 1 <= context:
+        new = np.asarray(
+            decode.generate(
+                model_config,
+                params,
+                jnp.asarray(prompt_ids, jnp.int32)[None],
+                max_new_tokens,
+                temperature=temperature,
+                key=jax.random.key(seed),
+            )[0]
+        )
+        eos = np.flatnonzero(new == tok.EOS_ID)
+        return (new[: eos[0] + 1] if eos.size else new).astype(np.int32)
     model = Transformer(model_config)
 
     @jax.jit

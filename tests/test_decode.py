@@ -1,0 +1,293 @@
+"""Incremental decoding equals the full forward pass, for every scheme and the main variants.
+
+A prompt (with packed documents in one row) is prefilled into the KV cache, the rest of the
+sequence is decoded one token (or one chunk) at a time, and the logits at every position are
+compared with one full forward pass over the whole sequence. Parameters that start at zero
+(CoPE's table, TAPE's W2, ...) are perturbed so that every scheme's position term is live.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax import decode, sample
+from copejax.kv_cache import decode_mask_BTS
+from copejax.model import Transformer
+from copejax.positions import registry
+from copejax.positions.fox import fox_cached_cumsum, segment_starts_at
+from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
+from tests.conftest import tiny_config
+
+LENGTH = 8
+PREFILL = 4
+# Row 0 is one document; row 1 packs three (a boundary in the prompt and one in the steps).
+SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
+POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
+
+VARIANTS = [
+    ("cope+rope", {}),
+    ("cope+relative", {}),
+    ("cope", {"gates": "sep_keys"}),
+    ("cope", {"gates": "values"}),
+    ("cope", {"position_term": "alibi"}),
+    ("cope", {"position_term": "mlp"}),
+    ("cope", {"p_max": 3}),
+    ("fox", {"output_gate": True, "qk_norm": True, "key_shift": True, "value_shift": True}),
+    ("stickbreaking", {"include_self": True}),
+    ("tape", {"contextualize": "attention"}),
+    ("tape", {"contextualize": "mlp"}),
+]
+SLOW_VARIANTS = [
+    ("cope", {"gates": "sep_keys", "share_layers": True}),
+    ("cope", {"per_head_embeddings": True, "scale_position_term": True}),
+    ("cope", {"position_term": "alibi", "alibi_slopes": "press"}),
+    ("cope+rope", {"gates": "sep_keys", "share_layers": True}),
+    ("fox", {"output_gate": True}),
+    ("fox", {"qk_norm": True}),
+    ("fox", {"key_shift": True}),
+    ("fox", {"value_shift": True}),
+    ("fox", {"unit_forget_gate": True, "key_shift": True}),
+    ("tape", {"init": "random", "block": 4, "coords": 3}),
+    ("tape", {"tensorial": False, "equivariant": False}),
+    ("rope", {"scaling": "yarn", "factor": 2.0}),
+    ("randomized", {"encoding": "learned"}),
+    ("randomized", {"encoding": "rope"}),
+    ("sinusoidal", {"mode": "concat"}),
+    ("kerple", {"variant": "power"}),
+]
+
+
+def _layers(position: str, options: dict) -> int:
+    """One layer unless state crosses layers (TAPE's carry) or is shared between them."""
+    scheme = registry.make_scheme(position, options)
+    return 2 if "carry" in scheme.sites or scheme.share_across_layers else 1
+
+
+def _model_and_params(position: str, options: dict) -> tuple[Transformer, object, object]:
+    cfg = tiny_config(position, position_options=options, num_layers=_layers(position, options))
+    model = Transformer(cfg)
+    tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
+    params = model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [
+        x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return model, jax.tree.unflatten(tree, leaves), cfg
+
+
+def _decoded_logits(
+    model: Transformer, params: object, cfg: object, chunks: list[int], segments: bool = True
+) -> np.ndarray:
+    """Logits of the whole sequence fed in consecutive chunks through the cache."""
+    tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
+    cache = decode.init_cache(cfg, 2, LENGTH)
+    outputs, start = [], 0
+    for size in chunks:
+        end = start + size
+        segment_ids = jnp.asarray(SEGMENTS_BT[:, start:end]) if segments else None
+        logits_BTV, variables = model.apply(
+            {"params": params, "cache": cache},
+            tokens_BT[:, start:end],
+            jnp.asarray(POSITIONS_BT[:, start:end]),
+            segment_ids,
+            decode=True,
+            mutable=["cache"],
+        )
+        cache, start = variables["cache"], end
+        outputs.append(np.asarray(logits_BTV))
+    assert start == LENGTH
+    return np.concatenate(outputs, axis=1)
+
+
+def _full_logits(model: Transformer, params: object, segments: bool = True) -> np.ndarray:
+    tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
+    segment_ids = jnp.asarray(SEGMENTS_BT) if segments else None
+    return np.asarray(
+        model.apply({"params": params}, tokens_BT, jnp.asarray(POSITIONS_BT), segment_ids)
+    )
+
+
+def _check_prefill_then_steps(position: str, options: dict, chunks: list[int]) -> None:
+    model, params, cfg = _model_and_params(position, options)
+    full = _full_logits(model, params)
+    decoded = _decoded_logits(model, params, cfg, chunks)
+    assert np.all(np.isfinite(full))
+    np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5, err_msg=position)
+
+
+STEPS = [PREFILL] + [1] * (LENGTH - PREFILL)
+
+
+@pytest.mark.parametrize("position", registry.names())
+def test_prefill_then_steps_equals_full_pass(position: str) -> None:
+    _check_prefill_then_steps(position, {}, STEPS)
+
+
+@pytest.mark.parametrize(("position", "options"), VARIANTS, ids=str)
+def test_variants_prefill_then_steps_equal_full_pass(position: str, options: dict) -> None:
+    _check_prefill_then_steps(position, options, STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("position", "options"), SLOW_VARIANTS, ids=str)
+def test_more_variants_prefill_then_steps_equal_full_pass(position: str, options: dict) -> None:
+    _check_prefill_then_steps(position, options, STEPS)
+
+
+@pytest.mark.parametrize(
+    ("position", "options"),
+    [
+        ("cope", {"gates": "sep_keys"}),
+        ("fox", {"key_shift": True, "value_shift": True}),
+        ("stickbreaking", {}),
+        ("tape", {}),
+    ],
+    ids=str,
+)
+def test_chunks_at_any_index_equal_full_pass(position: str, options: dict) -> None:
+    """Multi-token calls after the first (chunk boundaries inside and between documents)."""
+    _check_prefill_then_steps(position, options, [1, 3, 2, 2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", registry.names())
+def test_one_token_at_a_time_without_segments_equals_full_pass(position: str) -> None:
+    model, params, cfg = _model_and_params(position, {})
+    full = _full_logits(model, params, segments=False)
+    decoded = _decoded_logits(model, params, cfg, [1] * LENGTH, segments=False)
+    np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5, err_msg=position)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def test_decode_mask_matches_reference(rng: np.random.Generator) -> None:
+    cached_BS = rng.integers(0, 3, (2, 9)).astype(np.int32)
+    index, length = 4, 3
+    new_BT = cached_BS[:, index : index + length]
+    mask_BTS = np.asarray(decode_mask_BTS(jnp.int32(index), jnp.asarray(new_BT), cached_BS))
+    expected = np.zeros((2, length, 9), bool)
+    for b in range(2):
+        for t in range(length):
+            for s in range(9):
+                expected[b, t, s] = s <= index + t and cached_BS[b, s] == new_BT[b, t]
+    np.testing.assert_array_equal(mask_BTS, expected)
+
+
+def test_fox_cached_prefix_sums_continue_across_calls(rng: np.random.Generator) -> None:
+    segments_S = np.array([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    logf_BSN = -rng.random((1, 9, 2)).astype(np.float32)
+    expected = np.zeros_like(logf_BSN)
+    for s in range(9):
+        start = s if s == 0 or segments_S[s] != segments_S[s - 1] else None
+        expected[0, s] = logf_BSN[0, s] + (0 if start is not None else expected[0, s - 1])
+    mask_SS = (np.arange(9)[None] <= np.arange(9)[:, None]) & (segments_S[:, None] == segments_S)
+    c_BSN = np.zeros_like(logf_BSN)
+    for start, end in [(0, 2), (2, 5), (5, 6), (6, 9)]:
+        mask_BTS = jnp.asarray(mask_SS[None, start:end])
+        starts_BT = segment_starts_at(mask_BTS, start)
+        previous = None if start == 0 else jnp.asarray(c_BSN[:, start - 1])
+        c_BSN[:, start:end] = fox_cached_cumsum(
+            jnp.asarray(logf_BSN[:, start:end]), starts_BT, previous
+        )
+    np.testing.assert_allclose(c_BSN, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_stickbreaking_excludes_own_key_at_the_cache_index() -> None:
+    mask_BTS = jnp.ones((1, 2, 6), bool)
+    allowed = np.asarray(stickbreaking_allowed_BTS(mask_BTS, False, jnp.int32(3)))
+    expected = np.ones((1, 2, 6), bool)
+    expected[0, 0, 3] = expected[0, 1, 4] = False
+    np.testing.assert_array_equal(allowed, expected)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_decode_without_a_cache_is_a_clear_error() -> None:
+    model, params, _ = _model_and_params("rope", {})
+    tokens_BT = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ValueError, match="decode=True needs a cache"):
+        model.apply({"params": params}, tokens_BT, tokens_BT, decode=True, mutable=["cache"])
+
+
+def test_learned_table_refuses_a_longer_cache() -> None:
+    cfg = tiny_config("learned", position_options={"table_size": 8}, num_layers=1)
+    with pytest.raises(ValueError, match="table_size=8"):
+        decode.init_cache(cfg, 1, 9)
+
+
+def test_randomized_positions_sampled_at_eval_cannot_decode() -> None:
+    cfg = tiny_config("randomized", position_options={"sample_at_eval": True}, num_layers=1)
+    with pytest.raises(NotImplementedError, match="randomized"):
+        decode.init_cache(cfg, 1, 4)
+
+
+def test_cache_batch_mismatch_and_overflow() -> None:
+    model, params, cfg = _model_and_params("alibi", {})
+    cache = decode.init_cache(cfg, 2, 3)
+    tokens_BT = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="batch 2"):
+        model.apply(
+            {"params": params, "cache": cache}, tokens_BT, tokens_BT, decode=True, mutable=["cache"]
+        )
+    tokens_BT = jnp.zeros((2, 2), jnp.int32)
+    logits_BTV, variables = model.apply(
+        {"params": params, "cache": cache}, tokens_BT, tokens_BT, decode=True, mutable=["cache"]
+    )
+    assert np.all(np.isfinite(np.asarray(logits_BTV)))
+    logits_BTV, _ = model.apply(
+        {"params": params, "cache": variables["cache"]},
+        tokens_BT,
+        tokens_BT + 2,
+        decode=True,
+        mutable=["cache"],
+    )
+    assert np.all(np.isnan(np.asarray(logits_BTV))), "a write past the cache must not pass"
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _greedy_by_reforward(
+    model: Transformer, params: object, prompt_BT: np.ndarray, steps: int
+) -> np.ndarray:
+    tokens_BT = np.asarray(prompt_BT)
+    for _ in range(steps):
+        length = tokens_BT.shape[1]
+        positions_BT = np.broadcast_to(np.arange(length), tokens_BT.shape)
+        logits_BTV = model.apply({"params": params}, jnp.asarray(tokens_BT), positions_BT)
+        next_B = np.argmax(np.asarray(logits_BTV[:, -1]), axis=-1)
+        tokens_BT = np.concatenate([tokens_BT, next_B[:, None]], axis=1)
+    return tokens_BT[:, prompt_BT.shape[1] :]
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        "fox",
+        pytest.param("cope", marks=pytest.mark.slow),
+        pytest.param("tape", marks=pytest.mark.slow),
+    ],
+)
+def test_cached_greedy_generation_equals_reforward(position: str) -> None:
+    options = {"key_shift": True} if position == "fox" else {}
+    model, params, cfg = _model_and_params(position, options)
+    prompt_BT = np.random.default_rng(3).integers(0, 13, (2, 3)).astype(np.int32)
+    cached = np.asarray(decode.generate(cfg, params, jnp.asarray(prompt_BT), 5))
+    np.testing.assert_array_equal(cached, _greedy_by_reforward(model, params, prompt_BT, 5))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sample_generate_with_cache_equals_reforward(temperature: float) -> None:
+    _, params, cfg = _model_and_params("cope+rope", {})
+    prompt = np.array([1, 5, 7], np.int32)
+    kwargs = dict(max_new_tokens=6, temperature=temperature, seed=4, context=LENGTH)
+    cached = sample.generate(cfg, params, prompt, **kwargs)
+    reforward = sample.generate(cfg, params, prompt, use_cache=False, **kwargs)
+    assert cached.shape[0] >= 1
+    np.testing.assert_array_equal(cached, reforward)

@@ -1,0 +1,302 @@
+"""Sweeps for the results pages: train arms (a config plus options) over seeds with
+``copejax.train.run``, average the last evaluation over seeds, and write a markdown page, a
+JSON file and PNG plots next to the papers' numbers (CoPE, arXiv 2405.18719; TAPE,
+arXiv 2501.00712).
+
+Every run is an ordinary copejax workdir, so any of them can be re-run alone with the
+command the page lists (``python -m copejax.main --config=... --workdir=...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from copejax.demo import load_config
+from copejax.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALES = ("smoke", "cpu", "paper")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One row of a study: a config file, its argument string and extra scheme options.
+
+    Attributes:
+      label: the row's name in tables and plots.
+      config_file: path relative to the repository root, e.g. ``configs/flipflop.py``.
+      arg: the config argument without the seed, e.g. ``cpu,position=cope``.
+      options: ``model.position_options`` entries set after loading (scheme options that
+        the config file has no shortcut for), e.g. ``{"gates": "values"}``.
+    """
+
+    label: str
+    config_file: str
+    arg: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def config_arg(self, seed: int) -> str:
+        return f"{self.arg},seed={seed}"
+
+    def command(self, seed: int, workdir: Path) -> str:
+        """The CLI command that trains this arm and seed alone."""
+        extra = "".join(
+            f" --config.model.position_options.{k}={_flag_value(v)}"
+            for k, v in self.options.items()
+        )
+        return (
+            f"python -m copejax.main --config={self.config_file}:{self.config_arg(seed)}"
+            f" --workdir={workdir}{extra}"
+        )
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return "'(" + ",".join(str(v) for v in value) + ",)'"
+    return str(value)
+
+
+def parse_args(argv: Sequence[str] | None, study: str) -> argparse.Namespace:
+    """The options every study script takes."""
+    parser = argparse.ArgumentParser(prog=f"python -m experiments.{study}")
+    parser.add_argument("--scale", choices=SCALES, default="cpu")
+    parser.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    parser.add_argument("--workroot", default=f"/tmp/copejax_experiments/{study}")
+    parser.add_argument("--seeds", type=int, default=0, help="0: the scale's default")
+    args = parser.parse_args(argv)
+    if args.seeds < 0:
+        parser.error(f"--seeds must be >= 0, got {args.seeds}")
+    return args
+
+
+def workdir_of(workroot: str | Path, scale: str, arm: Arm, seed: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in arm.label)
+    return Path(workroot) / scale / f"{safe}_seed{seed}"
+
+
+def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
+    """Trains (or resumes, or finds complete) one arm and seed; returns its metric records."""
+    from copejax import train
+
+    config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
+    with config.unlocked():
+        for key, value in arm.options.items():
+            config.model.position_options[key] = value
+    print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
+    train.run(config, workdir)
+    return read_jsonl(workdir / "metrics.jsonl")
+
+
+def last_eval(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The ``eval/...`` scalars of the last record that has any (prefix dropped)."""
+    for record in reversed(records):
+        found = {k.removeprefix("eval/"): v for k, v in record.items() if k.startswith("eval/")}
+        if found:
+            return {"step": record["step"], **found}
+    raise ValueError("no evaluation record in the metrics")
+
+
+def eval_curve(records: Sequence[Mapping[str, float]], key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``eval/<key>`` at every evaluation."""
+    return [(int(r["step"]), float(r[f"eval/{key}"])) for r in records if f"eval/{key}" in r]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and population standard deviation (0 for a single seed); NaN when empty."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        return float("nan"), float("nan")
+    return float(array.mean()), float(array.std())
+
+
+@dataclasses.dataclass
+class Sweep:
+    """The outcome of :func:`run_sweep`: per arm, per seed, the metric records and commands."""
+
+    study: str
+    scale: str
+    seeds: list[int]
+    records: dict[str, list[list[dict[str, float]]]]
+    commands: list[str]
+    wall_time_s: float
+    workdirs: dict[str, list[Path]]
+
+    def final(self, label: str, key: str) -> list[float]:
+        """``eval/<key>`` of the last evaluation of each seed of arm ``label``."""
+        return [last_eval(r)[key] for r in self.records[label] if key in last_eval(r)]
+
+
+def run_sweep(
+    study: str, scale: str, arms: Sequence[Arm], seeds: Sequence[int], workroot: str | Path
+) -> Sweep:
+    """Trains every arm with every seed, one after another."""
+    start = time.perf_counter()
+    records: dict[str, list[list[dict[str, float]]]] = {}
+    workdirs: dict[str, list[Path]] = {}
+    commands = []
+    for arm in arms:
+        for seed in seeds:
+            workdir = workdir_of(workroot, scale, arm, seed)
+            commands.append(arm.command(seed, workdir))
+            records.setdefault(arm.label, []).append(train_arm(arm, seed, workdir))
+            workdirs.setdefault(arm.label, []).append(workdir)
+    return Sweep(
+        study, scale, list(seeds), records, commands, time.perf_counter() - start, workdirs
+    )
+
+
+def percent(mean_std_pair: tuple[float, float], scale: float = 100.0, digits: int = 1) -> str:
+    """``"12.3 ± 4.5"`` (the pair times ``scale``)."""
+    mean, std = mean_std_pair
+    if np.isnan(mean):
+        return "n/a"
+    return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def paper_cell(paper: Mapping[str, Mapping[str, float]], label: str, column: str) -> str:
+    value = paper.get(label, {}).get(column)
+    return "-" if value is None else f"{value:g}"
+
+
+def commands_block(study: str, scale: str, sweep: Sweep) -> str:
+    lines = [
+        "Regenerate this page (all runs, then the table and plots):",
+        "",
+        "```",
+        f"python -m experiments.{study} --scale={scale}",
+        "```",
+        "",
+        "which trains, one after another (each line also runs alone):",
+        "",
+        "```",
+        *sweep.commands,
+        "```",
+    ]
+    return "\n".join(lines)
+
+
+def write_outputs(
+    out: str | Path,
+    study: str,
+    scale: str,
+    page: str,
+    data: Mapping[str, Any],
+) -> Path:
+    """Writes ``<out>/<study>.md`` (``<study>_<scale>.md`` unless the scale is cpu) and the
+    JSON beside it; returns the markdown path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = study if scale == "cpu" else f"{study}_{scale}"
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    path = out / f"{stem}.md"
+    path.write_text(page.rstrip() + "\n")
+    return path
+
+
+def plot_path(out: str | Path, study: str, scale: str, name: str) -> Path:
+    stem = study if scale == "cpu" else f"{study}_{scale}"
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return Path(out) / f"{stem}_{name}.png"
+
+
+def bar_plot(
+    labels: Sequence[str],
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    path: Path,
+    *,
+    ylabel: str,
+    title: str,
+    paper: Mapping[str, Sequence[float | None]] | None = None,
+) -> None:
+    """Grouped bars: one group per label, one bar per series (mean with a std whisker); the
+    paper's numbers, where given, as black crosses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.2 * len(labels) + 2), 3.8))
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(labels))
+    for i, (name, values) in enumerate(series.items()):
+        means = [v[0] for v in values]
+        stds = [v[1] for v in values]
+        offset = x + (i - (len(series) - 1) / 2) * width
+        axes.bar(offset, means, width, yerr=stds, capsize=3, label=name)
+        if paper and name in paper:
+            points = [(o, p) for o, p in zip(offset, paper[name], strict=True) if p is not None]
+            if points:
+                axes.scatter(*zip(*points, strict=True), marker="x", color="black", zorder=3)
+    axes.set_xticks(x, labels, rotation=20)
+    axes.set(ylabel=ylabel, title=title + ("  (x: paper)" if paper else ""))
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def curve_plot(
+    curves: Mapping[str, Sequence[Sequence[tuple[float, float]]]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log_y: bool = False,
+) -> None:
+    """One line per label: the mean over seeds of (x, y) curves sharing their x values, with
+    a band of one std."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, per_seed in curves.items():
+        length = min((len(c) for c in per_seed), default=0)
+        if length == 0:
+            continue
+        xs = np.asarray([p[0] for p in per_seed[0][:length]], dtype=np.float64)
+        ys = np.asarray([[p[1] for p in c[:length]] for c in per_seed], dtype=np.float64)
+        mean, std = ys.mean(0), ys.std(0)
+        axes.plot(xs, mean, marker="o", markersize=3, label=label)
+        axes.fill_between(xs, mean - std, mean + std, alpha=0.2)
+    if log_y:
+        axes.set_yscale("log")
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def seeds_for(args: argparse.Namespace, default: int) -> list[int]:
+    return list(range(args.seeds or default))
+
+
+def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
+    return "\n".join(
+        [
+            f"# {title}",
+            "",
+            f"Scale `{scale}`, seeds {sweep.seeds}, wall time {sweep.wall_time_s / 60:.1f} min"
+            " (training and evaluation, one process on a shared 2-core CPU).",
+            "",
+            notes.strip(),
+            "",
+        ]
+    )

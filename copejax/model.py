@@ -180,6 +180,9 @@ class Transformer(nn.Module):
             q_positions_BT=emb.positions_BT,
             k_positions_BS=emb.positions_BT,
             mask_BTS=causal_segment_mask_BTS(segment_ids_BT, batch, length),
+            segment_ids_BT=(
+                jnp.zeros((batch, length), jnp.int32) if segment_ids_BT is None else segment_ids_BT
+            ),
             carry=emb.carry,
             deterministic=deterministic,
         )

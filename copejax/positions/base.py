@@ -76,6 +76,9 @@ class AttentionContext:
         cache; an int32 scalar, traced, in decode mode).
       key_state: in decode mode, the per-key arrays (B, S, ...) that the sites asked to keep
         with :meth:`AttentionSite.cache_state`; None otherwise.
+      segment_ids_BT: the packed documents' ids (zeros without packing), set by the model so
+        that the fused ``attend`` path can build masks block by block without reading the
+        (B, T, S) ``mask_BTS``; None when the context was built without them.
     """
 
     x_BTD: jax.Array
@@ -87,6 +90,7 @@ class AttentionContext:
     decode: bool = struct.field(pytree_node=False, default=False)
     cache_index: Any = 0
     key_state: dict[str, jax.Array] | None = None
+    segment_ids_BT: jax.Array | None = None
 
 
 @struct.dataclass

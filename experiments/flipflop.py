@@ -23,7 +23,7 @@ PAPER = {
 }
 SCHEMES = {
     "smoke": ("rope", "cope"),
-    "cpu": ("learned", "rope", "nope", "cope", "fox", "stickbreaking"),
+    "cpu": ("learned", "rope", "cope"),
     "paper": ("learned", "rope", "nope", "alibi", "cope", "fox", "stickbreaking", "tape"),
 }
 SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}

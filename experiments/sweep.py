@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None, study: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m experiments.{study}")
     parser.add_argument("--scale", choices=SCALES, default="cpu")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results"))
-    parser.add_argument("--workroot", default=f"/tmp/copejax_experiments/{study}")
+    parser.add_argument("--workroot", default="/tmp/copejax_experiments")
     parser.add_argument("--seeds", type=int, default=0, help="0: the scale's default")
     args = parser.parse_args(argv)
     if args.seeds < 0:
@@ -77,9 +77,9 @@ def parse_args(argv: Sequence[str] | None, study: str) -> argparse.Namespace:
     return args
 
 
-def workdir_of(workroot: str | Path, scale: str, arm: Arm, seed: int) -> Path:
+def workdir_of(workroot: str | Path, study: str, scale: str, arm: Arm, seed: int) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in arm.label)
-    return Path(workroot) / scale / f"{safe}_seed{seed}"
+    return Path(workroot) / study / scale / f"{safe}_seed{seed}"
 
 
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
@@ -144,7 +144,7 @@ def run_sweep(
     commands = []
     for arm in arms:
         for seed in seeds:
-            workdir = workdir_of(workroot, scale, arm, seed)
+            workdir = workdir_of(workroot, study, scale, arm, seed)
             commands.append(arm.command(seed, workdir))
             records.setdefault(arm.label, []).append(train_arm(arm, seed, workdir))
             workdirs.setdefault(arm.label, []).append(workdir)

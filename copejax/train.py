@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from copejax import input_pipeline, optim, sharding, workdir
+from copejax import input_pipeline, optim, shape_checks, sharding, workdir
 from copejax.checkpoint import Checkpointer
 from copejax.config_base import NONFINITE
 from copejax.data.base import Task, make_task
@@ -73,8 +73,10 @@ def validate(
     """Checks every part of a config before any compute; raises ValueError on the first problem.
 
     Checks the seed, the task and its options, the model (ModelConfig.validate, which checks
-    the position scheme), the optimizer, the mesh against the device count, and that batch
-    sizes divide over the batch-sharded mesh axes and the processes.
+    the position scheme), the optimizer, the mesh against the device count, that batch
+    sizes divide over the batch-sharded mesh axes and the processes, and (tracing the model,
+    no compute) that the mesh axes divide every sharded parameter dimension and that the
+    position scheme takes every evaluation split's sequence length.
     """
     device_count = jax.device_count() if device_count is None else device_count
     if not isinstance(config.seed, int) or not 0 <= config.seed < 2**31:
@@ -110,6 +112,11 @@ def validate(
         raise ValueError(f"eval.max_examples must be >= 0, got {config.eval.max_examples!r}")
     if not isinstance(config.data.worker_count, int) or config.data.worker_count < 0:
         raise ValueError(f"data.worker_count must be >= 0, got {config.data.worker_count!r}")
+    # Last, as they trace the model: shapes against the mesh, split lengths against tables.
+    params = shape_checks.abstract_params(cfg, task.seq_len)
+    shape_checks.check_divisible(params, dict(zip(sharding.MESH_AXES, shape, strict=True)), rules)
+    lengths = {s: shape_checks.split_length(task, s, config.seed) for s in eval_splits}
+    shape_checks.check_lengths(cfg, {**lengths, "train": task.seq_len}, params)
     return Plan(task=task, model_config=cfg, mesh_shape=shape, eval_splits=eval_splits)
 
 
@@ -195,12 +202,9 @@ def run(
 
     mesh = sharding.make_mesh(*plan.mesh_shape)
     rules = sharding.rules_tuple(config.axis_rules)
-    # The mesh is given to jax.jit through in/out shardings, and NOT entered with jax.set_mesh:
-    # under any mesh context flax 0.12.8's DenseGeneral applies the kernel's 3-axis logical
-    # constraint to the flattened 2-D kernel it initialises (and Scope.param re-runs that init
-    # under eval_shape at every apply), which fails. The model's activation constraints are
-    # therefore inactive and XLA propagates shardings from the parameters and the batch.
-    with nn.logical_axis_rules(rules), contextlib.ExitStack() as stack:
+    # Inside the mesh context the model's activation sharding constraints (logical names
+    # through the rules) take effect; jax.jit also gets explicit in/out shardings.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.ExitStack() as stack:
         return _train(
             config,
             plan,

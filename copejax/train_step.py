@@ -85,6 +85,16 @@ def _boxed_init(model: Transformer, seed: int, init_shape: tuple[int, int]) -> A
     return model.init(rngs, tokens_BT, positions_BT)["params"]
 
 
+def _strip_boxes(tree: Any) -> Any:
+    """The values inside the logical-partitioning boxes, without applying constraints (nn.unbox
+    under ``jax.set_mesh`` would constrain abstract arrays outside any trace, which fails)."""
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
+
+
 def make_steps(
     model: Transformer,
     train_config: Any,
@@ -124,7 +134,7 @@ def make_steps(
     state_shardings = sharding.tree_shardings(abstract_boxed_state, mesh, rules)
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        nn.unbox(abstract_boxed_state),
+        _strip_boxes(abstract_boxed_state),
         state_shardings,
     )
     batch_sharding = sharding.batch_sharding(mesh, rules)

@@ -51,3 +51,11 @@ def test_composite_shares_a_part_across_layers_while_others_stay_per_layer() -> 
         params = model.init(jax.random.key(0), tokens_BT, positions_BT)["params"]
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         assert sum("pos_emb" in path for path in paths) == tables, paths
+
+
+def test_readme_scheme_table_matches_the_registry() -> None:
+    """The README's table is `python -m copejax.positions`'s output: regenerate it if not."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert table() in readme, "README scheme table is stale: paste `python -m copejax.positions`"

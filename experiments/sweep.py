@@ -36,12 +36,14 @@ class Arm:
       arg: the config argument without the seed, e.g. ``cpu,position=cope``.
       options: ``model.position_options`` entries set after loading (scheme options that
         the config file has no shortcut for), e.g. ``{"gates": "values"}``.
+      home: another study's name, to reuse that study's runs of the same config.
     """
 
     label: str
     config_file: str
     arg: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    home: str = ""  # the study whose workdirs hold this arm's runs (default: the sweep's)
 
     def config_arg(self, seed: int) -> str:
         return f"{self.arg},seed={seed}"
@@ -144,7 +146,7 @@ def run_sweep(
     commands = []
     for arm in arms:
         for seed in seeds:
-            workdir = workdir_of(workroot, study, scale, arm, seed)
+            workdir = workdir_of(workroot, arm.home or study, scale, arm, seed)
             commands.append(arm.command(seed, workdir))
             records.setdefault(arm.label, []).append(train_arm(arm, seed, workdir))
             workdirs.setdefault(arm.label, []).append(workdir)

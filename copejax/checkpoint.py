@@ -5,22 +5,37 @@ optimizer state, step; sharded arrays), ``data`` (the grain iterator's position,
 process), ``config`` (the resolved config as JSON) and ``host`` (the loop's running sums of the
 current logging window, so that a resumed run logs the same averages). orbax writes into a
 temporary directory and renames it when complete, so a run killed mid-save leaves the previous
-checkpoint as the latest one.
+checkpoint as the latest one (the temporary directory is removed at the next start). A latest
+checkpoint that is nevertheless unreadable (a truncated file, a missing item) is reported,
+moved to ``<workdir>/corrupt_checkpoints`` and the previous one restored
+(:meth:`Checkpointer.restore_latest`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint whose arrays do not fit the current config's state."""
+
+
+class CorruptCheckpointError(ValueError):
+    """Every checkpoint of a workdir is unreadable."""
+
+
+CORRUPT_DIR = "corrupt_checkpoints"  # next to checkpoints/: where unreadable steps are moved
 
 
 def _leaves_by_path(tree: Any) -> dict[str, Any]:
@@ -141,6 +156,66 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         return restored["state"]
+
+    def restore_latest(
+        self,
+        abstract_state: Any,
+        data_iterator: grain.DatasetIterator | None,
+        check_config: Callable[[int, dict[str, Any]], None],
+    ) -> tuple[int, Any, dict[str, float]] | None:
+        """Restores the newest readable checkpoint: (step, state, host sums), or None if none.
+
+        A checkpoint that cannot be read (a truncated or corrupted array file, a missing or
+        torn item: a half-written checkpoint) is reported on stderr, moved to
+        ``<workdir>/corrupt_checkpoints/<step>`` (so that the step can be saved again) and the
+        previous one is tried. ``check_config(step, saved_config)`` may raise to refuse a
+        checkpoint written by another config; that error, like CheckpointMismatchError, is a
+        config problem rather than corruption and is raised as is.
+
+        Raises:
+          CorruptCheckpointError: checkpoints exist but none of them can be read.
+        """
+        moved = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                saved, host = self.saved_config_and_host(step)
+            except Exception as error:  # any read failure means corruption
+                moved.append(self._set_aside(step, error))
+                continue
+            check_config(step, saved)
+            try:
+                state = self.restore(step, abstract_state, data_iterator)
+            except CheckpointMismatchError:
+                raise
+            except Exception as error:
+                moved.append(self._set_aside(step, error))
+                continue
+            return step, state, host
+        if moved:
+            raise CorruptCheckpointError(
+                f"no readable checkpoint in {self.directory}; unreadable ones were moved to "
+                f"{', '.join(moved)}. Pass --restart to start the run over."
+            )
+        return None
+
+    def _set_aside(self, step: int, error: Exception) -> str:
+        """Reports checkpoint ``step`` as unreadable and moves it out of the manager's way."""
+        source = self.directory / str(step)
+        target = self.directory.parent / CORRUPT_DIR / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:400]
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(source, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"copejax: checkpoint {step} set aside")
+        self.manager.reload()
+        print(
+            f"warning: checkpoint {source} is unreadable (truncated or half-written?): {reason}\n"
+            f"  moved it to {target}; trying the previous checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        return str(target)
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -3,7 +3,8 @@
 TensorBoard reads TFRecord files of ``Event`` protocol buffers. Scalars need only a handful of
 fields, so they are encoded here by hand (protobuf wire format, CRC-32C framing) instead of
 pulling TensorFlow or tensorboardX into the dependencies: ``tensorboard --logdir <workdir>``
-shows them.
+shows them. A resumed run re-does the steps after its checkpoint, so both sinks are cut back to
+that step first (:func:`truncate_after`, :func:`truncate_events_after`): no step is logged twice.
 """
 
 from __future__ import annotations
@@ -153,3 +154,70 @@ def truncate_after(path: str | os.PathLike, step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+
+
+def event_step(data: bytes) -> int:
+    """The ``step`` field (2) of an encoded ``Event`` message; 0 when absent."""
+    at = 0
+    while at < len(data):
+        key, at = _read_varint(data, at)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, at = _read_varint(data, at)
+            if field == 2:
+                return value
+        elif wire == 1:
+            at += 8
+        elif wire == 2:
+            length, at = _read_varint(data, at)
+            at += length
+        elif wire == 5:
+            at += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire} in an event record")
+    return 0
+
+
+def read_records(path: str | os.PathLike) -> list[bytes]:
+    """The payloads of a TFRecord file, up to the first torn or corrupt record."""
+    blob = Path(path).read_bytes()
+    records, at = [], 0
+    while at + 12 <= len(blob):
+        length_bytes = blob[at : at + 8]
+        (length,) = struct.unpack("<Q", length_bytes)
+        (length_crc,) = struct.unpack("<I", blob[at + 8 : at + 12])
+        end = at + 12 + length + 4
+        if length_crc != masked_crc32c(length_bytes) or end > len(blob):
+            break
+        data = blob[at + 12 : at + 12 + length]
+        if struct.unpack("<I", blob[end - 4 : end])[0] != masked_crc32c(data):
+            break
+        records.append(data)
+        at = end
+    return records
+
+
+def truncate_events_after(tb_dir: str | os.PathLike, step: int) -> None:
+    """Drops TensorBoard events of steps after ``step`` (and torn records) from every event
+    file in ``tb_dir``, rewriting each changed file atomically."""
+    tb_dir = Path(tb_dir)
+    if not tb_dir.is_dir():
+        return
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        records = read_records(path)
+        kept = [r for r in records if event_step(r) <= step]
+        if len(kept) == len(records) and sum(len(r) + 16 for r in records) == path.stat().st_size:
+            continue
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(b"".join(tfrecord(r) for r in kept))
+        os.replace(tmp, path)

@@ -3,8 +3,8 @@
 The loop of nanodo and flax's lm1b example (decoder-only LM training, Vaswani et al. 2017,
 arXiv 1706.03762) with the checks a long research run needs: every config problem is a
 ValueError before any compute, the workdir belongs to one config, a re-run resumes from the
-latest checkpoint with metrics identical to an uninterrupted run, a non-finite loss stops (or
-skips) without saving bad state.
+latest readable checkpoint (an unreadable one is reported and set aside) with metrics identical
+to an uninterrupted run, a non-finite loss stops (or skips) and non-finite state is never saved.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -25,7 +26,7 @@ from copejax import input_pipeline, optim, shape_checks, sharding, workdir
 from copejax.checkpoint import Checkpointer
 from copejax.config_base import NONFINITE
 from copejax.data.base import Task, make_task
-from copejax.metrics import MetricsWriter, truncate_after
+from copejax.metrics import MetricsWriter, truncate_after, truncate_events_after
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 from copejax.progress import Progress
@@ -44,6 +45,17 @@ class Plan:
     model_config: ModelConfig
     mesh_shape: tuple[int, int, int]
     eval_splits: tuple[str, ...]
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    """True when every floating-point value of ``tree`` is finite (checked before a save)."""
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.isdtype(x.dtype, "real floating")
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
@@ -248,23 +260,25 @@ def _train(
     ckpt = Checkpointer(root / "checkpoints", train.keep_checkpoints)
     stack.callback(ckpt.close)
 
-    start = ckpt.latest_step()
-    host: dict[str, float] = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
-    if start is None:
-        state, start = steps.init(), 0
-    else:
-        saved, saved_host = ckpt.saved_config_and_host(start)
+    def check_config(step: int, saved: dict[str, Any]) -> None:
         if saved != resolved:
             diffs = "\n  ".join(workdir.config_differences(saved, resolved)[:20])
             raise workdir.WorkdirConflictError(
-                f"checkpoint {start} in {root} was written by a different config:\n  {diffs}\n"
+                f"checkpoint {step} in {root} was written by a different config:\n  {diffs}\n"
                 "Pass --restart to discard it and start over."
             )
-        state = ckpt.restore(start, steps.abstract_state, data)
+
+    host: dict[str, float] = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
+    restored = ckpt.restore_latest(steps.abstract_state, data, check_config)
+    if restored is None:
+        state, start = steps.init(), 0
+    else:
+        start, state, saved_host = restored
         host = saved_host or host
-        if main_process:
-            truncate_after(root / "metrics.jsonl", start)
         print(f"resumed from checkpoint {start} in {root / 'checkpoints'}", flush=True)
+    if main_process:  # a resumed run re-does the steps after its checkpoint
+        truncate_after(root / "metrics.jsonl", start)
+        truncate_events_after(root / "tb", start)
 
     writer = MetricsWriter(root, enabled=main_process)  # after truncate_after: it appends
     stack.callback(writer.close)
@@ -310,6 +324,13 @@ def _train(
             writer.write(step, record)
             last.update(record)
         if (train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps:
+            if not bool(_all_finite((state.params, state.opt_state))):
+                ckpt.wait()
+                where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
+                raise NonFiniteLossError(
+                    f"the train state at step {step} holds non-finite values, so it was not "
+                    f"saved; last good checkpoint: {where} in {root / 'checkpoints'}"
+                )
             ckpt.save(step, state, data, resolved, host)
             last_saved = step
         if stop_after is not None and step >= stop_after:

@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 CONFIG_FILE = "config.json"
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", CONFIG_FILE)
+RUN_OUTPUTS = ("checkpoints", "corrupt_checkpoints", "metrics.jsonl", "tb", CONFIG_FILE)
 
 
 class WorkdirConflictError(ValueError):

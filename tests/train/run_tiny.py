@@ -1,17 +1,34 @@
 """Runs tiny_copy training in a subprocess: ``python -m tests.train.run_tiny WORKDIR JSON``.
 
-JSON holds ``{"position", "train", "mesh", "eval", "distributed": [addr, n, i]}`` (all
-optional). WORKDIR may be a comma-separated list: the same config runs in each.
+JSON holds ``{"position", "train", "mesh", "eval", "distributed": [addr, n, i],
+"kill_during_save": step}`` (all optional); ``kill_during_save`` SIGKILLs the process as soon as
+the asynchronous save of that step has started (its files are still being written). WORKDIR
+may be a comma-separated list: the same config runs in each.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _die_during_save(kill_step: int) -> None:
+    from copejax.checkpoint import Checkpointer
+
+    save = Checkpointer.save
+
+    def save_then_die(self: Checkpointer, step: int, *args: object, **kwargs: object) -> None:
+        save(self, step, *args, **kwargs)
+        if step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    Checkpointer.save = save_then_die
 
 
 def main() -> None:
@@ -24,6 +41,9 @@ def main() -> None:
         )
     from copejax import train
     from tests.train.tiny_task import tiny_config
+
+    if spec.get("kill_during_save") is not None:
+        _die_during_save(int(spec["kill_during_save"]))
 
     config = tiny_config(spec.get("position", "rope"), **spec.get("train", {}))
     config.mesh.update(spec.get("mesh", {}))

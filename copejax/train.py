@@ -261,7 +261,7 @@ def _train(
     stack.callback(ckpt.close)
 
     def check_config(step: int, saved: dict[str, Any]) -> None:
-        if saved != resolved:
+        if not workdir.same_run(saved, resolved):
             diffs = "\n  ".join(workdir.config_differences(saved, resolved)[:20])
             raise workdir.WorkdirConflictError(
                 f"checkpoint {step} in {root} was written by a different config:\n  {diffs}\n"
@@ -297,7 +297,8 @@ def _train(
                     f"non-finite loss ({float(out['loss'])}) or gradient norm "
                     f"({float(out['grad_norm'])}) at step {step}; the state was not updated "
                     f"and nothing was saved; last good checkpoint: {where} in "
-                    f"{root / 'checkpoints'} (set train.nonfinite=skip to skip such batches)"
+                    f"{root / 'checkpoints'} (re-run with --config.train.nonfinite=skip to resume "
+                    "from it skipping such batches)"
                 )
         else:
             host["loss_sum"] += float(out["loss"])

@@ -1,8 +1,9 @@
 """Workdir safety: one run per workdir, its config written atomically, restarts on request.
 
 ``<workdir>/config.json`` holds the resolved config of the run that owns the workdir. Running
-the same config again resumes; a different config is refused (naming the keys that differ)
-unless the caller asks to restart, which removes the old run's checkpoints and metrics.
+the same config again resumes (``train.nonfinite`` may change, see RESUMABLE); a different
+config is refused (naming the keys that differ) unless the caller asks to restart, which removes
+the old run's checkpoints and metrics.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """'key: old -> new' for every dotted key whose value differs."""
+    """'key: old -> new' for every dotted key whose value differs (RESUMABLE keys included)."""
     flat_old, flat_new = _flatten(old), _flatten(new)
     missing = "<absent>"
     return [
@@ -46,6 +47,16 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         for key in sorted(set(flat_old) | set(flat_new))
         if flat_old.get(key, missing) != flat_new.get(key, missing)
     ]
+
+
+# Keys a resumed run may change: they decide what happens at a future non-finite step, not
+# what the saved state is. A run stopped by a non-finite loss can go on with nonfinite=skip.
+RESUMABLE = ("train.nonfinite",)
+
+
+def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """True when ``new`` may resume a run of ``old``: equal apart from RESUMABLE keys."""
+    return not [d for d in config_differences(old, new) if d.split(":")[0] not in RESUMABLE]
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
@@ -71,9 +82,9 @@ def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> 
     old = read_config(workdir)
     if restart:
         return any((Path(workdir) / name).exists() for name in RUN_OUTPUTS)
-    if old is None or old == config:
+    if old is None or same_run(old, config):
         return False
-    diffs = config_differences(old, config)
+    diffs = [d for d in config_differences(old, config) if d.split(":")[0] not in RESUMABLE]
     shown = "\n  ".join(diffs[:20])
     raise WorkdirConflictError(
         f"workdir {workdir} holds a run with a different config; differing keys:\n  {shown}\n"

@@ -175,3 +175,22 @@ def test_config_is_written_by_rename(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     with pytest.raises(OSError, match="killed"):
         workdir.write_json_atomic(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 1}  # the old config is intact
+
+
+def test_stopped_by_a_nan_resumes_with_skip(tmp_path: Path) -> None:
+    config = tiny_config()
+    config.task.options.poison_index = 3 * 8 + 5  # a row of step 4's batch (no shuffling)
+    config.data.shuffle = False
+    root = tmp_path / "run"
+    with pytest.raises(train.NonFiniteLossError, match=r"at step 4;.*checkpoint 3 in .*skip"):
+        train.run(config, root)
+    other = tiny_config(steps=7)
+    with pytest.raises(workdir.WorkdirConflictError, match=r"train\.steps: 6 -> 7"):
+        train.run(other, root)  # only train.nonfinite may change on resume
+    config.train.nonfinite = "skip"
+    final = train.run(config, root)
+    records = read_jsonl(root / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert final["train/nonfinite_steps"] == 1.0
+    assert all(r["train/loss"] is not None for r in records)
+    assert workdir.read_config(root)["train"]["nonfinite"] == "skip"

@@ -105,6 +105,11 @@ class _CompositeAttention(AttentionSite):
         self.sites_ = [m for _, m in pairs]
         users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]
         self.normalizer_index = users[0] if users else None
+        # A fused attend path needs the whole logit and weight computation in one part, and no
+        # part reading the weights (the carry site gets none on a fused path).
+        logit_users = [i for i, (p, _) in enumerate(pairs) if {"bias", "normalizer"} & set(p.sites)]
+        carries = any("carry" in p.sites for p, _ in pairs)
+        self.fusable_index = logit_users[0] if len(logit_users) == 1 and not carries else None
 
     def cache_state(self, k_BTNH, v_BTNH, ctx: AttentionContext) -> dict[str, jax.Array]:
         state: dict[str, jax.Array] = {}
@@ -129,6 +134,15 @@ class _CompositeAttention(AttentionSite):
             if b is not None:
                 total = b if total is None else total + b
         return total
+
+    def attend(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> jax.Array | None:
+        """The fused path of the one part that biases or normalises the logits (cope+rope:
+        CoPE's, on the rotated q and k), when no other part does; None otherwise."""
+        if self.fusable_index is None:
+            return None
+        return self.sites_[self.fusable_index].attend(q_BTNH, k_BSNH, v_BSNH, ctx)
 
     def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
         if self.normalizer_index is None:

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax import sharding as ax
+from copejax.ops import blockwise
 from copejax.ops import cope as cope_ops
+from copejax.ops.blockwise_cope import blockwise_cope_attention
 from copejax.ops.scan import IMPLS
 from copejax.positions.alibi import alibi_slopes as press_slopes
 from copejax.positions.base import (
@@ -75,6 +77,14 @@ class CoPE(PositionScheme):
       force_unit_gates: every allowed gate is 1: p_ij = i - j + 1 and CoPE is relative PE with
         embeddings e[i - j + 1] (Section 4). For the identity test.
       scan_impl: the suffix-sum implementation ("auto", "associative_scan", "cumsum").
+      attention_impl: "naive" (gates, positions and logits as (B, N, T, S) arrays), "blockwise"
+        (``copejax.ops.blockwise_cope``: O(T) memory, no (T, S) array in the forward or
+        backward pass) or "auto" (default: blockwise from ``blockwise_min_len`` tokens on).
+        Both give the same values and gradients; the sown intermediates (gates, positions,
+        position attention, attention weights) come from the naive path only, so "auto" stays
+        naive while the "intermediates" collection is mutable.
+      block_size: query and key block length of the blockwise path.
+      blockwise_min_len: the length from which "auto" goes blockwise.
     """
 
     name = "cope"
@@ -91,6 +101,9 @@ class CoPE(PositionScheme):
     scale_position_term: bool = False
     force_unit_gates: bool = False
     scan_impl: str = "auto"
+    attention_impl: str = "auto"
+    block_size: int = 256
+    blockwise_min_len: int = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.alibi_slopes, list):  # keep the scheme hashable
@@ -120,6 +133,9 @@ class CoPE(PositionScheme):
         if self.mlp_hidden <= 0:
             raise ValueError(f"{self.name}: mlp_hidden must be > 0, got {self.mlp_hidden!r}")
         self.fixed_slopes(dims)
+        blockwise.check_attention_options(
+            self.name, self.attention_impl, self.block_size, self.blockwise_min_len
+        )
 
     def fixed_slopes(self, dims: Dims) -> np.ndarray | None:
         """The fixed ALiBi magnitudes (N,), or None when the slopes are learned."""
@@ -229,14 +245,52 @@ class _CoPESite(AttentionSite):
         )
         return scores_BNTS / math.sqrt(q_BTNH.shape[-1])
 
+    def _slopes_N(self) -> jax.Array:
+        fixed = self.scheme.fixed_slopes(self.dims)
+        return self.slopes if fixed is None else -jnp.asarray(fixed, jnp.float32)
+
+    def attend(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> jax.Array | None:
+        """The blockwise path (O(T) memory) when ``attention_impl`` selects it, else None."""
+        s = self.scheme
+        sowing = self.is_mutable_collection("intermediates")
+        if not blockwise.use_blockwise(
+            s.attention_impl, q_BTNH.shape[1], s.blockwise_min_len, sowing
+        ):
+            return None
+        gate_k_BSNH = None
+        if s.gates == "values":
+            gate_k_BSNH = v_BSNH
+        elif s.gates == "sep_keys":
+            gate_k_BSNH = self.gate_key(ctx.x_BTD)
+        mlp_params = None
+        if s.position_term == "mlp":
+            mlp_params = (self.mlp_w_in, self.mlp_b_in, self.mlp_w_out)
+        return blockwise_cope_attention(
+            q_BTNH,
+            k_BSNH,
+            v_BSNH,
+            blockwise.context_segment_ids(ctx.segment_ids_BT, ctx.mask_BTS),
+            p_max=s.num_positions(self.dims),
+            position_term=s.position_term,
+            pos_emb=self.pos_emb if s.position_term == "interpolate" else None,
+            slopes_N=self._slopes_N() if s.position_term == "alibi" else None,
+            mlp_params=mlp_params,
+            mlp_input_scale=1.0 / s.num_positions(self.dims),
+            gate_k_BTNH=gate_k_BSNH,
+            force_unit_gates=s.force_unit_gates,
+            scale_position_term=s.scale_position_term,
+            block=s.block_size,
+            scan_impl=s.scan_impl,
+        )
+
     def _position_term(self, q_BTNH: jax.Array, positions_BNTS: jax.Array) -> jax.Array:
         s = self.scheme
         if s.position_term == "interpolate":
             return cope_ops.cope_interpolated_term(q_BTNH, self.pos_emb, positions_BNTS)
         if s.position_term == "alibi":
-            fixed = s.fixed_slopes(self.dims)
-            slopes_N = self.slopes if fixed is None else -jnp.asarray(fixed, jnp.float32)
-            return cope_ops.cope_alibi_term(slopes_N, positions_BNTS)
+            return cope_ops.cope_alibi_term(self._slopes_N(), positions_BNTS)
         return cope_ops.cope_mlp_term(
             q_BTNH,
             positions_BNTS,

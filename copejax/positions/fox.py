@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
-from copejax.ops import scan
+from copejax.ops import blockwise, scan
+from copejax.ops.blockwise_fox import blockwise_fox_attention
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -171,6 +172,13 @@ class FoX(PositionScheme):
       unit_forget_gate: force f = 1 (log f = 0): plain softmax attention (identity tests).
       forget_bias_init: initial value of the forget-gate bias b_f (0: f about 0.5).
       scan_impl: cumulative-sum implementation, see ``copejax.ops.scan``.
+      attention_impl: "naive" ((B, N, T, S) logits), "blockwise" (``copejax.ops.blockwise_fox``:
+        O(T) memory, no (T, S) array in the forward or backward pass) or "auto" (default:
+        blockwise from ``blockwise_min_len`` tokens on). Both give the same values and
+        gradients; sown intermediates (log forget gates, attention weights) come from the
+        naive path only, so "auto" stays naive while the "intermediates" collection is mutable.
+      block_size: query and key block length of the blockwise path.
+      blockwise_min_len: the length from which "auto" goes blockwise.
     """
 
     name = "fox"
@@ -184,6 +192,9 @@ class FoX(PositionScheme):
     unit_forget_gate: bool = False
     forget_bias_init: float = 0.0
     scan_impl: str = "auto"
+    attention_impl: str = "auto"
+    block_size: int = 256
+    blockwise_min_len: int = 1024
 
     def validate(self, dims: Dims) -> None:
         for key in ("output_gate", "qk_norm", "key_shift", "value_shift", "unit_forget_gate"):
@@ -201,6 +212,9 @@ class FoX(PositionScheme):
             raise ValueError(
                 f"{self.name}: scan_impl must be one of {scan.IMPLS}, got {self.scan_impl!r}"
             )
+        blockwise.check_attention_options(
+            self.name, self.attention_impl, self.block_size, self.blockwise_min_len
+        )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _FoXSite(dims=dims, scheme=self)
@@ -301,6 +315,26 @@ class _FoXSite(AttentionSite):
             q_BTNH = rms_norm_heads(q_BTNH, self.q_scale)
             k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
         return q_BTNH, k_BSNH, v_BSNH
+
+    def attend(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> jax.Array | None:
+        """The blockwise path (O(T) memory) when ``attention_impl`` selects it, else None."""
+        s = self.scheme
+        sowing = self.is_mutable_collection("intermediates")
+        if not blockwise.use_blockwise(
+            s.attention_impl, q_BTNH.shape[1], s.blockwise_min_len, sowing
+        ):
+            return None
+        return blockwise_fox_attention(
+            q_BTNH,
+            k_BSNH,
+            v_BSNH,
+            self._log_forget_gates(ctx.x_BTD),
+            blockwise.context_segment_ids(ctx.segment_ids_BT, ctx.mask_BTS),
+            block=s.block_size,
+            scan_impl=s.scan_impl,
+        )
 
     def bias(
         self,

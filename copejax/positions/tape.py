@@ -353,7 +353,7 @@ class _TapeSite(AttentionSite):
         )
         if s.contextualize != "attention":
 
-            def dense(axes: tuple[str, str], name: str) -> nn.Dense:
+            def dense(axes: tuple[str, str | None], name: str) -> nn.Dense:
                 return nn.Dense(
                     s.hidden,
                     dtype=jnp.float32,
@@ -363,7 +363,8 @@ class _TapeSite(AttentionSite):
                 )
 
             self.psi_in = dense((ax.POS_EMBED, ax.POS_MLP), "psi_in")
-            self.psi_out = dense((ax.POS_MLP, ax.POS_MLP), "psi_out")
+            # Flax refuses a logical name twice in one array: the output axis is unnamed.
+            self.psi_out = dense((ax.POS_MLP, None), "psi_out")
 
     def psi(self, x_tilde_BTMC: jax.Array) -> jax.Array:
         """psi: R^L -> R^F, a two-layer GELU MLP, in float32."""

@@ -1,12 +1,15 @@
-"""The first command to run: Flip-Flop language modelling (Liu et al. 2023, arXiv 2306.00946)
-trained on CPU in a few minutes, with a results table and a loss plot.
+"""The first command to run: a short version of study 1 (experiments/flipflop.py), Flip-Flop
+language modelling (Liu et al. 2023, arXiv 2306.00946) with token-position schemes against CoPE
+(Golovneva et al. 2024, arXiv 2405.18719, Table 2), trained on CPU in a few minutes.
 
-    python -m copejax.demo [--position=rope] [--workdir=workdirs/demo]
+    python -m copejax.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo]
 
-Trains ``configs/flipflop.py:cpu`` (a small model on 63-token sequences), printing the loss as
-it falls, then a table of the test and out-of-distribution errors and ``loss.png`` (training
-and evaluation loss against step) in ``<workdir>/<position>``. Re-running resumes or, when the
-run is complete, just prints the results again.
+Trains ``configs/flipflop.py:cpu`` (a small model on 63-token sequences, seed 0) once per
+scheme, printing the loss as it falls, then a table of every scheme's test and
+out-of-distribution errors, ``errors.png`` (error against step, per scheme and split) in
+``<workdir>`` and ``loss.png`` in each ``<workdir>/<position>``. Re-running resumes or, when
+the runs are complete, just prints the results again. The full study, with 3 seeds and the
+paper's numbers: ``python -m experiments.flipflop``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from absl import app, flags, logging
 from copejax.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-_POSITION = flags.DEFINE_string(
-    "position", "rope", "Position scheme (python -m copejax.positions)."
+_POSITIONS = flags.DEFINE_list(
+    "positions", ["learned", "rope", "cope"], "Position schemes (python -m copejax.positions)."
 )
-_WORKDIR = flags.DEFINE_string("workdir", "workdirs/demo", "Parent of the run's workdir.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdirs/demo", "Parent of the runs' workdirs.")
 _ARG = flags.DEFINE_string("variant", "cpu", "Argument of configs/flipflop.py (smoke, cpu).")
 
 
@@ -75,24 +78,74 @@ def plot_losses(records: list[dict[str, float]], path: Path, title: str) -> None
     plt.close(figure)
 
 
+def comparison_table(last: dict[str, dict[str, float]], splits: tuple[str, ...]) -> str:
+    """A plain-text table: one row per scheme, its last evaluation's error (%) per split."""
+    width = max(len("scheme"), *(len(p) for p in last))
+    lines = [f"{'scheme':<{width}}  " + "  ".join(f"{s + ' %':>14}" for s in splits)]
+    for position, record in last.items():
+        cells = "  ".join(
+            f"{100 * record.get(f'eval/{s}/error', float('nan')):>14.2f}" for s in splits
+        )
+        lines.append(f"{position:<{width}}  {cells}")
+    return "\n".join(lines)
+
+
+def plot_errors(
+    runs: dict[str, list[dict[str, float]]], splits: tuple[str, ...], path: Path
+) -> None:
+    """Error against step for every scheme (colour) and split (line style), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4))
+    styles = ("-", "--", ":")
+    for i, (position, records) in enumerate(runs.items()):
+        for split, style in zip(splits, styles, strict=False):
+            points = [
+                (r["step"], r[f"eval/{split}/error"]) for r in records if f"eval/{split}/error" in r
+            ]
+            if points:
+                axes.plot(
+                    *zip(*points, strict=True), style, color=f"C{i}", marker="o",
+                    markersize=3, label=f"{position} {split}",
+                )  # fmt: skip
+    axes.set(xlabel="step", ylabel="error (wrong reads / reads)", title="Flip-Flop")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     from copejax import train
 
-    config = load_config(
-        ROOT / "configs" / "flipflop.py", f"{_ARG.value},position={_POSITION.value}"
-    )
-    workdir = Path(_WORKDIR.value) / _POSITION.value
-    print(f"Flip-Flop with {_POSITION.value}: {config.train.steps} steps -> {workdir}", flush=True)
-    train.run(config, workdir)
-    records = read_jsonl(workdir / "metrics.jsonl")
-    print("\nerror = wrong reads / reads; glitch_rate = sequences with any wrong read")
-    print(results_table(records))
-    plot = workdir / "loss.png"
-    plot_losses(records, plot, f"Flip-Flop, {_POSITION.value}")
-    print(f"\nloss plot: {plot}\nmetrics: {workdir / 'metrics.jsonl'}")
+    root = Path(_WORKDIR.value)
+    runs: dict[str, list[dict[str, float]]] = {}
+    splits: tuple[str, ...] = ()
+    for position in _POSITIONS.value:
+        config = load_config(ROOT / "configs" / "flipflop.py", f"{_ARG.value},position={position}")
+        splits = tuple(config.eval.splits)
+        workdir = root / position
+        print(f"Flip-Flop with {position}: {config.train.steps} steps -> {workdir}", flush=True)
+        train.run(config, workdir)
+        runs[position] = read_jsonl(workdir / "metrics.jsonl")
+        plot_losses(runs[position], workdir / "loss.png", f"Flip-Flop, {position}")
+    last = {}
+    for position, records in runs.items():
+        last[position] = next(
+            (r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {}
+        )
+    print("\nerror = wrong reads / reads at the last evaluation (CoPE paper Table 2: in-dist.")
+    print("learned 6.8 %, RoPE 1.8 %, CoPE 0.0 %; OOD learned 21.7 %, RoPE 20.3 %, CoPE 4.9 %)")
+    print(comparison_table(last, splits))
+    plot = root / "errors.png"
+    plot_errors(runs, splits, plot)
+    print(f"\nerror plot: {plot}\nper-run loss plots and metrics: {root}/<position>/")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ point ``corpus`` at a prepared ``tfds:wikipedia/...`` or ``files:`` corpus and s
 ``tokenizer=bpe``). Shortcuts: ``position=<scheme>``, ``corpus=<corpus>``, ``length=<T>``,
 ``tokenizer=byte|bpe``, ``tokenizer_dir=<dir>``, ``seed``, ``steps``, ``batch_size``, ``lr``,
 ``layers``, ``heads``, ``d_model``, ``p_max=<int>`` (CoPE's number of positions; give it
-only with a CoPE scheme).
+only with a CoPE scheme), and CoPE's ablation options (Table 8, experiments/cope_ablations.py):
+``gates=keys|sep_keys|values``, ``share_layers=<bool>``, ``position_term=<term>``,
+``alibi_slopes=press``.
 
 Every scheme trains with its default options (CoPE: p_max = 64, the paper's Wikitext value).
 """
@@ -42,6 +44,10 @@ SHORTCUTS = {
     "heads": "model.num_heads",
     "d_model": "model.d_model",
     "p_max": "model.position_options.p_max",
+    "gates": "model.position_options.gates",
+    "share_layers": "model.position_options.share_layers",
+    "position_term": "model.position_options.position_term",
+    "alibi_slopes": "model.position_options.alibi_slopes",
 }
 VARIANTS = ("smoke", "cpu", "paper")
 

@@ -37,16 +37,16 @@ def arms(scale: str) -> list[tuple[sweep.Arm, str, str]]:
     rows = [
         (base, f"default: key gates, per-layer tables, p_max 64 (= T = {length} at cpu)",
          "Layers do not share embeddings"),
-        (sweep.Arm("shared", lm.CONFIG, arg, {"share_layers": True}),
+        (sweep.Arm("shared", lm.CONFIG, f"{arg},share_layers=True"),
          "one CoPE table for all layers (the paper's baseline)", "None"),
-        (sweep.Arm("val-gates", lm.CONFIG, arg, {"gates": "values"}),
+        (sweep.Arm("val-gates", lm.CONFIG, f"{arg},gates=values"),
          "gates from q.v", "Use val-gates"),
-        (sweep.Arm("sep-keys", lm.CONFIG, arg, {"gates": "sep_keys"}),
+        (sweep.Arm("sep-keys", lm.CONFIG, f"{arg},gates=sep_keys"),
          "gates from a separate key projection", "Use sep-keys"),
         (sweep.Arm(f"p_max {small}", lm.CONFIG, f"{arg},p_max={small}"),
          f"p_max = {small}", "Pmax = 64 -> 16"),
-        (sweep.Arm("cope-alibi", lm.CONFIG, arg,
-                   {"position_term": "alibi", "alibi_slopes": "press"}),
+        (sweep.Arm("cope-alibi", lm.CONFIG,
+                   f"{arg},position_term=alibi,alibi_slopes=press"),
          "position term m * p_ij with Press et al.'s slopes (eq. 10)", "CoPE_ALiBi"),
     ]  # fmt: skip
     if scale == "smoke":

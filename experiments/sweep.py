@@ -28,21 +28,18 @@ SCALES = ("smoke", "cpu", "paper")
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One row of a study: a config file, its argument string and extra scheme options.
+    """One row of a study: a config file and its argument string.
 
     Attributes:
       label: the row's name in tables and plots.
       config_file: path relative to the repository root, e.g. ``configs/flipflop.py``.
       arg: the config argument without the seed, e.g. ``cpu,position=cope``.
-      options: ``model.position_options`` entries set after loading (scheme options that
-        the config file has no shortcut for), e.g. ``{"gates": "values"}``.
       home: another study's name, to reuse that study's runs of the same config.
     """
 
     label: str
     config_file: str
     arg: str
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     home: str = ""  # the study whose workdirs hold this arm's runs (default: the sweep's)
 
     def config_arg(self, seed: int) -> str:
@@ -50,20 +47,10 @@ class Arm:
 
     def command(self, seed: int, workdir: Path) -> str:
         """The CLI command that trains this arm and seed alone."""
-        extra = "".join(
-            f" --config.model.position_options.{k}={_flag_value(v)}"
-            for k, v in self.options.items()
-        )
         return (
             f"python -m copejax.main --config={self.config_file}:{self.config_arg(seed)}"
-            f" --workdir={workdir}{extra}"
+            f" --workdir={workdir}"
         )
-
-
-def _flag_value(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        return "'(" + ",".join(str(v) for v in value) + ",)'"
-    return str(value)
 
 
 def parse_args(argv: Sequence[str] | None, study: str) -> argparse.Namespace:
@@ -89,9 +76,6 @@ def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     from copejax import train
 
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
-    with config.unlocked():
-        for key, value in arm.options.items():
-            config.model.position_options[key] = value
     print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
     train.run(config, workdir)
     return read_jsonl(workdir / "metrics.jsonl")

@@ -24,6 +24,7 @@ from copejax.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ("smoke", "cpu", "paper")
+REUSED: set[Path] = set()  # workdirs found complete (their training time is not in this run's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,9 @@ def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     from copejax import train
 
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
+    metrics = workdir / "metrics.jsonl"
+    if metrics.exists() and any(r.get("step") == config.train.steps for r in read_jsonl(metrics)):
+        REUSED.add(workdir)
     print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
     train.run(config, workdir)
     return read_jsonl(workdir / "metrics.jsonl")
@@ -114,6 +118,7 @@ class Sweep:
     commands: list[str]
     wall_time_s: float
     workdirs: dict[str, list[Path]]
+    reused: int = 0
 
     def final(self, label: str, key: str) -> list[float]:
         """``eval/<key>`` of the last evaluation of each seed of arm ``label``."""
@@ -134,9 +139,11 @@ def run_sweep(
             commands.append(arm.command(seed, workdir))
             records.setdefault(arm.label, []).append(train_arm(arm, seed, workdir))
             workdirs.setdefault(arm.label, []).append(workdir)
+    reused = sum(w in REUSED for ws in workdirs.values() for w in ws)
     return Sweep(
-        study, scale, list(seeds), records, commands, time.perf_counter() - start, workdirs
-    )
+        study, scale, list(seeds), records, commands, time.perf_counter() - start, workdirs,
+        reused,
+    )  # fmt: skip
 
 
 def percent(mean_std_pair: tuple[float, float], scale: float = 100.0, digits: int = 1) -> str:
@@ -280,7 +287,13 @@ def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
             f"# {title}",
             "",
             f"Scale `{scale}`, seeds {sweep.seeds}, wall time {sweep.wall_time_s / 60:.1f} min"
-            " (training and evaluation, one process on a shared 2-core CPU).",
+            " (training and evaluation, one process on a shared 2-core CPU"
+            + (
+                f"; {sweep.reused} runs were already complete and only re-read"
+                if sweep.reused
+                else ""
+            )
+            + ").",
             "",
             notes.strip(),
             "",

@@ -1,0 +1,130 @@
+"""The study scripts of experiments/ at smoke scale: each trains for real, and its page, JSON
+and plots hold the numbers of the runs' own metrics.jsonl (read here independently). Studies 4-6
+train more models and are marked slow."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import cope_ablations, counting, flipflop, lm, selective_copy, sweep, tape_tasks
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return tmp_path_factory.mktemp("results"), tmp_path_factory.mktemp("runs")
+
+
+def run_study(module, dirs: tuple[Path, Path]) -> tuple[str, dict]:
+    out, workroot = dirs
+    module.main(["--scale=smoke", f"--out={out}", f"--workroot={workroot}"])
+    stem = f"{module.STUDY}_smoke"
+    page = (out / f"{stem}.md").read_text()
+    data = json.loads((out / f"{stem}.json").read_text())
+    pngs = sorted(out.glob(f"{stem}_*.png"))
+    assert pngs, f"no plot for {stem}"
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG
+        assert f"({png.name})" in page  # every plot is shown on the page
+    assert "python -m copejax.main --config=" in page
+    assert f"python -m experiments.{module.STUDY} --scale=smoke" in page
+    assert data["seeds"] == [0] and data["wall_time_s"] > 0
+    return page, data
+
+
+def last_eval_of(workdir: Path) -> dict[str, float]:
+    """The last record with eval keys, read straight from the run's JSONL file."""
+    lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines() if x]
+    return next(r for r in reversed(lines) if any(k.startswith("eval/") for k in r))
+
+
+def workdir(dirs: tuple[Path, Path], study: str, label: str) -> Path:
+    path = dirs[1] / study / "smoke" / f"{label}_seed0"
+    assert (path / "config.json").exists()
+    return path
+
+
+def test_flipflop(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(flipflop, dirs)
+    record = last_eval_of(workdir(dirs, "flipflop", "cope"))
+    for split in ("test", "ood_sparse", "ood_dense"):
+        got = data["results"]["cope"][split]
+        assert got["per_seed"] == [record[f"eval/{split}/error"]]
+        assert got["mean"] == pytest.approx(record[f"eval/{split}/error"]) and got["std"] == 0
+    assert f"{100 * record['eval/test/error']:.2f} ± 0.00" in page
+    assert "| cope |" in page and "4.9 (4.4)" in page  # the paper's OOD column
+
+
+def test_selective_copy(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(selective_copy, dirs)
+    record = last_eval_of(workdir(dirs, "selective_copy", "cope"))
+    assert data["results"]["cope"]["ood_sparse/error"]["per_seed"] == [
+        record["eval/ood_sparse/error"]
+    ]
+    assert f"{100 * record['eval/ood_dense/error']:.1f} ± 0.0" in page
+
+
+def test_counting(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(counting, dirs)
+    record = last_eval_of(workdir(dirs, "counting", "cope__1_var"))
+    got = data["results"]["cope, 1 var"]
+    for split in ("test", "ood_long", "ood_short"):
+        assert got[f"{split}/error"]["per_seed"] == [record[f"eval/{split}/error"]]
+    assert "| cope, 1 var |" in page
+
+
+@pytest.mark.slow  # three LM runs and four extrapolation lengths: over the fast budget
+def test_lm_and_ablations(dirs: tuple[Path, Path]) -> None:
+    _, data = run_study(lm, dirs)
+    run = workdir(dirs, "lm", "cope")
+    cached = json.loads((run / "extrapolation_sweep.json").read_text())
+    assert sorted(int(r["length"]) for r in cached.values()) == [64, 128, 256, 512]
+    for length, stats in data["perplexity"]["cope"].items():
+        (ppl,) = stats["per_seed"]
+        (entry,) = [r for r in cached.values() if r["length"] == int(length)]
+        assert ppl == pytest.approx(math.exp(entry["loss"]), rel=1e-5)
+
+    page, data = run_study(cope_ablations, dirs)
+    # The plain cope arm is study 4's run, not trained again.
+    assert not (dirs[1] / "cope_ablations" / "smoke" / "cope_seed0").exists()
+    for label, study in (("cope", "lm"), ("val-gates", "cope_ablations")):
+        loss = last_eval_of(workdir(dirs, study, label))["eval/valid/loss"]
+        assert data["perplexity"][label]["per_seed"] == [pytest.approx(math.exp(loss))]
+    assert "Use val-gates" in page and "22.4" in page
+
+
+@pytest.mark.slow  # two tasks, two compiles each
+def test_tape_tasks(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(tape_tasks, dirs)
+    record = last_eval_of(workdir(dirs, "tape_tasks", "addition_tape"))
+    cells = {
+        tuple(int(n) for n in k.removeprefix("eval/grid/accuracy/").split("x")): v
+        for k, v in record.items()
+        if k.startswith("eval/grid/accuracy/")
+    }
+    size = max(max(c) for c in cells)
+    grid = np.full((size, size), np.nan)
+    for (a, b), value in cells.items():
+        grid[a - 1, b - 1] = value
+    assert data["addition"]["tape"]["grid_average"] == [pytest.approx(np.nanmean(grid))]
+    np.testing.assert_allclose(data["addition"]["tape"]["mean_grid"], grid)
+    key_record = last_eval_of(workdir(dirs, "tape_tasks", "passkey_tape"))
+    for length, values in data["passkey"]["tape"].items():
+        assert values == [key_record[f"eval/len_{length}/accuracy"]]
+    assert "32.82" in page
+
+
+def test_mean_std_and_arm_command() -> None:
+    mean, std = sweep.mean_std([0.1, 0.3, 0.2])
+    assert mean == pytest.approx(0.2) and std == pytest.approx(np.sqrt(2 / 300))
+    arm = sweep.Arm("x", "configs/lm.py", "cpu,position=cope,gates=values")
+    assert arm.command(2, Path("/w")) == (
+        "python -m copejax.main --config=configs/lm.py:cpu,position=cope,gates=values,seed=2"
+        " --workdir=/w"
+    )

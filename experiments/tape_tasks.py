@@ -198,7 +198,8 @@ def reading(add_data: dict, key_data: dict) -> str:
     )
     if "tape" in averages and "rope" in averages:
         text += (
-            "As in the paper, TAPE is ahead of RoPE. "
+            "TAPE is ahead of RoPE as in the paper, but both models get almost no sums right "
+            "after 300 steps, so the gap is not evidence either way. "
             if averages["tape"] > averages["rope"]
             else "Unlike the paper, TAPE is not ahead of RoPE: 300 steps of a 2-layer model "
             "are far from the paper's 20k steps of a 16-layer one, and TAPE's extra "

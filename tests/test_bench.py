@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from copejax.bench import loglog_slope
 
 
+@pytest.mark.slow  # about a minute of subprocess compiles on 2 cores; keeps CI under 10 min
 def test_quick_mode_writes_json_page_and_plots(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "copejax.bench", "--mode", "quick", "--out_dir", str(tmp_path)],

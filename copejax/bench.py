@@ -365,6 +365,8 @@ NOTES = [
     "- The machine is a shared 2-core CPU: other engineers' tests ran at the same time (see "
     "the load averages), so times are noisy, ratios most of all; memory is not affected.",
     "- Pallas: no GPU in this session, so no Pallas kernel was written or timed.",
+    "- The training-step rows of `dpa` are the `nope` model again (the Transformer has no "
+    "dot_product_attention path); they show the run-to-run spread of the step timing.",
 ]
 
 

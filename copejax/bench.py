@@ -273,6 +273,7 @@ def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
     from copejax.positions import registry
 
     settings = MODES[mode]
+    load_at_start = os.getloadavg()
     if schemes is None:
         first = ["nope", "dpa", "cope", "fox", "stickbreaking"]  # the targets' schemes first
         others = [name for name in registry.names() if name not in first]
@@ -298,7 +299,7 @@ def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
     if mode == "full" and "cope" in schemes:  # the 32K target, one run
         spec = {"kind": "layer", "scheme": "cope", "options": {}, "lengths": [32768]}
         rows += [{**row, "extra": "target_32k"} for row in run({**spec, "cap_s": 900})]
-    return {"meta": _meta(mode), "rows": rows}
+    return {"meta": {**_meta(mode), "load_average_start": load_at_start}, "rows": rows}
 
 
 def _row_line(row: dict) -> str:
@@ -405,11 +406,16 @@ def targets(result: dict) -> list[str]:
             f"- CoPE forward+backward at T = 32768, B x N = {BATCH * HEADS}, H = {HEAD_DIM} "
             f"within 24 GiB: {verdict}, peak RSS {peak:.2f} GiB (XLA buffers "
             f"{big[0].get('xla_bytes', 0) / 2**30:.2f} GiB), {big[0]['time_s']:.0f} s."
+            + (f" Note: {big[0]['note']}." if "note" in big[0] else "")
         )
     else:
         status = big[0]["status"] if big else "not run"
         out.append(f"- CoPE at T = 32768: NOT met ({status}).")
     return out
+
+
+def _load(values: list[float] | None) -> str:
+    return "-" if values is None else "/".join(f"{v:.1f}" for v in values)
 
 
 def markdown(result: dict) -> str:
@@ -418,8 +424,10 @@ def markdown(result: dict) -> str:
         "# Benchmark: forward+backward time and memory against length",
         "",
         f"Command: `{meta['command']}` (jax {meta['jax']}, {meta['backend']}, "
-        f"{meta['cpu_count']} CPUs; load average at start {meta['load_average_start']}, "
-        f"at end {meta.get('load_average_end')}). B = {meta['batch']}, N = {meta['heads']}, "
+        f"{meta['cpu_count']} CPUs; load averages (1, 5, 15 min) at start "
+        f"{_load(meta.get('load_average_start'))}, at end {_load(meta.get('load_average_end'))}"
+        f"{'; ' + meta['load_note'] if 'load_note' in meta else ''}). "
+        f"B = {meta['batch']}, N = {meta['heads']}, "
         f"H = {meta['head_dim']}. Pallas: {meta['pallas']}.",
         "",
         f"Time: median of the timed runs after one warm-up (a warm-up over {LONG_RUN_S:.0f} s "
@@ -447,8 +455,8 @@ def markdown(result: dict) -> str:
             }
             for t in lengths:
                 if t in ok:
-                    ratio = ok[t]["time_s"] / nope[t]["time_s"] if t in nope else float("nan")
-                    cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({ratio:.2f}x)")
+                    ratio = f"{ok[t]['time_s'] / nope[t]['time_s']:.2f}x" if t in nope else "-"
+                    cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({ratio})")
                 else:
                     cells.append(failed.get(t, "-").replace("_", " "))
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")

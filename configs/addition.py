@@ -18,30 +18,25 @@ from __future__ import annotations
 
 import ml_collections
 
-from copejax.config_base import apply_shortcuts, base_config, parse_arg
+from copejax.config_base import (
+    COMMON_SHORTCUTS,
+    apply_shortcuts,
+    base_config,
+    parse_arg,
+    pop_variant,
+)
 
 SHORTCUTS = {
-    "position": "model.position",
-    "seed": "seed",
-    "steps": "train.steps",
-    "batch_size": "train.batch_size",
-    "lr": "train.learning_rate",
-    "layers": "model.num_layers",
-    "heads": "model.num_heads",
-    "d_model": "model.d_model",
+    **COMMON_SHORTCUTS,
     "digits": "task.options.max_digits",
     "extra": "task.options.extra_digits",
     "per_pair": "task.options.samples_per_pair",
 }
-VARIANTS = ("smoke", "cpu", "paper")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = parse_arg(arg)
-    chosen = [v for v in VARIANTS if args.pop(v, False)]
-    if len(chosen) > 1:
-        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
-    variant = chosen[0] if chosen else "cpu"
+    variant = pop_variant(args)
 
     c = base_config()
     c.task.name = "addition"

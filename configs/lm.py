@@ -28,36 +28,31 @@ from __future__ import annotations
 
 import ml_collections
 
-from copejax.config_base import apply_shortcuts, base_config, parse_arg
+from copejax.config_base import (
+    COMMON_SHORTCUTS,
+    apply_shortcuts,
+    base_config,
+    parse_arg,
+    pop_variant,
+)
 
 SHORTCUTS = {
-    "position": "model.position",
+    **COMMON_SHORTCUTS,
     "corpus": "task.options.corpus",
     "length": "task.options.length",
     "tokenizer": "task.options.tokenizer",
     "tokenizer_dir": "task.options.tokenizer_dir",
-    "seed": "seed",
-    "steps": "train.steps",
-    "batch_size": "train.batch_size",
-    "lr": "train.learning_rate",
-    "layers": "model.num_layers",
-    "heads": "model.num_heads",
-    "d_model": "model.d_model",
     "p_max": "model.position_options.p_max",
     "gates": "model.position_options.gates",
     "share_layers": "model.position_options.share_layers",
     "position_term": "model.position_options.position_term",
     "alibi_slopes": "model.position_options.alibi_slopes",
 }
-VARIANTS = ("smoke", "cpu", "paper")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = parse_arg(arg)
-    chosen = [v for v in VARIANTS if args.pop(v, False)]
-    if len(chosen) > 1:
-        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
-    variant = chosen[0] if chosen else "cpu"
+    variant = pop_variant(args)
 
     c = base_config()
     c.task.name = "lm"

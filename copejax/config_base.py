@@ -120,6 +120,32 @@ def parse_arg(arg: str | None) -> dict[str, bool | int | float | str]:
     return result
 
 
+# Shortcuts every experiment config accepts (``configs/<family>.py:position=cope,seed=1``);
+# each config adds its task's own.
+COMMON_SHORTCUTS: dict[str, str] = {
+    "position": "model.position",
+    "seed": "seed",
+    "steps": "train.steps",
+    "batch_size": "train.batch_size",
+    "lr": "train.learning_rate",
+    "layers": "model.num_layers",
+    "heads": "model.num_heads",
+    "d_model": "model.d_model",
+}
+VARIANTS = ("smoke", "cpu", "paper")
+
+
+def pop_variant(args: dict[str, bool | int | float | str], default: str = "cpu") -> str:
+    """Removes the size switch (``smoke``, ``cpu`` or ``paper``) from ``args`` and returns it.
+
+    At most one may be given; none means ``default``.
+    """
+    chosen = [v for v in VARIANTS if args.pop(v, False)]
+    if len(chosen) > 1:
+        raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
+    return chosen[0] if chosen else default
+
+
 def apply_shortcuts(
     config: ml_collections.ConfigDict,
     args: dict[str, bool | int | float | str],

@@ -12,6 +12,9 @@ The "Pro" block of the paper (section 3) adds, each an option here: an output ga
 learnable scale per head and feature), and data-dependent token shift of keys and/or values,
 ``k_t <- a_t k_t + (1 - a_t) k_{t-1}`` with ``a_t = sigmoid(w . x_t)`` per head.
 Order in the qk site: token shift, then QK-norm (as the paper's reference code does).
+Token shift restarts at packed-segment starts, read off ``AttentionContext.segment_ids_BT``
+(never off the (B, T, T) mask, so the blockwise path stays O(T) in memory); in decode mode it
+keeps only each row's last raw k / v (:class:`PreviousToken`), not one per cache slot.
 
 Initialisation: the seed notes say nothing about it. Weights are normal with std 0.02 and
 the forget-gate bias is the constant ``forget_bias_init`` (default 0, so f is about 0.5 at
@@ -30,8 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
+from copejax.kv_cache import CACHE
 from copejax.ops import blockwise, scan
-from copejax.ops.blockwise_fox import blockwise_fox_attention
+from copejax.ops.blockwise_fox import blockwise_fox_attention, segment_starts_from_ids
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -133,23 +137,50 @@ def fox_decay_bias(logf_BTN: jax.Array, mask_BTS: jax.Array, impl: str = "auto")
     return jnp.where(mask_BTS[:, None], bias_BNTS, 0.0)
 
 
-def token_shift(x_BTNH: jax.Array, a_BTN: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def token_shift(x_BTNH: jax.Array, a_BTN: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
     """x_t <- a_t x_t + (1 - a_t) x_{t-1}; x_{t-1} is 0 at t = 0 and across segment starts.
+
+    Segment starts come from the ids (t = 0 or an id different from t - 1's), never from the
+    (B, T, T) mask, so that the blockwise path holds no (T, T) array.
 
     Args:
       x_BTNH: keys or values.
       a_BTN: mixing weights in [0, 1] per token and head (float32).
-      mask_BTS: the attention mask, read for segment starts (T == S).
+      segment_ids_BT: packed documents' ids; None: one segment per row (only t = 0 starts).
 
     Returns:
       shifted array, same shape and dtype as ``x_BTNH`` (mixed in float32).
     """
     x32_BTNH = x_BTNH.astype(jnp.float32)
-    keep_BT11 = ~segment_starts_BT(mask_BTS)[:, :, None, None]
     prev_BTNH = jnp.pad(x32_BTNH[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)))
-    prev_BTNH = jnp.where(keep_BT11, prev_BTNH, 0.0)
+    if segment_ids_BT is not None:
+        keep_BT11 = ~segment_starts_from_ids(segment_ids_BT)[:, :, None, None]
+        prev_BTNH = jnp.where(keep_BT11, prev_BTNH, 0.0)
+    return _mix(x_BTNH, prev_BTNH, a_BTN)
+
+
+def _mix(x_BTNH: jax.Array, prev_BTNH: jax.Array, a_BTN: jax.Array) -> jax.Array:
+    """a_t x_t + (1 - a_t) prev_t in float32, cast back to the dtype of ``x_BTNH``."""
     a_BTN1 = a_BTN.astype(jnp.float32)[..., None]
-    return (a_BTN1 * x32_BTNH + (1.0 - a_BTN1) * prev_BTNH).astype(x_BTNH.dtype)
+    mixed_BTNH = a_BTN1 * x_BTNH.astype(jnp.float32) + (1.0 - a_BTN1) * prev_BTNH
+    return mixed_BTNH.astype(x_BTNH.dtype)
+
+
+class PreviousToken(nn.Module):
+    """Decode mode: each row's last raw key (or value) so far, (B, 1, N, H), in the cache.
+
+    Token shift needs only the token before the first new one, so FoX keeps one raw k / v per
+    row instead of one per cache slot. Each call returns the stored token (zeros before the
+    first call) and stores the last of the T new ones; calls must follow the cache's order.
+    """
+
+    @nn.compact
+    def __call__(self, x_BTNH: jax.Array) -> jax.Array:
+        batch, _, heads, head_dim = x_BTNH.shape
+        last = self.variable(CACHE, "last", jnp.zeros, (batch, 1, heads, head_dim), x_BTNH.dtype)
+        previous_B1NH = last.value
+        last.value = x_BTNH[:, -1:].astype(last.value.dtype)
+        return previous_B1NH
 
 
 def rms_norm_heads(x_BTNH: jax.Array, scale_NH: jax.Array, eps: float = QK_NORM_EPS) -> jax.Array:
@@ -242,8 +273,10 @@ class _FoXSite(AttentionSite):
             self.forget_b = _param(self, "forget_b", bias_init, (ax.HEADS,), (n,))
         if s.key_shift:
             self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.previous_key = PreviousToken(name="previous_raw_key")  # decode mode only
         if s.value_shift:
             self.value_shift_w = _param(self, "value_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.previous_value = PreviousToken(name="previous_raw_value")
         if s.qk_norm:
             ones = nn.initializers.ones
             self.q_scale = _param(self, "q_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
@@ -265,8 +298,7 @@ class _FoXSite(AttentionSite):
     def cache_state(
         self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
     ) -> dict[str, jax.Array]:
-        """Per key: the prefix sum ``c`` of log forget gates; the raw k / v for token shift."""
-        s = self.scheme
+        """Per key: the prefix sum ``c`` of log forget gates (token shift keeps its own state)."""
         starts_BT = segment_starts_at(ctx.mask_BTS, ctx.cache_index)
         previous_BN = None
         if ctx.key_state is not None and "fox_cumsum" in ctx.key_state:
@@ -274,43 +306,36 @@ class _FoXSite(AttentionSite):
                 ctx.key_state["fox_cumsum"], jnp.maximum(ctx.cache_index - 1, 0), axis=1
             )
         logf_BTN = self._log_forget_gates(ctx.x_BTD)
-        state = {"fox_cumsum": fox_cached_cumsum(logf_BTN, starts_BT, previous_BN, s.scan_impl)}
-        if s.key_shift:
-            state["fox_raw_key"] = k_BTNH
-        if s.value_shift:
-            state["fox_raw_value"] = v_BTNH
-        return state
+        c_BTN = fox_cached_cumsum(logf_BTN, starts_BT, previous_BN, self.scheme.scan_impl)
+        return {"fox_cumsum": c_BTN}
 
     def _shift_cached(
-        self, x_BTNH: jax.Array, name: str, w_DN: jax.Array, ctx: AttentionContext
+        self, x_BTNH: jax.Array, previous: PreviousToken, w_DN: jax.Array, ctx: AttentionContext
     ) -> jax.Array:
-        """Token shift of new tokens whose previous token may be cached (decode mode)."""
-        length = x_BTNH.shape[1]
-        raw_BSNH = ctx.key_state[name]
-        previous_T = jnp.maximum(ctx.cache_index + jnp.arange(length) - 1, 0)
-        previous_BTNH = jnp.take(raw_BSNH, previous_T, axis=1).astype(jnp.float32)
+        """Token shift of new tokens whose previous token may be the cached last one (decode)."""
+        previous_B1NH = previous(x_BTNH).astype(jnp.float32)
+        x32_BTNH = x_BTNH.astype(jnp.float32)
+        prev_BTNH = jnp.concatenate([previous_B1NH, x32_BTNH[:, :-1]], axis=1)
         starts_BT11 = segment_starts_at(ctx.mask_BTS, ctx.cache_index)[:, :, None, None]
-        previous_BTNH = jnp.where(starts_BT11, 0.0, previous_BTNH)
-        a_BTN1 = self._sigmoid_gate(ctx.x_BTD, w_DN)[..., None]
-        mixed_BTNH = a_BTN1 * x_BTNH.astype(jnp.float32) + (1.0 - a_BTN1) * previous_BTNH
-        return mixed_BTNH.astype(x_BTNH.dtype)
+        prev_BTNH = jnp.where(starts_BT11, 0.0, prev_BTNH)
+        return _mix(x_BTNH, prev_BTNH, self._sigmoid_gate(ctx.x_BTD, w_DN))
 
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         s = self.scheme
-        if ctx.decode:  # the previous token's raw k / v may come from the cache
+        if ctx.decode:  # the previous token's raw k / v may be the cached last one
             if s.key_shift:
-                k_BSNH = self._shift_cached(k_BSNH, "fox_raw_key", self.key_shift_w, ctx)
+                k_BSNH = self._shift_cached(k_BSNH, self.previous_key, self.key_shift_w, ctx)
             if s.value_shift:
-                v_BSNH = self._shift_cached(v_BSNH, "fox_raw_value", self.value_shift_w, ctx)
+                v_BSNH = self._shift_cached(v_BSNH, self.previous_value, self.value_shift_w, ctx)
         else:
             if s.key_shift:
                 a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w)
-                k_BSNH = token_shift(k_BSNH, a_BSN, ctx.mask_BTS)
+                k_BSNH = token_shift(k_BSNH, a_BSN, ctx.segment_ids_BT)
             if s.value_shift:
                 a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w)
-                v_BSNH = token_shift(v_BSNH, a_BSN, ctx.mask_BTS)
+                v_BSNH = token_shift(v_BSNH, a_BSN, ctx.segment_ids_BT)
         if s.qk_norm:
             q_BTNH = rms_norm_heads(q_BTNH, self.q_scale)
             k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)

@@ -9,20 +9,21 @@ blockwise forward or gradient; the Transformer with attention_impl="blockwise" e
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.attention import causal_segment_mask_BTS
+from copejax.attention import Attention, causal_segment_mask_BTS
 from copejax.model import Transformer
 from copejax.ops import blockwise as bw
 from copejax.ops import cope as cope_ops
 from copejax.ops.blockwise_cope import blockwise_cope_attention
 from copejax.ops.blockwise_fox import blockwise_fox_attention
 from copejax.ops.blockwise_stickbreaking import blockwise_stickbreaking_attention
-from copejax.positions.base import masked_softmax_BNTS
+from copejax.positions.base import AttentionContext, masked_softmax_BNTS
 from copejax.positions.fox import fox_decay_bias
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from tests.conftest import tiny_config
@@ -291,6 +292,53 @@ def test_blockwise_jaxprs_have_no_length_squared_array() -> None:
     # The check can fail: the naive path has (T, S) arrays.
     naive = lambda q, k, v: _weighted(jax.nn.softmax(_logits_BNTS(q, k)), v)
     assert _square_arrays(naive, q, k, v, length=length)
+
+
+FOX_SHIFTS = {"key_shift": True, "value_shift": True, "output_gate": True, "qk_norm": True}
+
+
+def test_fox_pro_shift_layer_has_no_length_squared_array() -> None:
+    """FoX with key and value shift, blockwise: token shift reads segment ids, not the mask.
+
+    The layer's jaxpr (forward and gradient) is traced with ``mask_BTS=None``, so any read of
+    the (B, T, T) mask fails; the model's compiled forward + backward (which builds the mask
+    and must drop it) holds no (T, T) buffer either.
+    """
+    length = 512
+    options = {**FOX_SHIFTS, "attention_impl": "blockwise", "block_size": 64}
+    cfg = tiny_config("fox", position_options=options, num_layers=1, max_len=length)
+    rng = np.random.default_rng(0)
+    x_BTD = jnp.asarray(rng.normal(size=(1, length, cfg.d_model)), jnp.float32)
+    positions_BT = jnp.arange(length)[None]
+    segments_BT = jnp.asarray(np.repeat([0, 1], length // 2)[None], jnp.int32)
+    attention = Attention(cfg)
+
+    def ctx(x_BTD: jax.Array, mask_BTS: jax.Array | None) -> AttentionContext:
+        return AttentionContext(
+            x_BTD=x_BTD,
+            q_positions_BT=positions_BT,
+            k_positions_BS=positions_BT,
+            mask_BTS=mask_BTS,
+            segment_ids_BT=segments_BT,
+        )
+
+    params = attention.init(
+        jax.random.key(0), x_BTD, ctx(x_BTD, causal_segment_mask_BTS(segments_BT, 1, length))
+    )
+    layer = lambda p, x: attention.apply(p, x, ctx(x, None))[0]
+    grad = jax.grad(lambda p, x: jnp.sum(layer(p, x) ** 2), argnums=(0, 1))
+    assert _square_arrays(layer, params, x_BTD, length=length) == []
+    assert _square_arrays(grad, params, x_BTD, length=length) == []
+
+    model = Transformer(cfg)
+    tokens_BT = jnp.zeros((1, length), jnp.int32)
+    model_params = model.init(jax.random.key(0), tokens_BT, positions_BT, segments_BT)
+    loss = lambda p: jnp.sum(model.apply(p, tokens_BT, positions_BT, segments_BT))
+    hlo = jax.jit(jax.grad(loss)).lower(model_params).compile().as_text()
+    shapes = {
+        tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"\[(\d+(?:,\d+)+)\]", hlo)
+    }
+    assert [s for s in shapes if sum(d >= length for d in s) >= 2] == []
 
 
 # Through the model: the scheme option picks the path; same logits and parameter gradients.

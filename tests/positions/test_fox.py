@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from copejax import decode
 from copejax.attention import Attention, causal_segment_mask_BTS
 from copejax.model import Transformer
 from copejax.ops import scan
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
-from copejax.positions.fox import fox_decay_bias, fox_log_forget_gates
+from copejax.positions.fox import fox_decay_bias, fox_log_forget_gates, token_shift
 from copejax.positions.registry import make_scheme
 from tests.conftest import tiny_config, tokens_and_positions
 
@@ -132,6 +133,7 @@ def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
         q_positions_BT=positions_BT,
         k_positions_BS=positions_BT,
         mask_BTS=causal_segment_mask_BTS(jnp.asarray(segments_BT), batch, length),
+        segment_ids_BT=jnp.asarray(segments_BT),
     )
 
 
@@ -169,6 +171,40 @@ def test_decay_bias_is_log_of_products_of_gates(impl: str) -> None:
     expected = _ref_decay(_sigmoid(z_BTN), mask_BTS)
     np.testing.assert_allclose(np.asarray(bias_BNTS), expected, rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(bias_BNTS)[~np.broadcast_to(mask_BTS[:, None], expected.shape)] == 0)
+
+
+def test_token_shift_restarts_at_packed_segment_starts() -> None:
+    """Row 0 packs two segments: its token 3 (segment 2's first) mixes in nothing of token 2."""
+    rng = np.random.default_rng(6)
+    x_BTNH = rng.normal(size=(2, 8, 3, 4)).astype(np.float32)
+    a_BTN = rng.random((2, 8, 3)).astype(np.float32)
+    got = token_shift(jnp.asarray(x_BTNH), jnp.asarray(a_BTN), jnp.asarray(SEGMENTS_BT))
+    np.testing.assert_allclose(
+        np.asarray(got), _ref_shift(x_BTNH, a_BTN, SEGMENTS_BT), rtol=1e-6, atol=1e-6
+    )
+    first_of_second = a_BTN[0, 3][:, None] * x_BTNH[0, 3]
+    np.testing.assert_allclose(np.asarray(got)[0, 3], first_of_second, rtol=1e-6, atol=1e-6)
+    # Without segment ids the row is one segment: only t = 0 starts.
+    unpacked = token_shift(jnp.asarray(x_BTNH), jnp.asarray(a_BTN), None)
+    one_segment_BT = np.zeros_like(SEGMENTS_BT)
+    np.testing.assert_allclose(
+        np.asarray(unpacked), _ref_shift(x_BTNH, a_BTN, one_segment_BT), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_decode_cache_keeps_one_raw_key_and_value_per_row() -> None:
+    """Token shift needs only the previous token: no per-slot raw k / v in the cache."""
+    options = {"key_shift": True, "value_shift": True}
+    cfg = tiny_config("fox", position_options=options, num_layers=1)
+    cache = decode.init_cache(cfg, batch=2, max_len=16)
+    shapes = {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(cache)
+    }
+    raw = {path: shape for path, shape in shapes.items() if "previous_raw" in path}
+    heads, head_dim = cfg.num_heads, cfg.resolved_head_dim
+    assert sorted(raw.values()) == [(2, 1, heads, head_dim)] * 2, shapes
+    assert not any("fox_raw" in path for path in shapes), shapes
 
 
 def test_segment_cumsum_restarts_exactly() -> None:

@@ -129,6 +129,12 @@ class Attention(nn.Module):
         # Decoding takes the generic path: the fused blockwise forms assume T == S.
         y_BTNH = None if ctx.decode else site.attend(q_BTNH, k_BSNH, v_BSNH, ctx)
         weights_BNTS = None
+        if y_BTNH is None and self.cfg.attention_kernel == "dot_product_attention":
+            # ModelConfig.validate allows this kernel only for embed/qk schemes: no bias,
+            # normalizer or carry site needs the weights. Softmax is float32 inside.
+            y_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BSNH, v_BSNH, mask=ctx.mask_BTS[:, None, :, :]
+            )
         if y_BTNH is None:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)

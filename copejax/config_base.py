@@ -45,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.position_options = ml_collections.ConfigDict()
     c.model.max_len = 0  # 0: the task's training sequence length
     c.model.init_std = 0.02
+    c.model.attention_kernel = "einsum"  # or "dot_product_attention" (see ModelConfig)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

@@ -13,6 +13,10 @@ from copejax.positions.base import Dims, PositionScheme
 
 BLOCKS = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16")
+KERNELS = ("einsum", "dot_product_attention")
+# Sites a scheme may use with attention_kernel="dot_product_attention": the kernel takes the
+# queries, keys and values the qk site returns and computes the plain masked softmax itself.
+KERNEL_SITES = frozenset({"embed", "qk"})
 
 
 def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
@@ -43,6 +47,11 @@ class ModelConfig:
       position_options: options of the scheme (a mapping; stored as sorted pairs).
       max_len: training context length T (learned tables, FIRE's L, YaRN's original length).
       init_std: standard deviation of the weight initialisers.
+      attention_kernel: "einsum" (explicit float32 logits, the scheme's bias and normalizer
+        sites; attention maps can be read) or "dot_product_attention"
+        (``jax.nn.dot_product_attention``: XLA's fused form on CPU/TPU, cuDNN where JAX picks
+        it on GPU), for schemes whose only sites are embed and qk (nope, learned, sinusoidal,
+        randomized, rope, xpos).
     """
 
     vocab_size: int
@@ -59,6 +68,7 @@ class ModelConfig:
     position_options: Any = ()
     max_len: int = 512
     init_std: float = 0.02
+    attention_kernel: str = "einsum"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "position_options", _freeze(self.position_options))
@@ -116,8 +126,19 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attention_kernel not in KERNELS:
+            raise ValueError(
+                f"model.attention_kernel must be one of {KERNELS}, got {self.attention_kernel!r}"
+            )
         scheme = self.scheme()
         scheme.validate(self.dims)
+        extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)
+        if self.attention_kernel == "dot_product_attention" and extra_sites:
+            raise ValueError(
+                f"model.attention_kernel='dot_product_attention' computes a plain masked softmax "
+                f"and allows schemes whose only sites are {sorted(KERNEL_SITES)}; "
+                f"{scheme.name!r} also uses {extra_sites}: use attention_kernel='einsum'"
+            )
         token_dim = scheme.token_dim(self.d_model)
         if not 0 < token_dim <= self.d_model:
             raise ValueError(

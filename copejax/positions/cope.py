@@ -102,8 +102,8 @@ class CoPE(PositionScheme):
     force_unit_gates: bool = False
     scan_impl: str = "auto"
     attention_impl: str = "auto"
-    block_size: int = 256
-    blockwise_min_len: int = 1024
+    block_size: int = 128
+    blockwise_min_len: int = 512
 
     def __post_init__(self) -> None:
         if isinstance(self.alibi_slopes, list):  # keep the scheme hashable

@@ -96,7 +96,7 @@ class StickBreaking(PositionScheme):
     scan_impl: str = "auto"
     attention_impl: str = "auto"
     block_size: int = 256
-    blockwise_min_len: int = 1024
+    blockwise_min_len: int = 512
 
     def validate(self, dims: Dims) -> None:
         if not isinstance(self.include_self, bool):

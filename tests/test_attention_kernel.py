@@ -1,0 +1,97 @@
+"""``model.attention_kernel="dot_product_attention"`` equals the explicit einsum path.
+
+The kernel (``jax.nn.dot_product_attention``) replaces the content logits, mask and softmax of
+``copejax.attention.Attention`` for schemes whose only sites are embed and qk; values,
+gradients and incremental decoding must not change, and other schemes are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax import decode
+from copejax.model import Transformer
+from tests.conftest import tiny_config
+
+KERNEL_SCHEMES = ["nope", "learned", "sinusoidal", "rope", "xpos", "randomized"]
+SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
+POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
+TOKENS_BT = np.random.default_rng(0).integers(0, 13, (2, 8)).astype(np.int32)
+
+
+def _models(position: str) -> tuple[Transformer, Transformer, object]:
+    einsum_cfg = tiny_config(position)
+    kernel_cfg = dataclasses.replace(einsum_cfg, attention_kernel="dot_product_attention")
+    kernel_cfg.validate()
+    params = Transformer(einsum_cfg).init(
+        jax.random.key(0), jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT)
+    )["params"]
+    return Transformer(einsum_cfg), Transformer(kernel_cfg), params
+
+
+@pytest.mark.parametrize("position", KERNEL_SCHEMES)
+def test_kernel_equals_einsum_values_and_gradients(position: str) -> None:
+    einsum_model, kernel_model, params = _models(position)
+    args = (jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT))
+
+    def loss(model: Transformer, p: object) -> jax.Array:
+        return jnp.sum(jnp.sin(model.apply({"params": p}, *args)))
+
+    value_e, grads_e = jax.value_and_grad(lambda p: loss(einsum_model, p))(params)
+    value_k, grads_k = jax.value_and_grad(lambda p: loss(kernel_model, p))(params)
+    np.testing.assert_allclose(value_k, value_e, rtol=1e-5, atol=1e-5)
+    for g_k, g_e in zip(jax.tree.leaves(grads_k), jax.tree.leaves(grads_e), strict=True):
+        np.testing.assert_allclose(g_k, g_e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("position", ["nope", "rope"])
+def test_kernel_decoding_equals_full_pass(position: str) -> None:
+    _, model, params = _models(position)
+    full = model.apply(
+        {"params": params},
+        jnp.asarray(TOKENS_BT),
+        jnp.asarray(POSITIONS_BT),
+        jnp.asarray(SEGMENTS_BT),
+    )
+    cache = decode.init_cache(model.cfg, 2, 8)
+    outputs = []
+    for start, end in [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8)]:
+        logits, variables = model.apply(
+            {"params": params, "cache": cache},
+            jnp.asarray(TOKENS_BT[:, start:end]),
+            jnp.asarray(POSITIONS_BT[:, start:end]),
+            jnp.asarray(SEGMENTS_BT[:, start:end]),
+            decode=True,
+            mutable=["cache"],
+        )
+        cache = variables["cache"]
+        outputs.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_keeps_float32_softmax_in_bfloat16() -> None:
+    """bf16 model: the kernel's logits and softmax are float32, like the einsum path."""
+    einsum_model, kernel_model, params = _models("rope")
+    bf16 = {"dtype": "bfloat16"}
+    einsum_model = Transformer(dataclasses.replace(einsum_model.cfg, **bf16))
+    kernel_model = Transformer(dataclasses.replace(kernel_model.cfg, **bf16))
+    args = (jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT))
+    a = np.asarray(einsum_model.apply({"params": params}, *args), np.float32)
+    b = np.asarray(kernel_model.apply({"params": params}, *args), np.float32)
+    np.testing.assert_allclose(b, a, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("position", ["alibi", "cope", "fox", "stickbreaking", "tape"])
+def test_kernel_refuses_schemes_with_other_sites(position: str) -> None:
+    with pytest.raises(ValueError, match=rf"attention_kernel.*'{position}' also uses"):
+        tiny_config(position, attention_kernel="dot_product_attention")
+
+
+def test_unknown_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"attention_kernel must be one of .*'flash'"):
+        tiny_config("nope", attention_kernel="flash")

@@ -5,11 +5,11 @@ language modelling (Liu et al. 2023, arXiv 2306.00946) with token-position schem
     python -m copejax.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo]
 
 Trains ``configs/flipflop.py:cpu`` (a small model on 63-token sequences, seed 0) once per
-scheme, printing the loss as it falls, then a table of every scheme's test and
-out-of-distribution errors, ``errors.png`` (error against step, per scheme and split) in
-``<workdir>`` and ``loss.png`` in each ``<workdir>/<position>``. Re-running resumes or, when
-the runs are complete, just prints the results again. The full study, with 3 seeds and the
-paper's numbers: ``python -m experiments.flipflop``.
+scheme, printing the loss as it falls, then a table of every scheme's test,
+out-of-distribution and 4x-length (255-token) errors, ``errors.png`` (error against step, per
+scheme and split) in ``<workdir>`` and ``loss.png`` in each ``<workdir>/<position>``.
+Re-running resumes or, when the runs are complete, just prints the results again. The full
+study, with 3 seeds and the paper's numbers: ``python -m experiments.flipflop``.
 """
 
 from __future__ import annotations
@@ -142,9 +142,11 @@ def main(argv: list[str]) -> None:
         )
     print("\nerror = wrong reads / reads at the last evaluation (CoPE paper Table 2: in-dist.")
     print("learned 6.8 %, RoPE 1.8 %, CoPE 0.0 %; OOD learned 21.7 %, RoPE 20.3 %, CoPE 4.9 %)")
+    print("long_*: 4x the training length (255 tokens at cpu scale), p_i 0.8 and sparse 0.98")
     print(comparison_table(last, splits))
     plot = root / "errors.png"
-    plot_errors(runs, splits, plot)
+    shown = tuple(s for s in ("test", "ood_sparse", "long_sparse") if s in splits)
+    plot_errors(runs, shown, plot)
     print(f"\nerror plot: {plot}\nper-run loss plots and metrics: {root}/<position>/")
 
 

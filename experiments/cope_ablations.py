@@ -51,8 +51,6 @@ def arms(scale: str) -> list[tuple[sweep.Arm, str, str]]:
     ]  # fmt: skip
     if scale == "smoke":
         return [rows[0], rows[2]]
-    if scale == "cpu":  # cut to fit the shared CPU: shared, sep-keys and p_max 16 not run
-        return [rows[0], rows[2], rows[5]]
     return rows
 
 
@@ -63,8 +61,7 @@ paper: Wikitext-103 BPE, GPT-2 size, T = 1024). Since T = 64 equals the default 
 default row is also the paper's "p_max = T" ablation; p_max 16 is a quarter of T (the paper's
 16 is a sixty-fourth). Our default keeps a CoPE table per layer; the paper's baseline shares one
 across layers, so the paper's "Layers do not share embeddings" row sits next to our default and
-its "None" row next to `shared` (`shared`, `sep-keys` and `p_max 16` are not run at cpu
-scale, to fit the shared CPU). Differences of a few hundredths of perplexity are within the seed
+its "None" row next to `shared`. Differences of a few hundredths of perplexity are within the seed
 spread at this size.""",
     "paper": """The `paper` scale is study 4's paper setting (GPT-2 size on Wikitext-103, T = 1024,
 p_max = 64); meant for accelerators and not run here.""",

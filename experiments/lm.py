@@ -29,7 +29,7 @@ PAPER = {
 }
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("relative", "relative_capped", "cope"),
+    "cpu": ("learned", "rope", "relative", "relative_capped", "cope"),
     "paper": ("learned", "relative", "relative_capped", "rope", "cope", "cope+relative"),
 }
 ARGS = {
@@ -47,8 +47,8 @@ with cosine decay (paper: GPT-2 blocks, 12 layers, D = 768, T = 1024, 100 epochs
 Extrapolation splits use the first 32 rows of each split. Perplexities are per byte, so they
 are not comparable in size with the paper's per-BPE-token values; only the ordering of the
 schemes and the shape of the curves against length are. CoPE keeps its default p_max = 64,
-which here equals T (the paper has p_max = 64 at T = 1024). Absolute PE, RoPE and
-cope+relative are left out to fit the shared CPU.""",
+which here equals T (the paper has p_max = 64 at T = 1024). cope+relative is left out to fit
+the time of a 2-core CPU.""",
     "paper": """The `paper` scale is CoPE 5.4 (documented in configs/lm.py): GPT-2 blocks, 12
 layers, D = 768, 12 heads, T = 1024, batch 64, p_max = 64, on a prepared Wikitext-103 corpus
 with a BPE tokenizer; meant for accelerators and not run here.""",

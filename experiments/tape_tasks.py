@@ -25,13 +25,13 @@ PASSKEY = "configs/passkey.py"
 PAPER_ADDITION = {"rope": 26.32, "randomized": 26.56, "nope": 22.45, "fire": 26.98, "tape": 32.82}
 ADDITION_SCHEMES = {
     "smoke": ("tape",),
-    "cpu": ("rope", "tape"),
-    "paper": ("rope", "randomized", "nope", "fire", "tape"),
+    "cpu": ("learned", "rope", "cope", "tape"),
+    "paper": ("learned", "rope", "randomized", "nope", "fire", "cope", "tape"),
 }
 PASSKEY_SCHEMES = {
     "smoke": ("tape",),
-    "cpu": ("rope", "tape"),
-    "paper": ("rope", "cope", "tape"),
+    "cpu": ("learned", "rope", "cope", "tape"),
+    "paper": ("learned", "rope", "cope", "tape"),
 }
 ADDITION_ARGS = {
     "smoke": "smoke",
@@ -47,7 +47,7 @@ NOTES = {
 2 layers, 4 heads, 300 steps of batch 64 at lr 1e-3 (paper: 16 layers, D = 1024, 20k steps of
 batch 512). Passkey: a D = 64, 2-layer model trained from scratch at T = 128 for 200 steps and
 evaluated at 128, 256 and 512 (paper: Llama2-7B fine-tuned from 4096 to 8192 tokens and tested
-from 1k to 8k). Schemes are cut to RoPE and TAPE to fit the shared CPU. Models this small and
+from 1k to 8k). Models this small and
 this briefly trained get little of the grid right past the training lengths, so the averages
 compare early learning, not the converged generalisation of the paper.""",
     "paper": """The `paper` scale is TAPE 4.1 (addition, 40 digits, grid to 50, 16 layers, D = 1024,

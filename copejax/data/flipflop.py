@@ -11,6 +11,11 @@ Splits, keyed by p_i: ``train`` and ``test`` (in distribution, p_i = 0.8), ``ood
 (p_i = 0.98, reads far from their write) and ``ood_dense`` (p_i = 0.1). The authors' sizes are
 1.6M train and 16K / 160K / 4K evaluation sequences; the evaluation defaults here are small.
 
+Length generalisation (not in either paper; copejax's study 1 adds it): with
+``long_instructions`` > 0, the splits ``long_test`` (p_i = 0.8) and ``long_sparse`` (p_i =
+0.98) hold sequences of ``long_instructions`` pairs, longer than training, so that reads sit
+at distances and positions never trained on.
+
 Metrics are the base ones, which here are exactly the paper's: ``error`` is the per-read error
 rate (scored tokens are the reads) and ``glitch_rate`` the fraction of sequences with any read
 wrong.
@@ -47,6 +52,8 @@ class FlipFlop(Task):
     test_size: int = 1_000
     ood_sparse_size: int = 1_000
     ood_dense_size: int = 1_000
+    long_instructions: int = 0
+    long_size: int = 1_000
 
     def validate(self) -> None:
         seq.check_probability(p_i=self.p_i, p_i_sparse=self.p_i_sparse, p_i_dense=self.p_i_dense)
@@ -55,11 +62,18 @@ class FlipFlop(Task):
             test_size=self.test_size,
             ood_sparse_size=self.ood_sparse_size,
             ood_dense_size=self.ood_dense_size,
+            long_size=self.long_size,
         )
         if int(self.num_instructions) != self.num_instructions or self.num_instructions < 2:
             raise ValueError(
                 f"num_instructions must be an integer >= 2 (first w, last r), "
                 f"got {self.num_instructions!r}"
+            )
+        long = self.long_instructions
+        if int(long) != long or (long != 0 and long <= self.num_instructions):
+            raise ValueError(
+                f"long_instructions must be 0 (no long splits) or an integer above "
+                f"num_instructions={self.num_instructions}, got {long!r}"
             )
 
     @property
@@ -73,24 +87,37 @@ class FlipFlop(Task):
     def p_ignore(self, split: str) -> float:
         """p_i of ``split``."""
         seq.check_split(split, tuple(self.splits()))
-        return {"ood_sparse": self.p_i_sparse, "ood_dense": self.p_i_dense}.get(split, self.p_i)
+        sparse = {"ood_sparse": self.p_i_sparse, "long_sparse": self.p_i_sparse}
+        return {**sparse, "ood_dense": self.p_i_dense}.get(split, self.p_i)
+
+    def split_instructions(self, split: str) -> int:
+        """Instructions per sequence of ``split``."""
+        seq.check_split(split, tuple(self.splits()))
+        return self.long_instructions if split.startswith("long_") else self.num_instructions
+
+    def split_length(self, split: str) -> int:
+        """Length T of the examples of ``split``."""
+        return 2 * self.split_instructions(split) - 1
 
     def splits(self) -> Mapping[str, int]:
-        return {
+        splits = {
             "train": self.train_size,
             "test": self.test_size,
             "ood_sparse": self.ood_sparse_size,
             "ood_dense": self.ood_dense_size,
         }
+        if self.long_instructions:
+            splits.update(long_test=self.long_size, long_sparse=self.long_size)
+        return splits
 
     def source(self, split: str, seed: int) -> TaskSource:
-        p_i = self.p_ignore(split)
-        make = lambda rng, index: self.example(rng, p_i)
+        p_i, n = self.p_ignore(split), self.split_instructions(split)
+        make = lambda rng, index: self.example(rng, p_i, n)
         return seq.SequenceSource(self, split, seed, self.splits()[split], make)
 
-    def example(self, rng: np.random.Generator, p_i: float) -> Example:
-        """One FFL(p_i) sequence of ``2 * num_instructions`` tokens as an Example."""
-        n = self.num_instructions
+    def example(self, rng: np.random.Generator, p_i: float, n: int | None = None) -> Example:
+        """One FFL(p_i) sequence of ``2 * n`` tokens (default n: ``num_instructions``)."""
+        n = self.num_instructions if n is None else n
         p_wr = (1.0 - p_i) / 2.0
         ops = rng.choice(np.array([WRITE, READ, IGNORE]), size=n, p=[p_wr, p_wr, p_i])
         ops[0], ops[-1] = WRITE, READ
@@ -104,4 +131,4 @@ class FlipFlop(Task):
         doc = np.stack([ops, BIT0 + bits], axis=1).reshape(-1)
         scored = np.zeros(2 * n, bool)
         scored[1::2] = ops == READ
-        return seq.to_example(doc, scored, self.seq_len)
+        return seq.to_example(doc, scored, 2 * n - 1)

@@ -147,3 +147,29 @@ def test_unknown_split_and_index() -> None:
         task.source("valid", seed=0)
     with pytest.raises(IndexError):
         task.source("test", seed=0)[3]
+
+
+def test_long_splits_are_longer_valid_sequences() -> None:
+    task = make_task("flipflop", {"num_instructions": 16, "long_instructions": 48})
+    assert set(task.splits()) == {*SPLITS, "long_test", "long_sparse"}
+    for split, p_i in (("long_test", 0.8), ("long_sparse", 0.98)):
+        assert task.p_ignore(split) == p_i
+        assert task.split_length(split) == 95
+        source = task.source(split, seed=2)
+        ops = []
+        for index in range(40):
+            ex = source[index]
+            assert all(ex[k].shape == (95,) for k in EXAMPLE_KEYS)
+            tokens = decode(task, np.asarray(document(ex)))
+            reads = check_flipflop(tokens)
+            assert np.flatnonzero(ex["loss_mask"]).tolist() == [r - 1 for r in reads]
+            ops += tokens[2:-2:2]
+        assert abs(ops.count("i") / len(ops) - p_i) < 5 * 0.5 / np.sqrt(len(ops))
+    assert task.split_length("test") == task.seq_len == 31
+    assert "long_test" not in make_task("flipflop", {"num_instructions": 16}).splits()
+
+
+@pytest.mark.parametrize("long", [8, 16, 2.5])
+def test_long_instructions_must_exceed_training(long: float) -> None:
+    with pytest.raises(ValueError, match=rf"long_instructions must be 0 .* got {long}"):
+        make_task("flipflop", {"num_instructions": 16, "long_instructions": long})

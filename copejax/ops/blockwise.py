@@ -9,10 +9,12 @@ online softmax (running max, denominator and weighted values; Milakov & Gimelshe
 arXiv 1805.02867) in the same carry.
 
 Memory: queries go in blocks of Q through ``lax.map``; each query block walks the key blocks in
-a ``lax.scan``; both the per-query-block function and the per-key-block body are
-rematerialised (``jax.checkpoint``), so neither the forward nor the backward pass stores a
-(T, S)-sized array: the largest intermediates are (B, N, Q, K) per block, and the backward
-keeps the carries of one query block's walk (T / K of them) at a time.
+a ``lax.scan`` whose per-key-block body is rematerialised (``jax.checkpoint``), so the backward
+pass keeps only the walks' carries, never a (B, N, Q, K) block. With more than
+``REMAT_WALKS_ABOVE`` blocks the per-query-block function is rematerialised too, so that the
+backward keeps the carries of one walk (G of them) at a time instead of all G * G: no
+(T, S)-sized array in either pass. At or below it, the G * G carries (a few MiB per layer at
+G = 8) are kept, which saves one recomputation of the forward walk.
 
 Shape letters: B batch, T length (queries and keys: self-attention), N heads, H head dim,
 Q query-block length, K key-block length (Q = K = ``block``), G number of blocks.
@@ -27,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 Pytree = Any
+# Rematerialise whole query-block walks only above this many blocks (see the module docstring).
+REMAT_WALKS_ABOVE = 8
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -102,7 +106,8 @@ def walk_blocks(
         carry. Called for key blocks at or before the query block only (later blocks are
         skipped by ``lax.cond``: causal attention never reads them).
       finish: (final carry, query-block data) -> the query block's output (B, Q, ...).
-      remat: rematerialise the walk and its body in the backward pass (O(T) memory).
+      remat: rematerialise the walk's body in the backward pass, and whole walks when there
+        are more than ``REMAT_WALKS_ABOVE`` blocks (O(T) memory).
       prepare: query-block data -> query-block data, computed once per query block before
         its walk (CoPE's z = q . e); the walk reads the result as a constant.
 
@@ -132,7 +137,7 @@ def walk_blocks(
         carry, _ = jax.lax.scan(body, init(q_data), (k_index_rev, k_rev))
         return finish(carry, q_data)
 
-    if remat:
+    if remat and count > REMAT_WALKS_ABOVE:
         one_query_block = jax.checkpoint(one_query_block, prevent_cse=False)
     return jax.lax.map(lambda xs: one_query_block(*xs), (jnp.arange(count), q_blocks))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,6 +120,7 @@ class Sweep:
     wall_time_s: float
     workdirs: dict[str, list[Path]]
     reused: int = 0
+    load_average: tuple[float, float] = (float("nan"), float("nan"))  # 1-min, start and end
 
     def final(self, label: str, key: str) -> list[float]:
         """``eval/<key>`` of the last evaluation of each seed of arm ``label``."""
@@ -129,7 +131,7 @@ def run_sweep(
     study: str, scale: str, arms: Sequence[Arm], seeds: Sequence[int], workroot: str | Path
 ) -> Sweep:
     """Trains every arm with every seed, one after another."""
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
     records: dict[str, list[list[dict[str, float]]]] = {}
     workdirs: dict[str, list[Path]] = {}
     commands = []
@@ -142,7 +144,7 @@ def run_sweep(
     reused = sum(w in REUSED for ws in workdirs.values() for w in ws)
     return Sweep(
         study, scale, list(seeds), records, commands, time.perf_counter() - start, workdirs,
-        reused,
+        reused, (load_start, os.getloadavg()[0]),
     )  # fmt: skip
 
 
@@ -287,7 +289,9 @@ def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
             f"# {title}",
             "",
             f"Scale `{scale}`, seeds {sweep.seeds}, wall time {sweep.wall_time_s / 60:.1f} min"
-            " (training and evaluation, one process on a shared 2-core CPU"
+            f" (training and evaluation, one process on {os.cpu_count()} CPUs; 1-minute load "
+            f"average {sweep.load_average[0]:.1f} at the start, {sweep.load_average[1]:.1f} "
+            "at the end"
             + (
                 f"; {sweep.reused} runs were already complete and only re-read"
                 if sweep.reused

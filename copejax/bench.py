@@ -432,14 +432,20 @@ NOTES = [
     "- `dpa` is the same layer (projections, mask) with `model.attention_kernel = "
     "'dot_product_attention'`: `jax.nn.dot_product_attention` (XLA's implementation on CPU) "
     "instead of the explicit einsum path; its training-step rows are the nope model on that "
-    "kernel.",
+    "kernel. On CPU XLA's dot_product_attention is slower than copejax's einsum path, so the "
+    "speed target is stated against both.",
+    "- Where blockwise CoPE's time goes beyond FoX's (the same walk and online softmax): the "
+    "gates, suffix sums and the two gathers of the interpolation (a scatter-add in the "
+    "backward) in the key blocks before every query of a block has counted p_max - 1 gates "
+    "(at random initialisation, gates near 0.5, about two blocks of 128 per query block); "
+    "older blocks take the saturated branch.",
 ]
 
 
-def round_ratios(rows: list[dict], label: str, length: int) -> list[float]:
-    """Per-round time ratios label / nope of the side-by-side rows at ``length``."""
+def round_ratios(rows: list[dict], label: str, length: int, base: str = "nope") -> list[float]:
+    """Per-round time ratios label / base of the side-by-side rows at ``length``."""
     side = _ok(rows, "side_by_side", label).get(length)
-    base = _ok(rows, "side_by_side", "nope").get(length)
+    base = _ok(rows, "side_by_side", base).get(length)
     if side is None or base is None:
         return []
     return [a / b for a, b in zip(side["times_s"], base["times_s"], strict=True)]
@@ -457,18 +463,25 @@ def targets(result: dict) -> list[str]:
     cope = _ok([r for r in rows if "extra" not in r], "layer", "cope")
     nope = _ok(rows, "layer", "nope")
     out = []
-    ratios = round_ratios(rows, "cope", 1024)
-    if ratios:
-        ratio = statistics.median(ratios)
-        verdict = "met" if ratio <= 1.5 else "NOT met"
-        side = _ok(rows, "side_by_side", "cope")[1024]
-        base = _ok(rows, "side_by_side", "nope")[1024]
-        out.append(
-            f"- CoPE forward+backward at T = 1024 at most 1.5x nope: {verdict}, median ratio "
-            f"{ratio:.2f}x over {len(ratios)} interleaved rounds (range {min(ratios):.2f}-"
-            f"{max(ratios):.2f}; medians {1e3 * side['time_s']:.0f} ms against "
-            f"{1e3 * base['time_s']:.0f} ms; see 'Side by side')."
-        )
+    side_ok = _ok(rows, "side_by_side", "cope")
+    if 1024 in side_ok:
+        # The issue's baseline is nope on jax.nn.dot_product_attention (`dpa`); copejax's own
+        # einsum nope is faster than XLA's dpa on CPU, so the ratio to it is stated as well.
+        for base, name in (("dpa", "nope on jax.nn.dot_product_attention (`dpa`, the issue's "
+                           "baseline)"), ("nope", "copejax's einsum nope (stricter)")):  # fmt: skip
+            ratios = round_ratios(rows, "cope", 1024, base)
+            if not ratios:
+                out.append(f"- CoPE / {base} at T = 1024: not measured.")
+                continue
+            ratio = statistics.median(ratios)
+            verdict = "met" if ratio <= 1.5 else "NOT met"
+            base_row = _ok(rows, "side_by_side", base)[1024]
+            out.append(
+                f"- CoPE forward+backward at T = 1024 at most 1.5x {name}: {verdict}, median "
+                f"ratio {ratio:.2f}x over {len(ratios)} interleaved rounds (range "
+                f"{min(ratios):.2f}-{max(ratios):.2f}; medians {1e3 * side_ok[1024]['time_s']:.0f}"
+                f" ms against {1e3 * base_row['time_s']:.0f} ms; see 'Side by side')."
+            )
     elif 1024 in cope and 1024 in nope:
         ratio = cope[1024]["time_s"] / nope[1024]["time_s"]
         verdict = "met" if ratio <= 1.5 else "NOT met"
@@ -529,7 +542,7 @@ def markdown(result: dict) -> str:
         "per measurement; other schemes: one process per series of increasing T, so their RSS "
         "is the peak up to that T). Schemes stop at their first failure, "
         f"{meta['time_cap_s']} s per subprocess or {meta['memory_cap_bytes'] / 2**30:.0f} GiB "
-        "predicted memory (the machine is shared).",
+        "predicted memory.",
     ]
     lines += ["", "## Targets (issue 8)", "", *targets(result), "", *NOTES]
     side = [r for r in rows if r["kind"] == "side_by_side"]

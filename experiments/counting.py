@@ -93,6 +93,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 def reading(summary: dict[str, dict[str, list]]) -> str:
     lines = []
     for num_vars in (1, 3, 5):
+        errors = {
+            scheme: summary[label(scheme, num_vars)]["test/error"][0]
+            for scheme in SCHEMES["paper"]
+            if label(scheme, num_vars) in summary
+        }
+        if errors:
+            ranked = sorted(errors.items(), key=lambda kv: kv[1])
+            lines.append(
+                f"{num_vars} var, in-domain error lowest first: "
+                + ", ".join(f"`{k}` {100 * v:.1f} %" for k, v in ranked)
+                + "."
+            )
         rel, cope = summary.get(label("relative", num_vars)), summary.get(label("cope", num_vars))
         if rel is None or cope is None:
             continue

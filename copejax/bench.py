@@ -577,7 +577,8 @@ def markdown(result: dict) -> str:
         schemes = list(dict.fromkeys(r["scheme"] for r in rows if r["kind"] == kind))
         lengths = sorted({r["T"] for r in rows if r["kind"] == kind})
         nope = _ok(rows, kind, "nope")
-        lines += ["", f"## {title}: time in ms (ratio to nope)", ""]
+        dpa = _ok(rows, kind, "dpa")
+        lines += ["", f"## {title}: time in ms (ratio to nope / to dpa)", ""]
         lines.append("| scheme | " + " | ".join(f"T={t}" for t in lengths) + " |")
         lines.append("|---" * (len(lengths) + 1) + "|")
         for scheme in schemes:
@@ -587,8 +588,11 @@ def markdown(result: dict) -> str:
             }
             for t in lengths:
                 if t in ok:
-                    ratio = f"{ok[t]['time_s'] / nope[t]['time_s']:.2f}x" if t in nope else "-"
-                    cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({ratio})")
+                    ratios = [
+                        f"{ok[t]['time_s'] / base[t]['time_s']:.2f}x" if t in base else "-"
+                        for base in (nope, dpa)
+                    ]
+                    cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({' / '.join(ratios)})")
                 else:
                     cells.append(failed.get(t, "-").replace("_", " "))
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")

@@ -23,7 +23,7 @@ PAPER = {
 }
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "rope", "nope", "cope"),
+    "cpu": ("learned", "rope", "cope"),
     "paper": ("learned", "rope", "nope", "cope", "fox", "stickbreaking", "tape"),
 }
 ARGS = {"smoke": "smoke", "cpu": "cpu,steps=300", "paper": "paper"}

@@ -24,7 +24,7 @@ PAPER_T3 = {
 PAPER_T4 = {"relative": (8.8, 34.1), "cope": (0.0, 4.0)}
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "relative", "cope"),
+    "cpu": ("learned", "relative", "rope", "cope"),
     "paper": ("learned", "relative", "rope", "cope", "fox", "stickbreaking"),
 }
 VARS = {"smoke": (1,), "cpu": (1, 3, 5), "paper": (1, 3, 5)}

@@ -108,8 +108,11 @@ def reading(summary: dict[str, dict[str, list]]) -> str:
         rel, cope = summary.get(label("relative", num_vars)), summary.get(label("cope", num_vars))
         if rel is None or cope is None:
             continue
-        r, c = rel["test/error"][0], cope["test/error"][0]
-        verdict = "below" if c < r else "not below"
+        (r, r_std), (c, c_std) = rel["test/error"][:2], cope["test/error"][:2]
+        if abs(c - r) <= max(r_std, c_std):
+            verdict = "within one standard deviation of"
+        else:
+            verdict = "below" if c < r else "not below"
         lines.append(
             f"{num_vars} var: CoPE {100 * c:.1f} % vs relative {100 * r:.1f} % in-domain "
             f"(CoPE {verdict} relative; the paper has CoPE below at every count)."

@@ -33,13 +33,13 @@ SCALE_NOTES = {
     "smoke": "Smoke scale: 20 steps of a tiny model on 31-token sequences; checks the "
     "pipeline only, the numbers mean nothing.",
     "cpu": """The `cpu` scale differs from the paper: 2 layers, 4 heads, D = 64 (paper 4/4, 256),
-1,200 steps of batch 32 at lr 3e-3 with linear decay (paper 10,000 steps of batch 16 at 3e-4;
-the README's demo runs 600), and sequences of 32 instructions (63 tokens; paper 256 instructions, 511 tokens), evaluated on 256
-sequences per split (paper 1,000). At 63 tokens even the OOD-sparse reads sit at distances the
-training set covers, so the paper's OOD contrast has little room to show. The two `4x length`
-columns are copejax's addition: the same model evaluated on 128 instructions (255 tokens; p_i =
-0.8 and the sparse 0.98), positions and write-read distances it never trained on. The learned
-table has 255 rows so that it can run them; rows past 63 are never trained.""",
+1,200 steps of batch 32 at lr 3e-3 with linear decay (paper 10,000 steps of batch 16 at 3e-4; the
+README's demo runs 600), and sequences of 32 instructions (63 tokens; paper 256 instructions, 511
+tokens), evaluated on 256 sequences per split (paper 1,000). At 63 tokens even the OOD-sparse reads
+sit at distances the training set covers, so the paper's OOD contrast has little room to show. The
+two `4x length` columns are copejax's addition: the same model evaluated on 128 instructions (255
+tokens; p_i = 0.8 and the sparse 0.98), positions and write-read distances it never trained on. The
+learned table has 255 rows so that it can run them; rows past 63 are never trained.""",
     "paper": """The `paper` scale is the CoPE paper's setting (4 layers, 4 heads, D = 256, 10,000
 steps, batch 16, lr 3e-4 with linear decay, 256 instructions; the 4x length splits have 1,024);
 meant for an accelerator.""",

@@ -38,6 +38,32 @@ GATES = ("keys", "sep_keys", "values")
 POSITION_TERMS = ("interpolate", "alibi", "mlp")
 
 
+class GateKey(nn.Module):
+    """Sep-keys: the separate gate keys k'_j = W x_j (B, T, N, H) of CoPE's gates (Table 8).
+
+    The kernel keeps its 3-axis shape (D, N, H) and logical names: Flax's DenseGeneral
+    reshapes a flattened kernel at creation, which breaks the 3-axis sharding annotation under
+    ``jax.set_mesh`` (the training program's mesh).
+    """
+
+    d_model: int
+    num_heads: int
+    head_dim: int
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        kernel_DNH = self.param(
+            "kernel",
+            nn.with_logical_partitioning(
+                nn.initializers.normal(0.02), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)
+            ),
+            (self.d_model, self.num_heads, self.head_dim),
+            jnp.float32,
+        )
+        dtype = jnp.result_type(x_BTD.dtype, kernel_DNH.dtype)
+        return jnp.einsum("BTD,DNH->BTNH", x_BTD.astype(dtype), kernel_DNH.astype(dtype))
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class CoPE(PositionScheme):
@@ -205,15 +231,7 @@ class _CoPESite(AttentionSite):
                 jnp.float32,
             )
         if s.gates == "sep_keys":
-            self.gate_key = nn.DenseGeneral(
-                features=(d.num_heads, d.head_dim),
-                axis=-1,
-                use_bias=False,
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(0.02), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)
-                ),
-                name="gate_key",
-            )
+            self.gate_key = GateKey(d.d_model, d.num_heads, d.head_dim, name="gate_key")
 
     def cache_state(
         self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext

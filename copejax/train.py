@@ -76,7 +76,8 @@ def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
         position_options=m.position_options.to_dict(),
         max_len=m.max_len or task.seq_len,
         init_std=m.init_std,
-        attention_kernel=m.get("attention_kernel", "einsum"),  # configs saved before it existed
+        # Configs saved before the key existed get ModelConfig's default.
+        attention_kernel=m.get("attention_kernel", ModelConfig.attention_kernel),
     )
 
 

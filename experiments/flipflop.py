@@ -27,8 +27,14 @@ SCHEMES = {
     "paper": ("learned", "rope", "nope", "alibi", "cope", "fox", "stickbreaking", "tape"),
 }
 SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
-SPLITS = ("test", "ood_sparse", "ood_dense", "long_test", "long_sparse")
-HEADERS = ("test error %", "OOD sparse %", "OOD dense %", "4x length %", "4x length sparse %")
+# Split -> its column header.
+SPLITS = {
+    "test": "test error %",
+    "ood_sparse": "OOD sparse %",
+    "ood_dense": "OOD dense %",
+    "long_test": "4x length %",
+    "long_sparse": "4x length sparse %",
+}
 SCALE_NOTES = {
     "smoke": "Smoke scale: 20 steps of a tiny model on 31-token sequences; checks the "
     "pipeline only, the numbers mean nothing.",
@@ -79,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 _paper(paper, "ood_sparse"),
             ]
         )
-    headers = [HEADERS[SPLITS.index(s)] for s in splits]
+    headers = [SPLITS[s] for s in splits]
     table = sweep.markdown_table(["scheme", *headers, "paper in-dist %", "paper OOD %"], rows)
     bars = sweep.plot_path(args.out, STUDY, args.scale, "errors")
     sweep.bar_plot(

@@ -87,8 +87,12 @@ class FlipFlop(Task):
     def p_ignore(self, split: str) -> float:
         """p_i of ``split``."""
         seq.check_split(split, tuple(self.splits()))
-        sparse = {"ood_sparse": self.p_i_sparse, "long_sparse": self.p_i_sparse}
-        return {**sparse, "ood_dense": self.p_i_dense}.get(split, self.p_i)
+        by_split = {
+            "ood_sparse": self.p_i_sparse,
+            "long_sparse": self.p_i_sparse,
+            "ood_dense": self.p_i_dense,
+        }
+        return by_split.get(split, self.p_i)
 
     def split_instructions(self, split: str) -> int:
         """Instructions per sequence of ``split``."""

@@ -18,17 +18,71 @@ import jax.numpy as jnp
 from copejax import sharding as ax
 from copejax.kv_cache import KeyCache
 from copejax.model_config import ModelConfig
-from copejax.positions.base import AttentionContext, AttentionSite, Carry
+from copejax.ops import engine
+from copejax.positions.base import AttentionContext, AttentionSite, Carry, check_block_terms
+
+# "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
+AUTO_BLOCKWISE_FROM = 2048
 
 
-def causal_segment_mask_BTS(segment_ids_BT: jax.Array | None, batch: int, length: int) -> jax.Array:
-    """True where query t may see key s: s <= t (by index) and both in the same segment."""
-    t_T1 = jnp.arange(length)[:, None]
-    s_1S = jnp.arange(length)[None, :]
-    mask_BTS = jnp.broadcast_to(s_1S <= t_T1, (batch, length, length))
-    if segment_ids_BT is not None:
-        mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
-    return mask_BTS
+def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | None = None) -> str:
+    """The attention path of one call from ``model.attention_impl``.
+
+    "auto": the naive path while intermediates (attention maps, gates) are being sown; on a
+    GPU in bfloat16, ``jax.nn.dot_product_attention`` (cuDNN's fused kernel) for the schemes
+    it can express (``ModelConfig.dot_product_attention_allowed``); otherwise the naive path
+    below ``AUTO_BLOCKWISE_FROM`` keys (faster there on CPU, measured by
+    ``experiments/bench.py``) and the blockwise engine from it on, decoding steps included
+    (a step then reads the cache block by block).
+    """
+    impl = cfg.attention_impl
+    if impl != "auto":
+        return impl
+    if sowing:
+        return "naive"
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "gpu" and cfg.dtype == "bfloat16" and cfg.dot_product_attention_allowed():
+        return "dot_product_attention"
+    return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
+
+
+def dot_product_attention(
+    site: AttentionSite,
+    q_BTNH: jax.Array,
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    ctx: AttentionContext,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with the scheme's position-only bias (ALiBi, T5,
+    Kerple, FIRE), evaluated once over the whole (T, S) grid from the same block terms the
+    engine uses; cuDNN on GPU for 16-bit inputs, XLA's implementation elsewhere."""
+    bias_BNTS = None
+    terms = site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx)
+    if terms:
+        pair = engine.PairBlock(
+            q_BQNH=q_BTNH,
+            k_BKNH=k_BSNH,
+            q_positions_BQ=ctx.q_positions_BT,
+            k_positions_BK=ctx.k_positions_BS,
+            allowed_BQK=ctx.mask_BTS,
+            logits_BNQK=None,
+            q_arrays={},
+            k_arrays={},
+            q_start=jnp.asarray(ctx.cache_index),
+            k_start=jnp.asarray(0),
+        )
+        bias_BNTS = sum(term.bias(term.params, pair, None, None)[0] for term in terms)
+    fused = jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
+    if fused and bias_BNTS is not None:  # cuDNN takes the inputs' dtype; XLA adds float32
+        bias_BNTS = bias_BNTS.astype(q_BTNH.dtype)
+    return jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSNH,
+        v_BSNH,
+        bias=bias_BNTS,
+        mask=ctx.mask_BTS[:, None, :, :],
+        implementation="cudnn" if fused else None,
+    )
 
 
 class Projection(nn.Module):
@@ -112,7 +166,7 @@ class Attention(nn.Module):
         return self.own_site if self.own_site is not None else self.shared
 
     def __call__(self, x_BTD: jax.Array, ctx: AttentionContext) -> tuple[jax.Array, Carry]:
-        """Args: x_BTD the normalised layer input; ctx positions, mask and carry.
+        """Args: x_BTD the normalised layer input; ctx positions, segment ids and carry.
 
         Returns: the output y_BTD (compute dtype) and the updated carry.
         """
@@ -125,23 +179,73 @@ class Attention(nn.Module):
         else:
             q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-
-        # Decoding takes the generic path: the fused blockwise forms assume T == S.
-        y_BTNH = None if ctx.decode else site.attend(q_BTNH, k_BSNH, v_BSNH, ctx)
-        weights_BNTS = None
-        if y_BTNH is None and self.cfg.attention_kernel == "dot_product_attention":
-            # ModelConfig.validate allows this kernel only for embed/qk schemes: no bias,
-            # normalizer or carry site needs the weights. Softmax is float32 inside.
-            y_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BSNH, v_BSNH, mask=ctx.mask_BTS[:, None, :, :]
+        cfg = self.cfg
+        impl = choose_impl(cfg, k_BSNH.shape[1], self.is_mutable_collection("intermediates"))
+        ctx = ctx.replace(impl=impl, block=cfg.resolved_attention_block, scan_impl=cfg.scan_impl)
+        extra_BSNC = site.mixed_values(ctx)
+        if impl == "blockwise":
+            y_BTNH, mixed_BTNC = self._blockwise(
+                site, q_BTNH=q_BTNH, k_BSNH=k_BSNH, v_BSNH=v_BSNH, extra_BSNC=extra_BSNC, ctx=ctx
             )
-        if y_BTNH is None:
+        elif impl == "dot_product_attention":
+            # ModelConfig.validate allows this kernel only for schemes whose logits are
+            # content plus a position-only bias; nothing needs the weights.
+            y_BTNH = dot_product_attention(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+            mixed_BTNC = None
+        else:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)
+            mixed_BTNC = None
+            if extra_BSNC is not None:
+                mixed_BTNC = jnp.einsum(
+                    "BNTS,BSNC->BTNC", weights_BNTS, extra_BSNC.astype(jnp.float32)
+                )
         y_BTNH = site.output(y_BTNH, ctx)
-        carry = site.carry_after_attention(ctx.carry, weights_BNTS, ctx)
+        carry = site.carry_after_attention(ctx.carry, mixed_BTNC, ctx)
         y_BTD = self.out(y_BTNH)
         return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+    def _blockwise(
+        self,
+        site: AttentionSite,
+        *,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        extra_BSNC: jax.Array | None,
+        ctx: AttentionContext,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """The blockwise engine: the site's block terms and normalizer, O(T) memory."""
+        if ctx.explicit_mask_BTS is not None:
+            raise ValueError(
+                "the blockwise engine reads segment ids; an explicit mask is for naive-path "
+                "unit tests (use attention_impl='naive')"
+            )
+        check_block_terms(site)
+        width = v_BSNH.shape[-1]
+        values_BSNW = v_BSNH
+        if extra_BSNC is not None:  # TAPE's positions are mixed like extra value features
+            values_BSNW = jnp.concatenate(
+                [v_BSNH.astype(jnp.float32), extra_BSNC.astype(jnp.float32)], axis=-1
+            )
+        q_ids_BT, k_ids_BS = ctx._ids()
+        y_BTNW, _ = engine.blockwise_attention(
+            q_BTNH,
+            k_BSNH,
+            values_BSNW,
+            q_positions_BT=ctx.q_positions_BT,
+            k_positions_BS=ctx.k_positions_BS,
+            q_segment_ids_BT=q_ids_BT,
+            k_segment_ids_BS=k_ids_BS,
+            offset=ctx.cache_index,
+            terms=site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx),
+            normalizer=site.block_normalizer(ctx) or engine.SOFTMAX,
+            block=ctx.block,
+            scan_impl=ctx.scan_impl,
+            backward=self.cfg.attention_backward,
+        )
+        y_BTNH = y_BTNW[..., :width].astype(v_BSNH.dtype)
+        return y_BTNH, (None if extra_BSNC is None else y_BTNW[..., width:])
 
     def _decode_qkv(
         self,

@@ -61,6 +61,8 @@ MODES = {
 # load hits all arms alike; ratios are taken within a round. (label, scheme, options.)
 SIDE_BY_SIDE_ARMS = (
     ("nope", "nope", {}),
+    ("nope naive", "nope", {"attention_impl": "naive"}),
+    ("nope blockwise", "nope", {"attention_impl": "blockwise"}),
     ("dpa", "dpa", {}),
     ("cope", "cope", {}),
     ("cope naive", "cope", {"attention_impl": "naive"}),
@@ -71,7 +73,11 @@ SIDE_BY_SIDE_ARMS = (
     ("stickbreaking", "stickbreaking", {}),
     ("stickbreaking naive", "stickbreaking", {"attention_impl": "naive"}),
     ("stickbreaking blockwise", "stickbreaking", {"attention_impl": "blockwise"}),
+    ("alibi", "alibi", {}),
+    ("alibi blockwise", "alibi", {"attention_impl": "blockwise"}),
 )
+# Keys of an arm's options that are model options, not the scheme's.
+MODEL_KEYS = ("attention_impl", "attention_block", "attention_backward", "scan_impl")
 TARGET_SCHEMES = ("nope", "dpa", "cope")
 QUICK_SCHEMES = ("nope", "cope")
 BATCH, HEADS, HEAD_DIM = 2, 4, 64  # B x N = 8, H = 64
@@ -82,10 +88,13 @@ MEMORY_CAP_BYTES = 10 * 2**30  # the machine is shared: never start a run predic
 
 def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields of a benchmarked name: ``dpa`` is ``nope`` on the
-    ``jax.nn.dot_product_attention`` kernel (the same layer, projections and mask)."""
+    ``jax.nn.dot_product_attention`` kernel (the same layer, projections and mask); the
+    ``MODEL_KEYS`` of ``options`` are model-level attention options."""
     if scheme == "dpa":
-        return {"position": "nope", "attention_kernel": "dot_product_attention"}
-    return {"position": scheme, "position_options": options}
+        return {"position": "nope", "attention_impl": "dot_product_attention"}
+    model = {k: v for k, v in options.items() if k in MODEL_KEYS}
+    own = {k: v for k, v in options.items() if k not in MODEL_KEYS}
+    return {"position": scheme, "position_options": own, **model}
 
 
 def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
@@ -94,7 +103,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     import jax
     import jax.numpy as jnp
 
-    from copejax.attention import Attention, causal_segment_mask_BTS
+    from copejax.attention import Attention
     from copejax.model_config import ModelConfig
     from copejax.positions.base import AttentionContext, EmbedOutput
 
@@ -125,14 +134,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
             emb = EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
             if self.embed is not None:
                 emb = self.embed(x_BTD, positions_BT, True)
-            ctx = AttentionContext(
-                x_BTD=emb.x_BTD,
-                q_positions_BT=emb.positions_BT,
-                k_positions_BS=emb.positions_BT,
-                mask_BTS=causal_segment_mask_BTS(None, BATCH, length),
-                carry=emb.carry,
-                segment_ids_BT=jnp.zeros((BATCH, length), jnp.int32),
-            )
+            ctx = AttentionContext.create(emb.x_BTD, emb.positions_BT, carry=emb.carry)
             return self.attention(emb.x_BTD, ctx)[0]
 
     module = Layer()
@@ -419,17 +421,17 @@ def _ok(rows: list[dict], kind: str, scheme: str) -> dict[int, dict]:
 NOTES = [
     "Notes:",
     "",
-    "- cope, fox and stickbreaking run with their default options (`attention_impl='auto'`): "
-    "the naive (B, N, T, S) path below each scheme's `blockwise_min_len` and the blockwise "
-    "path (`copejax.ops.blockwise_*`, rematerialised backward) from it on; the 'Side by "
+    "- every scheme runs with the default `model.attention_impl='auto'`: the naive "
+    "(B, N, T, S) path below `copejax.attention.AUTO_BLOCKWISE_PAIRS` and the blockwise "
+    "engine (`copejax.ops.engine`) from it on; the 'Side by "
     "side' table times both paths. Their values and gradients are equal "
-    "(tests/ops/test_blockwise.py).",
+    "(tests/test_blockwise_equivalence.py).",
     "- CoPE's skip of saturated key blocks (`lax.cond`, every query already at p_max - 1) is "
     "on in all runs here.",
     "- Times of the per-scheme tables come from separate processes run one after another, so "
     "a change of machine load between them shows up in their ratios; the side-by-side rounds "
     "do not have that problem and are the ones the speed target reads.",
-    "- `dpa` is the same layer (projections, mask) with `model.attention_kernel = "
+    "- `dpa` is the same layer (projections, mask) with `model.attention_impl = "
     "'dot_product_attention'`: `jax.nn.dot_product_attention` (XLA's implementation on CPU) "
     "instead of the explicit einsum path; its training-step rows are the nope model on that "
     "kernel. On CPU XLA's dot_product_attention is slower than copejax's einsum path, so the "

@@ -45,7 +45,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.position_options = ml_collections.ConfigDict()
     c.model.max_len = 0  # 0: the task's training sequence length
     c.model.init_std = 0.02
-    c.model.attention_kernel = "einsum"  # or "dot_product_attention" (see ModelConfig)
+    # auto | naive | blockwise | dot_product_attention (copejax.model_config.ModelConfig).
+    c.model.attention_impl = "auto"
+    c.model.attention_block = ml_collections.config_dict.placeholder(int)  # None: default
+    c.model.attention_backward = "auto"  # auto | flash | remat
+    c.model.scan_impl = "auto"  # auto | associative_scan | cumsum
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

@@ -30,25 +30,15 @@ class DecodeView:
     Attributes:
       index: slot of the first new token (int32 scalar); query t is key ``index + t``.
       positions_BS: positions of the S cache slots (after this call's write).
-      mask_BTS: True where new query t may attend to slot s.
+      segment_ids_BS: segment ids of the S cache slots (after this call's write); new query t
+        may attend to slot s iff s <= index + t and the ids match (``copejax.segments``).
       fits: False when the call wrote past the cache's S slots (results are then invalid).
     """
 
     index: jax.Array
     positions_BS: jax.Array
-    mask_BTS: jax.Array
+    segment_ids_BS: jax.Array
     fits: jax.Array
-
-
-def decode_mask_BTS(
-    index: jax.Array, segment_ids_BT: jax.Array, cached_segment_ids_BS: jax.Array
-) -> jax.Array:
-    """True where new query t (slot ``index + t``) may see slot s: s <= index + t, same segment."""
-    length_q, length_k = segment_ids_BT.shape[1], cached_segment_ids_BS.shape[1]
-    slot_T1 = index + jnp.arange(length_q)[:, None]
-    s_1S = jnp.arange(length_k)[None, :]
-    same_BTS = segment_ids_BT[:, :, None] == cached_segment_ids_BS[:, None, :]
-    return (s_1S <= slot_T1)[None] & same_BTS
 
 
 class DecodeCursor(nn.Module):
@@ -84,7 +74,7 @@ class DecodeCursor(nn.Module):
         return DecodeView(
             index=start,
             positions_BS=positions.value,
-            mask_BTS=decode_mask_BTS(start, segment_ids_BT.astype(jnp.int32), segments.value),
+            segment_ids_BS=segments.value,
             fits=start + length <= slots,
         )
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
-from copejax.attention import Attention, causal_segment_mask_BTS
+from copejax.attention import Attention
 from copejax.kv_cache import DecodeCursor
 from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext, Carry, EmbedOutput
@@ -173,25 +173,16 @@ class Transformer(nn.Module):
         Separate from ``__call__`` so that tests can differentiate with respect to x_BTD.
         """
         cfg = self.cfg
-        batch, length = emb.x_BTD.shape[:2]
         x_BTD = nn.with_logical_constraint(emb.x_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED))
-        ctx = AttentionContext(
-            x_BTD=x_BTD,
-            q_positions_BT=emb.positions_BT,
-            k_positions_BS=emb.positions_BT,
-            mask_BTS=causal_segment_mask_BTS(segment_ids_BT, batch, length),
-            segment_ids_BT=(
-                jnp.zeros((batch, length), jnp.int32) if segment_ids_BT is None else segment_ids_BT
-            ),
-            carry=emb.carry,
-            deterministic=deterministic,
+        ctx = AttentionContext.create(
+            x_BTD, emb.positions_BT, segment_ids_BT, carry=emb.carry, deterministic=deterministic
         )
         if decode:
-            view = self.decode_cursor(emb.positions_BT, segment_ids_BT)
+            view = self.decode_cursor(emb.positions_BT, ctx.q_segment_ids_BT)
             cfg.scheme().check_decode(cfg.dims, view.positions_BS.shape[1])
             ctx = ctx.replace(
                 k_positions_BS=view.positions_BS,
-                mask_BTS=view.mask_BTS,
+                k_segment_ids_BS=view.segment_ids_BS,
                 decode=True,
                 cache_index=view.index,
             )

@@ -13,9 +13,15 @@ from copejax.positions.base import Dims, PositionScheme
 
 BLOCKS = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16")
-KERNELS = ("einsum", "dot_product_attention")
-# Sites a scheme may use with attention_kernel="dot_product_attention": the kernel takes the
-# queries, keys and values the qk site returns and computes the plain masked softmax itself.
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "dot_product_attention")
+ATTENTION_BACKWARDS = ("auto", "flash", "remat")
+SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
+# The blockwise engine's block length when model.attention_block is None (measured in
+# experiments/bench.py on CPU; see its page).
+DEFAULT_ATTENTION_BLOCK = 256
+# Sites a scheme may use with attention_impl="dot_product_attention": the kernel takes the
+# queries, keys and values the qk site returns, an additive bias, and computes the masked
+# softmax itself; a bias site is allowed when its bias reads positions only.
 KERNEL_SITES = frozenset({"embed", "qk"})
 
 
@@ -47,11 +53,20 @@ class ModelConfig:
       position_options: options of the scheme (a mapping; stored as sorted pairs).
       max_len: training context length T (learned tables, FIRE's L, YaRN's original length).
       init_std: standard deviation of the weight initialisers.
-      attention_kernel: "einsum" (explicit float32 logits, the scheme's bias and normalizer
-        sites; attention maps can be read) or "dot_product_attention"
-        (``jax.nn.dot_product_attention``: XLA's fused form on CPU/TPU, cuDNN where JAX picks
-        it on GPU), for schemes whose only sites are embed and qk (nope, learned, sinusoidal,
-        randomized, rope, xpos).
+      attention_impl: the attention path of every layer. "naive": float32 (B, N, T, S)
+        logits, the scheme's bias and normalizer sites; the reference, and the only path that
+        sows attention maps. "blockwise": the engine of ``copejax.ops.engine``, every scheme in
+        O(T) memory. "dot_product_attention": ``jax.nn.dot_product_attention`` (XLA's fused
+        form on CPU/TPU, cuDNN where JAX picks it on GPU), for schemes whose only sites are
+        embed and qk (nope, learned, sinusoidal, randomized, rope, xpos). "auto" (default):
+        naive for short sequences and while sowing, blockwise beyond
+        (``copejax.attention.choose_impl``).
+      attention_block: the blockwise engine's block length (None: DEFAULT_ATTENTION_BLOCK).
+      attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the
+        log-sum-exp, for softmax schemes without a walk carry), "remat" (rematerialised walk)
+        or "auto" (flash where it applies).
+      scan_impl: the cumulative sums of CoPE, FoX and stick-breaking ("auto",
+        "associative_scan", "cumsum"; ``copejax.ops.scan``).
     """
 
     vocab_size: int
@@ -68,7 +83,10 @@ class ModelConfig:
     position_options: Any = ()
     max_len: int = 512
     init_std: float = 0.02
-    attention_kernel: str = "einsum"
+    attention_impl: str = "auto"
+    attention_block: int | None = None
+    attention_backward: str = "auto"
+    scan_impl: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "position_options", _freeze(self.position_options))
@@ -84,6 +102,18 @@ class ModelConfig:
         if self.block == "gpt2":
             return 4 * self.d_model
         return -(-8 * self.d_model // 3 // 8) * 8
+
+    def dot_product_attention_allowed(self) -> bool:
+        """Whether ``jax.nn.dot_product_attention`` can compute this scheme's attention: sites
+        embed and qk only, plus a bias site whose bias reads positions only (ALiBi, T5,
+        Kerple, FIRE; ``PositionScheme.position_only_bias``)."""
+        scheme = self.scheme()
+        extra = set(scheme.sites) - KERNEL_SITES
+        return not extra or (extra == {"bias"} and scheme.position_only_bias)
+
+    @property
+    def resolved_attention_block(self) -> int:
+        return DEFAULT_ATTENTION_BLOCK if self.attention_block is None else self.attention_block
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -126,18 +156,35 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attention_kernel not in KERNELS:
+        for key, allowed in (
+            ("attention_impl", ATTENTION_IMPLS),
+            ("attention_backward", ATTENTION_BACKWARDS),
+            ("scan_impl", SCAN_IMPLS),
+        ):
+            if getattr(self, key) not in allowed:
+                raise ValueError(
+                    f"model.{key} must be one of {allowed}, got {getattr(self, key)!r}"
+                )
+        block = self.attention_block
+        if block is not None and (
+            isinstance(block, bool) or not isinstance(block, int) or block <= 0
+        ):
             raise ValueError(
-                f"model.attention_kernel must be one of {KERNELS}, got {self.attention_kernel!r}"
+                f"model.attention_block must be a positive integer or None, got {block!r}"
             )
         scheme = self.scheme()
         scheme.validate(self.dims)
         extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)
-        if self.attention_kernel == "dot_product_attention" and extra_sites:
+        if (
+            self.attention_impl == "dot_product_attention"
+            and not self.dot_product_attention_allowed()
+        ):
             raise ValueError(
-                f"model.attention_kernel='dot_product_attention' computes a plain masked softmax "
-                f"and allows schemes whose only sites are {sorted(KERNEL_SITES)}; "
-                f"{scheme.name!r} also uses {extra_sites}: use attention_kernel='einsum'"
+                f"model.attention_impl='dot_product_attention' computes softmax(q.k / sqrt(H) "
+                f"+ bias) and allows schemes whose only sites are {sorted(KERNEL_SITES)}, or "
+                f"a bias that reads positions only (alibi, t5, kerple, fire); "
+                f"{scheme.name!r} also uses {extra_sites}: use attention_impl='auto', 'naive' "
+                "or 'blockwise'"
             )
         token_dim = scheme.token_dim(self.d_model)
         if not 0 < token_dim <= self.d_model:
@@ -145,6 +192,37 @@ class ModelConfig:
                 f"{scheme.name}: token embedding width {token_dim} must be in (0, {self.d_model}]"
             )
         return self
+
+
+# Keys that cope, fox and stickbreaking declared before the engine moved them to model level.
+LEGACY_SCHEME_ATTENTION_KEYS = ("attention_impl", "block_size", "blockwise_min_len", "scan_impl")
+
+
+def upgrade_attention_options(model: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Attention options of a config saved before they moved to model level.
+
+    Returns (model-level ``attention_impl`` / ``attention_block`` / ``scan_impl`` entries,
+    position options without the per-scheme keys). ``attention_kernel="dot_product_attention"``
+    becomes ``attention_impl``; a scheme's ``attention_impl`` other than "auto",
+    ``block_size`` and ``scan_impl`` become the model's; ``blockwise_min_len`` is dropped
+    ("auto" chooses by length at model level; values are the same on every path). A config
+    that already has the model-level keys keeps them.
+    """
+    options = dict(model.get("position_options", {}) or {})
+    legacy = {key: options.pop(key) for key in LEGACY_SCHEME_ATTENTION_KEYS if key in options}
+    upgraded: dict[str, Any] = {}
+    if model.get("attention_kernel") == "dot_product_attention":
+        upgraded["attention_impl"] = "dot_product_attention"
+    if legacy.get("attention_impl", "auto") != "auto":
+        upgraded["attention_impl"] = legacy["attention_impl"]
+    if "block_size" in legacy:
+        upgraded["attention_block"] = legacy["block_size"]
+    if "scan_impl" in legacy:
+        upgraded["scan_impl"] = legacy["scan_impl"]
+    for key in ("attention_impl", "attention_block", "attention_backward", "scan_impl"):
+        if model.get(key) is not None:
+            upgraded[key] = model[key]
+    return upgraded, options
 
 
 @functools.cache

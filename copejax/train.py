@@ -28,7 +28,7 @@ from copejax.config_base import NONFINITE
 from copejax.data.base import Task, make_task
 from copejax.metrics import MetricsWriter, truncate_after, truncate_events_after
 from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.model_config import ModelConfig, upgrade_attention_options
 from copejax.progress import Progress
 from copejax.train_step import Steps, make_steps
 
@@ -61,6 +61,7 @@ def _all_finite(tree: Any) -> jax.Array:
 def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
     """The ModelConfig of ``config.model``: vocab from the task, 0 sizes resolved."""
     m = config.model
+    attention, position_options = upgrade_attention_options(m.to_dict())
     return ModelConfig(
         vocab_size=len(task.vocab),
         d_model=m.d_model,
@@ -73,11 +74,10 @@ def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
         dropout=m.dropout,
         dtype=m.dtype,
         position=m.position,
-        position_options=m.position_options.to_dict(),
+        position_options=position_options,
         max_len=m.max_len or task.seq_len,
         init_std=m.init_std,
-        # Configs saved before the key existed get ModelConfig's default.
-        attention_kernel=m.get("attention_kernel", ModelConfig.attention_kernel),
+        **attention,
     )
 
 

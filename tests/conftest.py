@@ -32,6 +32,18 @@ def tokens_and_positions(batch: int = 2, length: int = 8, seed: int = 0) -> tupl
     return tokens_BT, positions_BT
 
 
+def perturbed(params: object, scale: float = 0.1, seed: int = 1) -> object:
+    """Every parameter plus scale * N(0, 1) noise, so that zero-initialised terms (CoPE's
+    table, TAPE's W2, ...) are live in equivalence tests."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(tree, noisy)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

@@ -1,4 +1,4 @@
-"""``model.attention_kernel="dot_product_attention"`` equals the explicit einsum path.
+"""``model.attention_impl="dot_product_attention"`` equals the explicit naive path.
 
 The kernel (``jax.nn.dot_product_attention``) replaces the content logits, mask and softmax of
 ``copejax.attention.Attention`` for schemes whose only sites are embed and qk; values,
@@ -18,7 +18,20 @@ from copejax import decode
 from copejax.model import Transformer
 from tests.conftest import tiny_config
 
-KERNEL_SCHEMES = ["nope", "learned", "sinusoidal", "rope", "xpos", "randomized"]
+KERNEL_SCHEMES = [
+    "nope",
+    "learned",
+    "sinusoidal",
+    "rope",
+    "xpos",
+    "randomized",
+    # position-only biases, passed to the kernel as bias=
+    "alibi",
+    "t5",
+    "kerple",
+    "fire",
+    "alibi+rope",
+]
 SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
 POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
 TOKENS_BT = np.random.default_rng(0).integers(0, 13, (2, 8)).astype(np.int32)
@@ -26,7 +39,7 @@ TOKENS_BT = np.random.default_rng(0).integers(0, 13, (2, 8)).astype(np.int32)
 
 def _models(position: str) -> tuple[Transformer, Transformer, object]:
     einsum_cfg = tiny_config(position)
-    kernel_cfg = dataclasses.replace(einsum_cfg, attention_kernel="dot_product_attention")
+    kernel_cfg = dataclasses.replace(einsum_cfg, attention_impl="dot_product_attention")
     kernel_cfg.validate()
     params = Transformer(einsum_cfg).init(
         jax.random.key(0), jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT)
@@ -49,7 +62,7 @@ def test_kernel_equals_einsum_values_and_gradients(position: str) -> None:
         np.testing.assert_allclose(g_k, g_e, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("position", ["nope", "rope"])
+@pytest.mark.parametrize("position", ["nope", "rope", "alibi"])
 def test_kernel_decoding_equals_full_pass(position: str) -> None:
     _, model, params = _models(position)
     full = model.apply(
@@ -86,12 +99,14 @@ def test_kernel_keeps_float32_softmax_in_bfloat16() -> None:
     np.testing.assert_allclose(b, a, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("position", ["alibi", "cope", "fox", "stickbreaking", "tape"])
+@pytest.mark.parametrize(
+    "position", ["relative", "transformer_xl", "cope", "fox", "stickbreaking", "tape"]
+)
 def test_kernel_refuses_schemes_with_other_sites(position: str) -> None:
-    with pytest.raises(ValueError, match=rf"attention_kernel.*'{position}' also uses"):
-        tiny_config(position, attention_kernel="dot_product_attention")
+    with pytest.raises(ValueError, match=rf"attention_impl.*'{position}' also uses"):
+        tiny_config(position, attention_impl="dot_product_attention")
 
 
 def test_unknown_kernel_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"attention_kernel must be one of .*'flash'"):
-        tiny_config("nope", attention_kernel="flash")
+    with pytest.raises(ValueError, match=r"attention_impl must be one of .*'flash'"):
+        tiny_config("nope", attention_impl="flash")

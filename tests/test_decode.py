@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from copejax import decode, sample
-from copejax.kv_cache import decode_mask_BTS
 from copejax.model import Transformer
 from copejax.positions import registry
-from copejax.positions.fox import fox_cached_cumsum, segment_starts_at
+from copejax.positions.fox import fox_cached_cumsum
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
-from tests.conftest import tiny_config
+from copejax.segments import causal_mask_BTS, segment_starts_BT
+from tests.conftest import perturbed, tiny_config
 
 LENGTH = 8
 PREFILL = 4
@@ -71,12 +71,7 @@ def _model_and_params(position: str, options: dict) -> tuple[Transformer, object
     model = Transformer(cfg)
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
     params = model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [
-        x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
-    ]
-    return model, jax.tree.unflatten(tree, leaves), cfg
+    return model, perturbed(params), cfg
 
 
 def _decoded_logits(
@@ -169,7 +164,7 @@ def test_decode_mask_matches_reference(rng: np.random.Generator) -> None:
     cached_BS = rng.integers(0, 3, (2, 9)).astype(np.int32)
     index, length = 4, 3
     new_BT = cached_BS[:, index : index + length]
-    mask_BTS = np.asarray(decode_mask_BTS(jnp.int32(index), jnp.asarray(new_BT), cached_BS))
+    mask_BTS = np.asarray(causal_mask_BTS(jnp.asarray(new_BT), cached_BS, jnp.int32(index)))
     expected = np.zeros((2, length, 9), bool)
     for b in range(2):
         for t in range(length):
@@ -185,11 +180,10 @@ def test_fox_cached_prefix_sums_continue_across_calls(rng: np.random.Generator) 
     for s in range(9):
         start = s if s == 0 or segments_S[s] != segments_S[s - 1] else None
         expected[0, s] = logf_BSN[0, s] + (0 if start is not None else expected[0, s - 1])
-    mask_SS = (np.arange(9)[None] <= np.arange(9)[:, None]) & (segments_S[:, None] == segments_S)
+    segments_BS = jnp.asarray(segments_S[None], jnp.int32)
     c_BSN = np.zeros_like(logf_BSN)
     for start, end in [(0, 2), (2, 5), (5, 6), (6, 9)]:
-        mask_BTS = jnp.asarray(mask_SS[None, start:end])
-        starts_BT = segment_starts_at(mask_BTS, start)
+        starts_BT = segment_starts_BT(segments_BS[:, start:end], segments_BS, start)
         previous = None if start == 0 else jnp.asarray(c_BSN[:, start - 1])
         c_BSN[:, start:end] = fox_cached_cumsum(
             jnp.asarray(logf_BSN[:, start:end]), starts_BT, previous

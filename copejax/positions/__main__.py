@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import dataclasses
 
+from copejax.model_config import KERNEL_SITES
 from copejax.positions import registry
+from copejax.positions.base import PositionScheme
+
+
+def attention_paths(cls: type[PositionScheme]) -> str:
+    """The attention paths a scheme runs on (``model.attention_impl``), and the blockwise
+    engine's backward: flash (custom VJP) unless a term carries state across key blocks."""
+    paths = ["naive", "blockwise (remat)" if cls.walk_carry else "blockwise (flash)"]
+    extra = set(cls.sites) - KERNEL_SITES
+    if not extra or (extra == {"bias"} and cls.position_only_bias):
+        paths.append("dot_product_attention")
+    return ", ".join(paths)
 
 
 def table() -> str:
-    """Markdown table: name, sites, options with defaults, paper."""
-    rows = ["| scheme | sites | options (defaults) | paper |", "|---|---|---|---|"]
+    """Markdown table: name, sites, attention paths, options with defaults, paper."""
+    rows = [
+        "| scheme | sites | attention paths | options (defaults) | paper |",
+        "|---|---|---|---|---|",
+    ]
     for name in registry.names():
         cls = registry.get(name)
         options = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls)) or "-"
-        rows.append(f"| `{name}` | {', '.join(cls.sites) or '-'} | {options} | {cls.paper} |")
+        sites = ", ".join(cls.sites) or "-"
+        rows.append(f"| `{name}` | {sites} | {attention_paths(cls)} | {options} | {cls.paper} |")
     return "\n".join(rows)
 
 

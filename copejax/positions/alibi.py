@@ -9,12 +9,15 @@ with every other slope of the sequence for twice that power.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -66,6 +69,7 @@ class ALiBi(PositionScheme):
 
     name = "alibi"
     sites = ("bias",)
+    position_only_bias = True
     paper = "Press et al. 2022, arXiv 2108.12409"
 
     def validate(self, dims: Dims) -> None:
@@ -87,3 +91,15 @@ class _ALiBiSite(AttentionSite):
         slopes_N = alibi_slopes(self.dims.num_heads)
         bias_BNTS = alibi_bias(ctx.q_positions_BT, ctx.k_positions_BS, slopes_N)
         return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        slopes_N = alibi_slopes(self.dims.num_heads)
+        return (BlockTerm(functools.partial(_alibi_pair, slopes_N=slopes_N), position_only=True),)
+
+
+def _alibi_pair(
+    params: None, pair: PairBlock, prepared: None, carry: Any, *, slopes_N: np.ndarray
+) -> tuple[jax.Array, Any]:
+    return alibi_bias(pair.q_positions_BQ, pair.k_positions_BK, slopes_N), carry

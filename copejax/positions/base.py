@@ -32,6 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from copejax import segments
+from copejax.ops.engine import BlockTerm, Normalizer
+
 SITES = ("embed", "qk", "bias", "normalizer", "output", "carry")
 
 Carry = Any  # a pytree of arrays, or None for schemes without a carry
@@ -60,37 +63,100 @@ class Dims:
 class AttentionContext:
     """What the attention sites may read besides q, k and v.
 
+    Segment ids are the input; the (B, T, S) mask is derived (:attr:`mask_BTS`) only where the
+    naive path reads it (``copejax.segments``). Build one with :meth:`create`.
+
     Attributes:
       x_BTD: the attention layer's (normalised) input, for input-dependent schemes (FoX).
       q_positions_BT: integer positions of the queries.
       k_positions_BS: integer positions of the keys (equal to the queries' without a cache).
-      mask_BTS: True where query t may attend to key s (causal and same segment).
+      q_segment_ids_BT: the queries' packed-document ids (None: one segment per row).
+      k_segment_ids_BS: the keys' ids (the cache's when decoding; None: one segment).
       carry: the scheme's layer-to-layer state (None unless the scheme uses the carry site).
       deterministic: True at evaluation (no dropout, no random positions).
       decode: True in incremental decoding (``Transformer(..., decode=True)``): the T
         queries are new tokens and the S keys are the cache's slots (see ``copejax.kv_cache``);
-        k_BSNH, v_BSNH, ``k_positions_BS`` and ``mask_BTS`` cover the S slots, except at the qk
-        site, which transforms the new keys only (there ``k_positions_BS`` are the new
-        tokens' positions).
+        k_BSNH, v_BSNH, ``k_positions_BS`` and ``k_segment_ids_BS`` cover the S slots, except
+        at the qk site, which transforms the new keys only (there ``k_positions_BS`` are the
+        new tokens' positions).
       cache_index: the key index of query 0: query t is key ``cache_index + t`` (0 without a
         cache; an int32 scalar, traced, in decode mode).
       key_state: in decode mode, the per-key arrays (B, S, ...) that the sites asked to keep
         with :meth:`AttentionSite.cache_state`; None otherwise.
-      segment_ids_BT: the packed documents' ids (zeros without packing), set by the model so
-        that the fused ``attend`` path can build masks block by block without reading the
-        (B, T, S) ``mask_BTS``; None when the context was built without them.
+      explicit_mask_BTS: a mask that replaces the derived one, for unit tests of the naive
+        bias and normalizer sites on arbitrary masks; the blockwise engine refuses it.
+      impl: the attention path of this call, "naive", "blockwise" or "dot_product_attention"
+        (chosen by the layer from ``model.attention_impl``).
+      block: the blockwise engine's block length.
+      scan_impl: the cumulative-sum implementation (``copejax.ops.scan``).
     """
 
     x_BTD: jax.Array
     q_positions_BT: jax.Array
     k_positions_BS: jax.Array
-    mask_BTS: jax.Array
+    q_segment_ids_BT: jax.Array | None = None
+    k_segment_ids_BS: jax.Array | None = None
     carry: Carry = None
     deterministic: bool = struct.field(pytree_node=False, default=True)
     decode: bool = struct.field(pytree_node=False, default=False)
     cache_index: Any = 0
     key_state: dict[str, jax.Array] | None = None
-    segment_ids_BT: jax.Array | None = None
+    explicit_mask_BTS: jax.Array | None = None
+    impl: str = struct.field(pytree_node=False, default="naive")
+    block: int = struct.field(pytree_node=False, default=128)
+    scan_impl: str = struct.field(pytree_node=False, default="auto")
+
+    @classmethod
+    def create(
+        cls,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        segment_ids_BT: jax.Array | None = None,
+        **fields: Any,
+    ) -> AttentionContext:
+        """Self-attention's context: keys are the queries, ids default to one segment per row.
+
+        The model, the benchmark and the tests build contexts here; decoding then replaces
+        the key fields with the cache's (``Transformer.forward_embedded``).
+        """
+        batch, length = positions_BT.shape
+        ids_BT = segments.default_segment_ids(segment_ids_BT, batch, length)
+        return cls(
+            x_BTD=x_BTD,
+            q_positions_BT=positions_BT,
+            k_positions_BS=positions_BT,
+            q_segment_ids_BT=ids_BT,
+            k_segment_ids_BS=ids_BT,
+            **fields,
+        )
+
+    def _ids(self) -> tuple[jax.Array, jax.Array]:
+        batch, length_q = self.q_positions_BT.shape
+        q_ids_BT = segments.default_segment_ids(self.q_segment_ids_BT, batch, length_q)
+        length_k = self.k_positions_BS.shape[1]
+        k_ids_BS = segments.default_segment_ids(self.k_segment_ids_BS, batch, length_k)
+        return q_ids_BT, k_ids_BS
+
+    @property
+    def mask_BTS(self) -> jax.Array:
+        """True where query t (key ``cache_index + t``) may attend to key s: causal by index
+        and same segment; derived from the ids (or the explicit test mask)."""
+        if self.explicit_mask_BTS is not None:
+            return self.explicit_mask_BTS
+        q_ids_BT, k_ids_BS = self._ids()
+        return segments.causal_mask_BTS(q_ids_BT, k_ids_BS, self.cache_index)
+
+    @property
+    def segment_ids_BT(self) -> jax.Array:
+        """The queries' segment ids (zeros when none were given)."""
+        return self._ids()[0]
+
+    def segment_starts_BT(self) -> jax.Array:
+        """True where query t begins a segment (the key before it is in another segment)."""
+        q_ids_BT, k_ids_BS = self._ids()
+        if self.decode:
+            return segments.segment_starts_BT(q_ids_BT, k_ids_BS, self.cache_index)
+        return segments.segment_starts_BT(q_ids_BT)
 
 
 @struct.dataclass
@@ -172,18 +238,31 @@ class AttentionSite(nn.Module):
         """The bias site: an additive float32 logit term broadcastable to (B, N, T, S).
 
         ``logits_BNTS`` are the scaled content logits q.k / sqrt(H) in float32, unmasked
-        (apply ``ctx.mask_BTS`` before any cumulative sum). Default: no bias (None).
+        (apply ``ctx.mask_BTS`` before any cumulative sum). Default: no bias (None). The naive
+        path's form; :meth:`block_terms` is the same term for the blockwise engine.
         """
         return None
 
-    def attend(
+    def block_terms(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
-    ) -> jax.Array | None:
-        """A fused path: the whole attention output y_BTNH computed by the scheme itself.
+    ) -> tuple[BlockTerm, ...]:
+        """The bias site in block form for the blockwise engine (``copejax.ops.engine``).
 
-        For blockwise forms that never build (T, S) tensors (CoPE, FoX, stick-breaking in O(T)
-        memory). Returning None (the default) selects the generic path: logits, bias,
-        normalize. When a fused path is taken, ``carry_after_attention`` gets no weights.
+        Called outside the engine's loops with the whole q, k, v and context: read parameters
+        and compute per-token arrays here, and return pure functions of one (query block, key
+        block) pair. Must equal :meth:`bias` on every allowed pair (the registry-wide test
+        ``tests/test_blockwise_equivalence.py`` checks it). Default: no term; a site that
+        overrides :meth:`bias` must override this too.
+        """
+        return ()
+
+    def block_normalizer(self, ctx: AttentionContext) -> Normalizer | None:
+        """The normalizer site in block form (stick-breaking); None: softmax."""
+        return None
+
+    def mixed_values(self, ctx: AttentionContext) -> jax.Array | None:
+        """Per-key features (B, S, N, C) that the attention weights mix like values, for the
+        carry site (TAPE eq. 7); None: nothing. The mix reaches :meth:`carry_after_attention`.
         """
         return None
 
@@ -196,11 +275,12 @@ class AttentionSite(nn.Module):
         return y_BTNH
 
     def carry_after_attention(
-        self, carry: Carry, weights_BNTS: jax.Array | None, ctx: AttentionContext
+        self, carry: Carry, mixed_BTNC: jax.Array | None, ctx: AttentionContext
     ) -> Carry:
         """The carry site, inside attention (TAPE eq. 7). Default: unchanged.
 
-        ``weights_BNTS`` is None when the fused ``attend`` path was taken.
+        ``mixed_BTNC`` is :meth:`mixed_values` weighted by each head's attention (None when
+        the site mixes nothing), on every attention path.
         """
         return carry
 
@@ -224,6 +304,12 @@ class PositionScheme:
     sites: ClassVar[tuple[str, ...]] = ()
     paper: ClassVar[str] = ""  # e.g. "Su et al. 2021, arXiv 2104.09864"
     share_across_layers: ClassVar[bool] = False
+    # The bias site's bias reads positions and parameters only, never q, k or the input:
+    # jax.nn.dot_product_attention can take it as a precomputed bias.
+    position_only_bias: ClassVar[bool] = False
+    # A block term carries state across key blocks (CoPE's gate count, stick-breaking's
+    # remainder): the blockwise engine then differentiates its walk (remat), not flash.
+    walk_carry: ClassVar[bool] = False
 
     def validate(self, dims: Dims) -> None:
         """Raises ValueError naming the bad value and what is allowed."""
@@ -275,3 +361,13 @@ def check_choice(scheme: str, key: str, value: Any, allowed: tuple[Any, ...]) ->
     """Raises a ValueError when ``value`` is not one of ``allowed``."""
     if value not in allowed:
         raise ValueError(f"{scheme}: {key} must be one of {allowed}, got {value!r}")
+
+
+def check_block_terms(site: AttentionSite) -> None:
+    """Refuses a site whose bias has no block form (it would be silently dropped)."""
+    cls = type(site)
+    if cls.bias is not AttentionSite.bias and cls.block_terms is AttentionSite.block_terms:
+        raise NotImplementedError(
+            f"{cls.__name__} defines a bias site but no block_terms: the blockwise engine "
+            "cannot run it; use model.attention_impl='naive'"
+        )

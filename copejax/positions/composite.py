@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import jax
 
+from copejax.ops.engine import Normalizer
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -15,6 +16,7 @@ from copejax.positions.base import (
     EmbedOutput,
     EmbedSite,
     PositionScheme,
+    check_block_terms,
 )
 
 
@@ -40,6 +42,10 @@ class Composite(PositionScheme):
     @property
     def share_across_layers(self) -> bool:  # type: ignore[override]
         return any(p.share_across_layers for p in self.parts)
+
+    @property
+    def position_only_bias(self) -> bool:  # type: ignore[override]
+        return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 
     def validate(self, dims: Dims) -> None:
         for site in ("normalizer", "carry"):
@@ -105,11 +111,8 @@ class _CompositeAttention(AttentionSite):
         self.sites_ = [m for _, m in pairs]
         users = [i for i, (p, _) in enumerate(pairs) if "normalizer" in p.sites]
         self.normalizer_index = users[0] if users else None
-        # A fused attend path needs the whole logit and weight computation in one part, and no
-        # part reading the weights (the carry site gets none on a fused path).
-        logit_users = [i for i, (p, _) in enumerate(pairs) if {"bias", "normalizer"} & set(p.sites)]
-        carries = any("carry" in p.sites for p, _ in pairs)
-        self.fusable_index = logit_users[0] if len(logit_users) == 1 and not carries else None
+        carriers = [i for i, (p, _) in enumerate(pairs) if "carry" in p.sites]
+        self.carry_index = carriers[0] if carriers else None
 
     def cache_state(self, k_BTNH, v_BTNH, ctx: AttentionContext) -> dict[str, jax.Array]:
         state: dict[str, jax.Array] = {}
@@ -135,14 +138,23 @@ class _CompositeAttention(AttentionSite):
                 total = b if total is None else total + b
         return total
 
-    def attend(
-        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
-    ) -> jax.Array | None:
-        """The fused path of the one part that biases or normalises the logits (cope+rope:
-        CoPE's, on the rotated q and k), when no other part does; None otherwise."""
-        if self.fusable_index is None:
+    def block_terms(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext) -> tuple:
+        """Every part's block terms (summed by the engine, as the naive path sums biases)."""
+        terms: tuple = ()
+        for site in self.sites_:
+            check_block_terms(site)
+            terms += tuple(site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx))
+        return terms
+
+    def block_normalizer(self, ctx: AttentionContext) -> Normalizer | None:
+        if self.normalizer_index is None:
             return None
-        return self.sites_[self.fusable_index].attend(q_BTNH, k_BSNH, v_BSNH, ctx)
+        return self.sites_[self.normalizer_index].block_normalizer(ctx)
+
+    def mixed_values(self, ctx: AttentionContext) -> jax.Array | None:
+        if self.carry_index is None:
+            return None
+        return self.sites_[self.carry_index].mixed_values(ctx)
 
     def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
         if self.normalizer_index is None:
@@ -155,10 +167,11 @@ class _CompositeAttention(AttentionSite):
         return y_BTNH
 
     def carry_after_attention(
-        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+        self, carry: Carry, mixed_BTNC: jax.Array | None, ctx: AttentionContext
     ) -> Carry:
-        for site in self.sites_:
-            carry = site.carry_after_attention(carry, weights_BNTS, ctx)
+        for index, site in enumerate(self.sites_):
+            mixed = mixed_BTNC if index == self.carry_index else None
+            carry = site.carry_after_attention(carry, mixed, ctx)
         return carry
 
     def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:

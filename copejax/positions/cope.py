@@ -19,10 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax import sharding as ax
-from copejax.ops import blockwise
 from copejax.ops import cope as cope_ops
-from copejax.ops.blockwise_cope import blockwise_cope_attention
-from copejax.ops.scan import IMPLS
+from copejax.ops.cope_block import cope_block_term
+from copejax.ops.engine import BlockTerm
 from copejax.positions.alibi import alibi_slopes as press_slopes
 from copejax.positions.base import (
     AttentionContext,
@@ -102,19 +101,16 @@ class CoPE(PositionScheme):
         listing, where only the content logits are scaled).
       force_unit_gates: every allowed gate is 1: p_ij = i - j + 1 and CoPE is relative PE with
         embeddings e[i - j + 1] (Section 4). For the identity test.
-      scan_impl: the suffix-sum implementation ("auto", "associative_scan", "cumsum").
-      attention_impl: "naive" (gates, positions and logits as (B, N, T, S) arrays), "blockwise"
-        (``copejax.ops.blockwise_cope``: O(T) memory, no (T, S) array in the forward or
-        backward pass) or "auto" (default: blockwise from ``blockwise_min_len`` tokens on).
-        Both give the same values and gradients; the sown intermediates (gates, positions,
-        position attention, attention weights) come from the naive path only, so "auto" stays
-        naive while the "intermediates" collection is mutable.
-      block_size: query and key block length of the blockwise path.
-      blockwise_min_len: the length from which "auto" goes blockwise.
+
+    The attention path (naive (B, N, T, S) gates and positions, or the blockwise engine with
+    ``copejax.ops.cope_block``'s term) and the suffix-sum implementation are model options
+    (``model.attention_impl``, ``model.scan_impl``). Sown intermediates (gates, positions,
+    position attention) come from the naive path.
     """
 
     name = "cope"
     sites = ("bias",)
+    walk_carry = True
     paper = "Golovneva et al. 2024, arXiv 2405.18719"
 
     gates: str = "keys"
@@ -126,10 +122,6 @@ class CoPE(PositionScheme):
     mlp_hidden: int = 64
     scale_position_term: bool = False
     force_unit_gates: bool = False
-    scan_impl: str = "auto"
-    attention_impl: str = "auto"
-    block_size: int = 128
-    blockwise_min_len: int = 512
 
     def __post_init__(self) -> None:
         if isinstance(self.alibi_slopes, list):  # keep the scheme hashable
@@ -146,7 +138,6 @@ class CoPE(PositionScheme):
     def validate(self, dims: Dims) -> None:
         check_choice(self.name, "gates", self.gates, GATES)
         check_choice(self.name, "position_term", self.position_term, POSITION_TERMS)
-        check_choice(self.name, "scan_impl", self.scan_impl, IMPLS)
         if self.p_max is not None and (
             isinstance(self.p_max, bool) or not isinstance(self.p_max, int) or self.p_max <= 0
         ):
@@ -159,9 +150,6 @@ class CoPE(PositionScheme):
         if self.mlp_hidden <= 0:
             raise ValueError(f"{self.name}: mlp_hidden must be > 0, got {self.mlp_hidden!r}")
         self.fixed_slopes(dims)
-        blockwise.check_attention_options(
-            self.name, self.attention_impl, self.block_size, self.blockwise_min_len
-        )
 
     def fixed_slopes(self, dims: Dims) -> np.ndarray | None:
         """The fixed ALiBi magnitudes (N,), or None when the slopes are learned."""
@@ -267,41 +255,32 @@ class _CoPESite(AttentionSite):
         fixed = self.scheme.fixed_slopes(self.dims)
         return self.slopes if fixed is None else -jnp.asarray(fixed, jnp.float32)
 
-    def attend(
+    def block_terms(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
-    ) -> jax.Array | None:
-        """The blockwise path (O(T) memory) when ``attention_impl`` selects it, else None."""
+    ) -> tuple[BlockTerm, ...]:
+        """The CoPE term for the blockwise engine (``copejax.ops.cope_block``)."""
         s = self.scheme
-        sowing = self.is_mutable_collection("intermediates")
-        if not blockwise.use_blockwise(
-            s.attention_impl, q_BTNH.shape[1], s.blockwise_min_len, sowing
-        ):
-            return None
         gate_k_BSNH = None
         if s.gates == "values":
             gate_k_BSNH = v_BSNH
         elif s.gates == "sep_keys":
-            gate_k_BSNH = self.gate_key(ctx.x_BTD)
+            gate_k_BSNH = ctx.key_state["cope_sep_keys"] if ctx.decode else self.gate_key(ctx.x_BTD)
         mlp_params = None
         if s.position_term == "mlp":
             mlp_params = (self.mlp_w_in, self.mlp_b_in, self.mlp_w_out)
-        return blockwise_cope_attention(
-            q_BTNH,
-            k_BSNH,
-            v_BSNH,
-            blockwise.context_segment_ids(ctx.segment_ids_BT, ctx.mask_BTS),
+        term = cope_block_term(
             p_max=s.num_positions(self.dims),
             position_term=s.position_term,
             pos_emb=self.pos_emb if s.position_term == "interpolate" else None,
             slopes_N=self._slopes_N() if s.position_term == "alibi" else None,
             mlp_params=mlp_params,
             mlp_input_scale=1.0 / s.num_positions(self.dims),
-            gate_k_BTNH=gate_k_BSNH,
+            gate_k_BSNH=gate_k_BSNH,
             force_unit_gates=s.force_unit_gates,
             scale_position_term=s.scale_position_term,
-            block=s.block_size,
-            scan_impl=s.scan_impl,
+            scan_impl=ctx.scan_impl,
         )
+        return (term,)
 
     def _position_term(self, q_BTNH: jax.Array, positions_BNTS: jax.Array) -> jax.Array:
         s = self.scheme
@@ -336,7 +315,7 @@ class _CoPESite(AttentionSite):
         gate_logits_BNTS = self._gate_logits(q_BTNH, v_BSNH, logits_BNTS, ctx)
         gates_BNTS = cope_ops.cope_gates(gate_logits_BNTS, ctx.mask_BTS, s.force_unit_gates)
         positions_BNTS = cope_ops.cope_positions(
-            gates_BNTS, s.num_positions(self.dims), s.scan_impl
+            gates_BNTS, s.num_positions(self.dims), ctx.scan_impl
         )
         term_BNTS = self._position_term(q_BTNH, positions_BNTS)
         if s.scale_position_term:

@@ -14,12 +14,14 @@ is translation invariant while every query position stays below L.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -79,6 +81,7 @@ class Fire(PositionScheme):
 
     name = "fire"
     sites = ("bias",)
+    position_only_bias = True
     paper = "Li et al. 2023, arXiv 2310.04418"
 
     mlp_width: int = 32
@@ -141,3 +144,14 @@ class _FireSite(AttentionSite):
     ) -> jax.Array:
         bias_BNTS = fire_bias(ctx.q_positions_BT, ctx.k_positions_BS, self.fire_params())
         return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        return (BlockTerm(_fire_pair, params=self.fire_params(), position_only=True),)
+
+
+def _fire_pair(
+    params: dict[str, jax.Array], pair: PairBlock, prepared: None, carry: Any
+) -> tuple[jax.Array, Any]:
+    return fire_bias(pair.q_positions_BQ, pair.k_positions_BK, params), carry

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from copejax import segments
 from copejax import sharding as ax
 from copejax.kv_cache import CACHE
-from copejax.ops import blockwise, scan
-from copejax.ops.blockwise_fox import blockwise_fox_attention, segment_starts_from_ids
+from copejax.ops import scan
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -58,37 +60,6 @@ def fox_log_forget_gates(x_BTD: jax.Array, w_DN: jax.Array, b_N: jax.Array) -> j
         "BTD,DN->BTN", x_BTD.astype(jnp.float32), w_DN.astype(jnp.float32)
     ) + b_N.astype(jnp.float32)
     return jax.nn.log_sigmoid(z_BTN)
-
-
-def segment_starts_BT(mask_BTS: jax.Array) -> jax.Array:
-    """True where token t begins a segment: t = 0, or t may not attend to t - 1.
-
-    Reads self-attention masks (T == S) whose segments are contiguous runs of tokens.
-    """
-    length = mask_BTS.shape[1]
-    t_T = jnp.arange(1, length)
-    sees_previous_BT = mask_BTS[:, t_T, t_T - 1]
-    first_B1 = jnp.ones((mask_BTS.shape[0], 1), bool)
-    return jnp.concatenate([first_B1, ~sees_previous_BT], axis=1)
-
-
-def segment_starts_at(mask_BTS: jax.Array, offset: jax.Array | int) -> jax.Array:
-    """True where query t, which is key ``offset + t``, begins a segment (incremental decoding).
-
-    A segment begins at key 0 and wherever the query may not attend to the key before it.
-    With ``offset = 0`` and T == S this is :func:`segment_starts_BT`.
-
-    Args:
-      mask_BTS: True where query t may attend to key s (S >= offset + T).
-      offset: the key index of query 0 (the cache index).
-
-    Returns:
-      starts_BT, bool.
-    """
-    key_T = offset + jnp.arange(mask_BTS.shape[1])
-    previous_BT1 = jnp.broadcast_to(jnp.maximum(key_T - 1, 0)[:, None], (*mask_BTS.shape[:2], 1))
-    sees_previous_BT = jnp.take_along_axis(mask_BTS, previous_BT1, axis=2)[..., 0]
-    return (key_T == 0)[None] | ~sees_previous_BT
 
 
 def fox_cached_cumsum(
@@ -131,7 +102,8 @@ def fox_decay_bias(logf_BTN: jax.Array, mask_BTS: jax.Array, impl: str = "auto")
             f"fox: needs self-attention with T == S and one gate per token, got mask "
             f"{mask_BTS.shape} and gates {logf_BTN.shape}"
         )
-    starts_BT1 = segment_starts_BT(mask_BTS)[:, :, None]
+    ids_BT = segments.segment_ids_from_mask(mask_BTS)
+    starts_BT1 = segments.segment_starts_BT(ids_BT)[:, :, None]
     c_BNT = jnp.moveaxis(scan.segment_cumsum(logf_BTN, starts_BT1, axis=1, impl=impl), 2, 1)
     bias_BNTS = c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
     return jnp.where(mask_BTS[:, None], bias_BNTS, 0.0)
@@ -154,7 +126,7 @@ def token_shift(x_BTNH: jax.Array, a_BTN: jax.Array, segment_ids_BT: jax.Array |
     x32_BTNH = x_BTNH.astype(jnp.float32)
     prev_BTNH = jnp.pad(x32_BTNH[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)))
     if segment_ids_BT is not None:
-        keep_BT11 = ~segment_starts_from_ids(segment_ids_BT)[:, :, None, None]
+        keep_BT11 = ~segments.segment_starts_BT(segment_ids_BT)[:, :, None, None]
         prev_BTNH = jnp.where(keep_BT11, prev_BTNH, 0.0)
     return _mix(x_BTNH, prev_BTNH, a_BTN)
 
@@ -202,14 +174,10 @@ class FoX(PositionScheme):
       value_shift: data-dependent token shift of the values (Pro).
       unit_forget_gate: force f = 1 (log f = 0): plain softmax attention (identity tests).
       forget_bias_init: initial value of the forget-gate bias b_f (0: f about 0.5).
-      scan_impl: cumulative-sum implementation, see ``copejax.ops.scan``.
-      attention_impl: "naive" ((B, N, T, S) logits), "blockwise" (``copejax.ops.blockwise_fox``:
-        O(T) memory, no (T, S) array in the forward or backward pass) or "auto" (default:
-        blockwise from ``blockwise_min_len`` tokens on). Both give the same values and
-        gradients; sown intermediates (log forget gates, attention weights) come from the
-        naive path only, so "auto" stays naive while the "intermediates" collection is mutable.
-      block_size: query and key block length of the blockwise path.
-      blockwise_min_len: the length from which "auto" goes blockwise.
+
+    On the blockwise engine the bias is ``c_i - c_j`` from the prefix sums ``c`` of log f, an
+    O(T N) array per layer (no walk carry: the flash backward applies). The path and the scan
+    implementation are model options (``model.attention_impl``, ``model.scan_impl``).
     """
 
     name = "fox"
@@ -222,10 +190,6 @@ class FoX(PositionScheme):
     value_shift: bool = False
     unit_forget_gate: bool = False
     forget_bias_init: float = 0.0
-    scan_impl: str = "auto"
-    attention_impl: str = "auto"
-    block_size: int = 256
-    blockwise_min_len: int = 1024
 
     def validate(self, dims: Dims) -> None:
         for key in ("output_gate", "qk_norm", "key_shift", "value_shift", "unit_forget_gate"):
@@ -239,13 +203,6 @@ class FoX(PositionScheme):
                 f"{self.name}: forget_bias_init must be a finite number, "
                 f"got {self.forget_bias_init!r}"
             )
-        if self.scan_impl not in scan.IMPLS:
-            raise ValueError(
-                f"{self.name}: scan_impl must be one of {scan.IMPLS}, got {self.scan_impl!r}"
-            )
-        blockwise.check_attention_options(
-            self.name, self.attention_impl, self.block_size, self.blockwise_min_len
-        )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _FoXSite(dims=dims, scheme=self)
@@ -299,14 +256,14 @@ class _FoXSite(AttentionSite):
         self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
     ) -> dict[str, jax.Array]:
         """Per key: the prefix sum ``c`` of log forget gates (token shift keeps its own state)."""
-        starts_BT = segment_starts_at(ctx.mask_BTS, ctx.cache_index)
+        starts_BT = ctx.segment_starts_BT()
         previous_BN = None
         if ctx.key_state is not None and "fox_cumsum" in ctx.key_state:
             previous_BN = jnp.take(
                 ctx.key_state["fox_cumsum"], jnp.maximum(ctx.cache_index - 1, 0), axis=1
             )
         logf_BTN = self._log_forget_gates(ctx.x_BTD)
-        c_BTN = fox_cached_cumsum(logf_BTN, starts_BT, previous_BN, self.scheme.scan_impl)
+        c_BTN = fox_cached_cumsum(logf_BTN, starts_BT, previous_BN, ctx.scan_impl)
         return {"fox_cumsum": c_BTN}
 
     def _shift_cached(
@@ -316,7 +273,7 @@ class _FoXSite(AttentionSite):
         previous_B1NH = previous(x_BTNH).astype(jnp.float32)
         x32_BTNH = x_BTNH.astype(jnp.float32)
         prev_BTNH = jnp.concatenate([previous_B1NH, x32_BTNH[:, :-1]], axis=1)
-        starts_BT11 = segment_starts_at(ctx.mask_BTS, ctx.cache_index)[:, :, None, None]
+        starts_BT11 = ctx.segment_starts_BT()[:, :, None, None]
         prev_BTNH = jnp.where(starts_BT11, 0.0, prev_BTNH)
         return _mix(x_BTNH, prev_BTNH, self._sigmoid_gate(ctx.x_BTD, w_DN))
 
@@ -341,25 +298,23 @@ class _FoXSite(AttentionSite):
             k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
         return q_BTNH, k_BSNH, v_BSNH
 
-    def attend(
+    def _prefix_sums(self, ctx: AttentionContext) -> tuple[jax.Array, jax.Array]:
+        """(c of the queries (B, T, N), c of the keys (B, S, N)): D_ij = c_i - c_j."""
+        if ctx.decode:  # query t is key cache_index + t
+            c_BSN = ctx.key_state["fox_cumsum"]
+            keys_T = ctx.cache_index + jnp.arange(ctx.x_BTD.shape[1])
+            return jnp.take(c_BSN, keys_T, axis=1), c_BSN
+        logf_BTN = self._log_forget_gates(ctx.x_BTD)
+        starts_BT1 = ctx.segment_starts_BT()[:, :, None]
+        c_BTN = scan.segment_cumsum(logf_BTN, starts_BT1, axis=1, impl=ctx.scan_impl)
+        return c_BTN, c_BTN
+
+    def block_terms(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
-    ) -> jax.Array | None:
-        """The blockwise path (O(T) memory) when ``attention_impl`` selects it, else None."""
-        s = self.scheme
-        sowing = self.is_mutable_collection("intermediates")
-        if not blockwise.use_blockwise(
-            s.attention_impl, q_BTNH.shape[1], s.blockwise_min_len, sowing
-        ):
-            return None
-        return blockwise_fox_attention(
-            q_BTNH,
-            k_BSNH,
-            v_BSNH,
-            self._log_forget_gates(ctx.x_BTD),
-            blockwise.context_segment_ids(ctx.segment_ids_BT, ctx.mask_BTS),
-            block=s.block_size,
-            scan_impl=s.scan_impl,
-        )
+    ) -> tuple[BlockTerm, ...]:
+        """D_ij = c_i - c_j per pair from the prefix sums (no walk carry)."""
+        c_BTN, c_BSN = self._prefix_sums(ctx)
+        return (BlockTerm(_fox_pair, q_arrays={"c": c_BTN}, k_arrays={"c": c_BSN}),)
 
     def bias(
         self,
@@ -372,15 +327,22 @@ class _FoXSite(AttentionSite):
         logf_BTN = self._log_forget_gates(ctx.x_BTD)
         self.sow("intermediates", "log_forget_gates", logf_BTN)
         if ctx.decode:  # D_ts = c of query t (key cache_index + t) minus c of key s
-            c_BSN = ctx.key_state["fox_cumsum"]
-            keys_T = ctx.cache_index + jnp.arange(logf_BTN.shape[1])
-            c_BNT = jnp.moveaxis(jnp.take(c_BSN, keys_T, axis=1), 2, 1)
-            bias_BNTS = c_BNT[..., None] - jnp.moveaxis(c_BSN, 2, 1)[:, :, None, :]
+            c_BTN, c_BSN = self._prefix_sums(ctx)
+            bias_BNTS = _decay(c_BTN, c_BSN)
             return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
-        return fox_decay_bias(logf_BTN, ctx.mask_BTS, self.scheme.scan_impl)
+        return fox_decay_bias(logf_BTN, ctx.mask_BTS, ctx.scan_impl)
 
     def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
         if not self.scheme.output_gate:
             return y_BTNH
         z_BTNH = jnp.einsum("BTD,DNH->BTNH", ctx.x_BTD.astype(jnp.float32), self.output_w)
         return (y_BTNH.astype(jnp.float32) * jax.nn.sigmoid(z_BTNH)).astype(y_BTNH.dtype)
+
+
+def _decay(c_BTN: jax.Array, c_BSN: jax.Array) -> jax.Array:
+    """c_i - c_j for every (query, key) pair: (B, N, T, S)."""
+    return jnp.moveaxis(c_BTN, 2, 1)[..., :, None] - jnp.moveaxis(c_BSN, 2, 1)[..., None, :]
+
+
+def _fox_pair(params: None, pair: PairBlock, prepared: None, carry: Any) -> tuple[jax.Array, Any]:
+    return _decay(pair.q_arrays["c"], pair.k_arrays["c"]), carry

@@ -13,6 +13,8 @@ the log variant's r2; the power variant's ``r2 = 2 sigmoid(raw)`` keeps it insid
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax import sharding as ax
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -84,6 +87,7 @@ class Kerple(PositionScheme):
 
     name = "kerple"
     sites = ("bias",)
+    position_only_bias = True
     paper = "Chi et al. 2022, arXiv 2205.09921"
 
     variant: str = "log"
@@ -146,3 +150,17 @@ class _KerpleSite(AttentionSite):
             ctx.q_positions_BT, ctx.k_positions_BS, r1_N, r2_N, self.scheme.variant
         )
         return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        bias = functools.partial(_kerple_pair, scheme=self.scheme)
+        return (BlockTerm(bias, params=(self.raw1_N, self.raw2_N), position_only=True),)
+
+
+def _kerple_pair(
+    raw: tuple[jax.Array, jax.Array], pair: PairBlock, prepared: None, carry: Any, *, scheme: Kerple
+) -> tuple[jax.Array, Any]:
+    r1_N, r2_N = scheme.positive(*raw)
+    bias_BNQK = kerple_bias(pair.q_positions_BQ, pair.k_positions_BK, r1_N, r2_N, scheme.variant)
+    return bias_BNQK, carry

@@ -18,13 +18,15 @@ Two schemes differ only beyond the table (CoPE paper section 5.4):
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+import functools
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -50,13 +52,26 @@ def relative_logits(
     Returns:
       bias_BNTS, float32.
     """
-    num_rows, head_dim = table_PH.shape
+    z_BNTP = relative_row_logits(q_BTNH, table_PH)
+    return relative_gather(z_BNTP, q_positions_BT, k_positions_BS, capped)
+
+
+def relative_row_logits(q_BTNH: jax.Array, table_PH: jax.Array) -> jax.Array:
+    """``z_i[d] = q_i . e[d] / sqrt(H)`` for every table row d: z_BNTP, float32."""
     z_BNTP = jnp.einsum(
         "BTNH,PH->BNTP",
         q_BTNH.astype(jnp.float32),
         table_PH.astype(jnp.float32),
         preferred_element_type=jnp.float32,
-    ) / jnp.sqrt(jnp.float32(head_dim))
+    )
+    return z_BNTP / jnp.sqrt(jnp.float32(table_PH.shape[1]))
+
+
+def relative_gather(
+    z_BNTP: jax.Array, q_positions_BT: jax.Array, k_positions_BS: jax.Array, capped: bool
+) -> jax.Array:
+    """Each pair's ``z_i[i - j]`` (see :func:`relative_logits`): bias_BNTS, float32."""
+    num_rows = z_BNTP.shape[-1]
     distance_BTS = jnp.maximum(q_positions_BT[:, :, None] - k_positions_BS[:, None, :], 0)
     row_BTS = jnp.minimum(distance_BTS, num_rows - 1)
     row_BNTS = jnp.broadcast_to(row_BTS[:, None], (*z_BNTP.shape[:3], row_BTS.shape[-1]))
@@ -143,6 +158,13 @@ class _RelativeSite(AttentionSite):
         logits_BNTS: jax.Array,
         ctx: AttentionContext,
     ) -> jax.Array:
+        self._check_length(q_BTNH, k_BSNH)
+        bias_BNTS = relative_logits(
+            q_BTNH, ctx.q_positions_BT, ctx.k_positions_BS, self.table_PH, self.scheme.capped
+        )
+        return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def _check_length(self, q_BTNH: jax.Array, k_BSNH: jax.Array) -> None:
         rows = self.table_PH.shape[0]
         length = max(q_BTNH.shape[1], k_BSNH.shape[1])
         if not self.scheme.capped and length > rows:
@@ -151,7 +173,21 @@ class _RelativeSite(AttentionSite):
                 f"{length - 1}, beyond max_distance={rows - 1}; allowed: length <= {rows} "
                 "(use relative_capped to reuse the last embedding for longer sequences)"
             )
-        bias_BNTS = relative_logits(
-            q_BTNH, ctx.q_positions_BT, ctx.k_positions_BS, self.table_PH, self.scheme.capped
-        )
-        return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        """z = q . e for every row once per query block, gathered by distance per pair."""
+        self._check_length(q_BTNH, k_BSNH)
+        bias = functools.partial(_relative_pair, capped=self.scheme.capped)
+        return (BlockTerm(bias, params=self.table_PH, prepare=_relative_prepare),)
+
+
+def _relative_prepare(table_PH: jax.Array, q_BQNH: jax.Array, q_arrays: dict) -> jax.Array:
+    return relative_row_logits(q_BQNH, table_PH)
+
+
+def _relative_pair(
+    table_PH: jax.Array, pair: PairBlock, z_BNQP: jax.Array, carry: Any, *, capped: bool
+) -> tuple[jax.Array, Any]:
+    return relative_gather(z_BNQP, pair.q_positions_BQ, pair.k_positions_BK, capped), carry

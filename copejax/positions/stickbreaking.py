@@ -18,8 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from copejax.ops import blockwise, scan
-from copejax.ops.blockwise_stickbreaking import blockwise_stickbreaking_attention
+from copejax.ops import scan
+from copejax.ops.engine import Normalizer
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
@@ -77,39 +77,24 @@ class StickBreaking(PositionScheme):
     Options:
       include_self: let query i break a stick at its own key (keys j <= i); default False
         (keys j < i, seed 002), so the first token of each segment attends to nothing.
-      scan_impl: suffix-sum implementation, see ``copejax.ops.scan``.
-      attention_impl: "naive" ((B, N, T, S) logits), "blockwise"
-        (``copejax.ops.blockwise_stickbreaking``: O(T) memory, no (T, S) array in the forward
-        or backward pass) or "auto" (default: blockwise from ``blockwise_min_len`` tokens
-        on). Both give the same values and gradients; sown intermediates (leftover, attention
-        weights) come from the naive path only, so "auto" stays naive while the
-        "intermediates" collection is mutable.
-      block_size: query and key block length of the blockwise path.
-      blockwise_min_len: the length from which "auto" goes blockwise.
+
+    On the blockwise engine the walk carries the log stick remainder of the newer key blocks
+    (``copejax.ops.engine``, normalizer "stickbreaking"); the path and the suffix-sum
+    implementation are model options (``model.attention_impl``, ``model.scan_impl``).
     """
 
     name = "stickbreaking"
     sites = ("normalizer",)
+    walk_carry = True
     paper = "Tan et al. 2024, arXiv 2410.17980"
 
     include_self: bool = False
-    scan_impl: str = "auto"
-    attention_impl: str = "auto"
-    block_size: int = 256
-    blockwise_min_len: int = 512
 
     def validate(self, dims: Dims) -> None:
         if not isinstance(self.include_self, bool):
             raise ValueError(
                 f"{self.name}: include_self must be True or False, got {self.include_self!r}"
             )
-        if self.scan_impl not in scan.IMPLS:
-            raise ValueError(
-                f"{self.name}: scan_impl must be one of {scan.IMPLS}, got {self.scan_impl!r}"
-            )
-        blockwise.check_attention_options(
-            self.name, self.attention_impl, self.block_size, self.blockwise_min_len
-        )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _StickBreakingSite(dims=dims, scheme=self)
@@ -118,31 +103,12 @@ class StickBreaking(PositionScheme):
 class _StickBreakingSite(AttentionSite):
     scheme: StickBreaking = StickBreaking()
 
-    def attend(
-        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
-    ) -> jax.Array | None:
-        """The blockwise path (O(T) memory) when ``attention_impl`` selects it, else None."""
-        s = self.scheme
-        sowing = self.is_mutable_collection("intermediates")
-        if not blockwise.use_blockwise(
-            s.attention_impl, q_BTNH.shape[1], s.blockwise_min_len, sowing
-        ):
-            return None
-        return blockwise_stickbreaking_attention(
-            q_BTNH,
-            k_BSNH,
-            v_BSNH,
-            blockwise.context_segment_ids(ctx.segment_ids_BT, ctx.mask_BTS),
-            include_self=s.include_self,
-            block=s.block_size,
-            scan_impl=s.scan_impl,
-        )
+    def block_normalizer(self, ctx: AttentionContext) -> Normalizer:
+        return Normalizer("stickbreaking", include_self=self.scheme.include_self)
 
     def normalize(self, logits_BNTS: jax.Array, ctx: AttentionContext) -> jax.Array:
         offset = ctx.cache_index if ctx.decode else None
         allowed_BTS = stickbreaking_allowed_BTS(ctx.mask_BTS, self.scheme.include_self, offset)
-        weights_BNTS, leftover_BNT = stickbreaking_weights(
-            logits_BNTS, allowed_BTS, self.scheme.scan_impl
-        )
+        weights_BNTS, leftover_BNT = stickbreaking_weights(logits_BNTS, allowed_BTS, ctx.scan_impl)
         self.sow("intermediates", "leftover", leftover_BNT)
         return weights_BNTS

@@ -8,13 +8,16 @@ beyond which everything shares the last bucket. As in T5, one table serves every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -98,6 +101,7 @@ class T5Bias(PositionScheme):
 
     name = "t5"
     sites = ("bias",)
+    position_only_bias = True
     paper = "Raffel et al. 2020, arXiv 1910.10683"
     share_across_layers = True
 
@@ -153,3 +157,27 @@ class _T5Site(AttentionSite):
             self.scheme.max_distance,
         )
         return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        s = self.scheme
+        bias = functools.partial(
+            _t5_pair, bidirectional=s.bidirectional, max_distance=s.max_distance
+        )
+        return (BlockTerm(bias, params=self.table_PN, position_only=True),)
+
+
+def _t5_pair(
+    table_PN: jax.Array,
+    pair: PairBlock,
+    prepared: None,
+    carry: Any,
+    *,
+    bidirectional: bool,
+    max_distance: int,
+) -> tuple[jax.Array, Any]:
+    bias_BNQK = t5_bias(
+        pair.q_positions_BQ, pair.k_positions_BK, table_PN, bidirectional, max_distance
+    )
+    return bias_BNQK, carry

@@ -7,7 +7,9 @@ meaning model width). The tensor is created at the embed site and carried across
 
 - attention (eq. 6, phi the identity, L = B): ``alpha_ij = sum_m q_im^T e_im e_jm^T k_jm``,
   factorised at the qk site as ``q'_im = e_im^T q_im``, ``k'_jm = e_jm^T k_jm`` (R-vectors);
-- position mixing (eq. 7): ``e~_jm = sum_i w_ji e_im`` with the head's own attention map;
+- position mixing (eq. 7): ``e~_jm = sum_i w_ji e_im`` with the head's own attention map
+  (``tape_mix``; in the model the attention mixes e like extra value features, so the
+  blockwise engine computes it too without the map);
 - position MLP (eq. 8): ``e_out = e + W2 diag(psi(x~_jm)) W1 e~_jm``, with ``x~`` the block's
   slice of the attention output and psi an MLP R^L -> R^F; W1 (F x L) and W2 (L x F) act on
   the left, so the update is O(R)-equivariant (eq. 5) and the logits O(R)-invariant (eq. 4).
@@ -391,13 +393,22 @@ class _TapeSite(AttentionSite):
             return {}
         return {"tape_e": ctx.carry.e_BTMLR}
 
+    def mixed_values(self, ctx: AttentionContext) -> jax.Array | None:
+        """Eq. 7 on every attention path: each key's position tensor, grouped by head
+        (B, S, N, K L R), mixed by the head's attention like extra value features."""
+        if self.scheme.contextualize == "mlp":
+            return None
+        e_BSMLR = ctx.key_state["tape_e"] if ctx.decode else ctx.carry.e_BTMLR
+        batch, length = e_BSMLR.shape[:2]
+        return e_BSMLR.astype(jnp.float32).reshape(batch, length, self.dims.num_heads, -1)
+
     def carry_after_attention(
-        self, carry: Carry, weights_BNTS: jax.Array, ctx: AttentionContext
+        self, carry: Carry, mixed_BTNC: jax.Array | None, ctx: AttentionContext
     ) -> Carry:
         if self.scheme.contextualize == "mlp":
             return carry
-        e_BSMLR = ctx.key_state["tape_e"] if ctx.decode else carry.e_BTMLR
-        return carry.replace(mixed_BTMLR=tape_mix(e_BSMLR, weights_BNTS))
+        mixed_BTMLR = mixed_BTNC.reshape(*mixed_BTNC.shape[:2], *carry.e_BTMLR.shape[2:])
+        return carry.replace(mixed_BTMLR=mixed_BTMLR)
 
     def carry_after_mlp(self, carry: Carry, attn_out_BTD: jax.Array, x_BTD: jax.Array) -> Carry:
         s = self.scheme

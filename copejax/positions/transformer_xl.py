@@ -17,12 +17,16 @@ i w lose precision for positions in the tens of thousands, as in RoPE.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from copejax import sharding as ax
+from copejax.ops.engine import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -59,11 +63,34 @@ def xl_bias(
     Returns:
       bias_BNTS, float32, for every pair (mask it).
     """
+    p_BTNR = xl_query_features(q_BTNH, params)
+    return xl_pair_bias(
+        p_BTNR, k_BSNH, q_positions_BT, k_positions_BS, params, inv_freq_F=inv_freq_F
+    )
+
+
+def xl_query_features(q_BTNH: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
+    """``(q_i + v) W_R`` per sinusoid feature (the query side of terms (b) and (d)): p_BTNR."""
     f32 = jnp.float32
-    q_BTNH, k_BSNH = q_BTNH.astype(f32), k_BSNH.astype(f32)
-    w_r_RNH, u_NH, v_NH = (params[n].astype(f32) for n in ("w_r_RNH", "u_NH", "v_NH"))
+    v_NH, w_r_RNH = params["v_NH"].astype(f32), params["w_r_RNH"].astype(f32)
+    return jnp.einsum(
+        "BTNH,RNH->BTNR", q_BTNH.astype(f32) + v_NH, w_r_RNH, preferred_element_type=f32
+    )
+
+
+def xl_pair_bias(
+    p_BTNR: jax.Array,
+    k_BSNH: jax.Array,
+    q_positions_BT: jax.Array,
+    k_positions_BS: jax.Array,
+    params: dict[str, jax.Array],
+    *,
+    inv_freq_F: jax.Array,
+) -> jax.Array:
+    """Terms (b) + (d) from :func:`xl_query_features`, plus term (c), over sqrt(H): bias_BNTS."""
+    f32 = jnp.float32
+    k_BSNH, u_NH = k_BSNH.astype(f32), params["u_NH"].astype(f32)
     num_freq = inv_freq_F.shape[0]
-    p_BTNR = jnp.einsum("BTNH,RNH->BTNR", q_BTNH + v_NH, w_r_RNH, preferred_element_type=f32)
     a_BTNF, b_BTNF = p_BTNR[..., :num_freq], p_BTNR[..., num_freq:]
     angle_q_BTF = q_positions_BT.astype(f32)[..., None] * inv_freq_F
     angle_k_BSF = k_positions_BS.astype(f32)[..., None] * inv_freq_F
@@ -74,7 +101,7 @@ def xl_bias(
         "BTNF,BSF->BNTS", on_cos_BTNF, jnp.cos(angle_k_BSF), preferred_element_type=f32
     ) + jnp.einsum("BTNF,BSF->BNTS", on_sin_BTNF, jnp.sin(angle_k_BSF), preferred_element_type=f32)
     content_bias_BN1S = jnp.einsum("NH,BSNH->BNS", u_NH, k_BSNH, preferred_element_type=f32)
-    scale = 1.0 / jnp.sqrt(f32(q_BTNH.shape[-1]))
+    scale = 1.0 / jnp.sqrt(f32(k_BSNH.shape[-1]))
     return (position_BNTS + content_bias_BN1S[:, :, None, :]) * scale
 
 
@@ -144,3 +171,31 @@ class _TransformerXLSite(AttentionSite):
             q_BTNH, k_BSNH, ctx.q_positions_BT, ctx.k_positions_BS, params, inv_freq_F=inv_freq_F
         )
         return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        """(q + v) W_R once per query block; the sinusoids and u . k per pair."""
+        params = {"w_r_RNH": self.w_r_RNH, "u_NH": self.u_NH, "v_NH": self.v_NH}
+        r_dim = self.w_r_RNH.shape[0]  # numpy: a static constant of the pair function
+        inv_freq_F = self.scheme.base ** (-np.arange(0, r_dim, 2, dtype=np.float32) / r_dim)
+        bias = functools.partial(_xl_pair, inv_freq_F=inv_freq_F)
+        return (BlockTerm(bias, params=params, prepare=_xl_prepare),)
+
+
+def _xl_prepare(params: dict[str, jax.Array], q_BQNH: jax.Array, q_arrays: dict) -> jax.Array:
+    return xl_query_features(q_BQNH, params)
+
+
+def _xl_pair(
+    params: dict[str, jax.Array],
+    pair: PairBlock,
+    p_BQNR: jax.Array,
+    carry: Any,
+    *,
+    inv_freq_F: np.ndarray,
+) -> tuple[jax.Array, Any]:
+    bias_BNQK = xl_pair_bias(
+        p_BQNR, pair.k_BKNH, pair.q_positions_BQ, pair.k_positions_BK, params, inv_freq_F=inv_freq_F
+    )
+    return bias_BNQK, carry

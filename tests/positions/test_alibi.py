@@ -66,7 +66,7 @@ def site_bias(num_heads: int, q_pos: np.ndarray, k_pos: np.ndarray, mask: np.nda
         x_BTD=jnp.zeros((batch, length, dims.d_model)),
         q_positions_BT=jnp.asarray(q_pos),
         k_positions_BS=jnp.asarray(k_pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     logits = jnp.zeros((batch, num_heads, length, k_pos.shape[1]))
     params = site.init(jax.random.key(0), q, k, k, logits, ctx, method="bias")

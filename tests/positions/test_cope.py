@@ -147,7 +147,7 @@ def _ctx(inp: dict[str, np.ndarray]) -> AttentionContext:
         x_BTD=jnp.asarray(inp["x"]),
         q_positions_BT=positions,
         k_positions_BS=positions,
-        mask_BTS=jnp.asarray(inp["mask"]),
+        explicit_mask_BTS=jnp.asarray(inp["mask"]),
     )
 
 
@@ -213,8 +213,7 @@ VARIANTS: list[dict[str, Any]] = [
     {"p_max": 1},
     {"scale_position_term": True},
     {"force_unit_gates": True, "p_max": 4},
-    {"scan_impl": "associative_scan"},
-    {"scan_impl": "cumsum", "gates": "values", "p_max": 2},
+    {"gates": "values", "p_max": 2},
     {"position_term": "alibi"},
     {"position_term": "alibi", "alibi_slopes": "press"},
     {"position_term": "alibi", "alibi_slopes": (1.0, 0.5), "gates": "sep_keys"},

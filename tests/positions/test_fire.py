@@ -55,7 +55,7 @@ def test_site_bias_matches_reference(max_pos: int) -> None:
         x_BTD=jnp.zeros((B, T, 12)),
         q_positions_BT=jnp.asarray(pos),
         k_positions_BS=jnp.asarray(pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     params = flax.core.unfreeze(site.init(jax.random.key(0), q, q, q, logits, ctx, method="bias"))
     names = ("mlp_in_kernel", "mlp_in_bias", "mlp_out_kernel", "mlp_out_bias")

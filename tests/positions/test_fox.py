@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from copejax import decode
-from copejax.attention import Attention, causal_segment_mask_BTS
+from copejax.attention import Attention
 from copejax.model import Transformer
 from copejax.ops import scan
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
 from copejax.positions.fox import fox_decay_bias, fox_log_forget_gates, token_shift
 from copejax.positions.registry import make_scheme
+from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions
 
 PRO = ("output_gate", "qk_norm", "key_shift", "value_shift")
@@ -32,8 +33,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def _mask(segments_BT: np.ndarray) -> np.ndarray:
-    batch, length = segments_BT.shape
-    return np.asarray(causal_segment_mask_BTS(jnp.asarray(segments_BT), batch, length))
+    return np.asarray(causal_mask_BTS(jnp.asarray(segments_BT), jnp.asarray(segments_BT)))
 
 
 def _ref_decay(f_BTN: np.ndarray, mask_BTS: np.ndarray) -> np.ndarray:
@@ -132,8 +132,9 @@ def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
         x_BTD=x_BTD,
         q_positions_BT=positions_BT,
         k_positions_BS=positions_BT,
-        mask_BTS=causal_segment_mask_BTS(jnp.asarray(segments_BT), batch, length),
-        segment_ids_BT=jnp.asarray(segments_BT),
+        explicit_mask_BTS=causal_mask_BTS(jnp.asarray(segments_BT), jnp.asarray(segments_BT)),
+        q_segment_ids_BT=jnp.asarray(segments_BT),
+        k_segment_ids_BS=jnp.asarray(segments_BT),
     )
 
 

@@ -43,7 +43,7 @@ def site_and_params(variant: str, raw1: np.ndarray, raw2: np.ndarray, pos, mask)
         x_BTD=jnp.zeros((B, T, 12)),
         q_positions_BT=jnp.asarray(pos),
         k_positions_BS=jnp.asarray(pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     params = flax.core.unfreeze(site.init(jax.random.key(0), q, q, q, logits, ctx, method="bias"))
     for name, raw in (("r1_raw", raw1), ("r2_raw", raw2)):

@@ -49,7 +49,7 @@ def run_site(name: str, max_distance: int, case: tuple) -> np.ndarray:
         x_BTD=jnp.zeros((*q.shape[:2], 12)),
         q_positions_BT=jnp.asarray(q_pos),
         k_positions_BS=jnp.asarray(q_pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     params = flax.core.unfreeze(site.init(jax.random.key(0), q, k, k, logits, ctx, method="bias"))
     box = params["params"]["relative_embedding"]

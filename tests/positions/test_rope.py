@@ -75,7 +75,7 @@ def run_site(
         x_BTD=jnp.zeros((batch, length, dims.d_model)),
         q_positions_BT=jnp.asarray(pos),
         k_positions_BS=jnp.asarray(pos),
-        mask_BTS=jnp.ones((batch, length, k.shape[1]), bool),
+        explicit_mask_BTS=jnp.ones((batch, length, k.shape[1]), bool),
     )
     q_out, k_out, _ = site.apply(
         {}, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), ctx, method=lambda m, *a: m.qk(*a)

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.attention import Attention, causal_segment_mask_BTS
+from copejax.attention import Attention
 from copejax.model import Transformer
 from copejax.positions.base import AttentionContext
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
+from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions
 
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
@@ -28,8 +29,7 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 def _mask(segments_BT: np.ndarray) -> np.ndarray:
-    batch, length = segments_BT.shape
-    return np.asarray(causal_segment_mask_BTS(jnp.asarray(segments_BT), batch, length))
+    return np.asarray(causal_mask_BTS(jnp.asarray(segments_BT), jnp.asarray(segments_BT)))
 
 
 def _ref_weights(
@@ -99,7 +99,7 @@ def _ctx(x_BTD: jax.Array) -> AttentionContext:
         x_BTD=x_BTD,
         q_positions_BT=positions_BT,
         k_positions_BS=positions_BT,
-        mask_BTS=causal_segment_mask_BTS(jnp.asarray(SEGMENTS_BT), batch, length),
+        explicit_mask_BTS=causal_mask_BTS(jnp.asarray(SEGMENTS_BT), jnp.asarray(SEGMENTS_BT)),
     )
 
 

@@ -86,7 +86,7 @@ def test_site_bias_matches_reference(bidirectional: bool) -> None:
         x_BTD=jnp.zeros((2, 9, 24)),
         q_positions_BT=jnp.asarray(q_pos),
         k_positions_BS=jnp.asarray(q_pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     params = site.init(jax.random.key(0), q, q, q, logits, ctx, method="bias")
     table = rng.normal(size=(8, 3)).astype(np.float32)

@@ -214,13 +214,15 @@ def test_contextualize_switches_pick_the_update_sources(rng: np.random.Generator
     attn_out = jnp.asarray(rng.normal(size=(2, 4, DIMS.d_model)), jnp.float32)
     other_out = jnp.asarray(rng.normal(size=attn_out.shape), jnp.float32)
     weights = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 2, 4, 4)), jnp.float32), -1)
-    ctx = AttentionContext(attn_out, None, None, None)
+    ctx = AttentionContext(attn_out, None, None)
     results = {}
     for mode in ("both", "attention", "mlp"):
         scheme = Tape(contextualize=mode)
         carry = TapeCarry(_random_carry(rng, scheme).e_BTMLR)
         site, params = _site_and_params(scheme, _random_carry(rng, scheme), attn_out)
-        after = site.apply(params, carry, weights, ctx, method=site.carry_after_attention)
+        mixed = tape_mix(carry.e_BTMLR, weights)  # eq. 7, as the attention mixes values
+        mixed_BTNC = mixed.reshape(*mixed.shape[:2], DIMS.num_heads, -1)
+        after = site.apply(params, carry, mixed_BTNC, ctx, method=site.carry_after_attention)
         out = [
             site.apply(params, after, a, a, method=site.carry_after_mlp).e_BTMLR
             for a in (attn_out, other_out)
@@ -293,7 +295,9 @@ def _block_setup(rng: np.random.Generator, **options: object):
     m = scheme.num_blocks(cfg.dims)
     e = jnp.asarray(rng.normal(size=(b, t, m, scheme.rows, scheme.cols)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    ctx = AttentionContext(x, positions, positions, jnp.ones((b, t, t), bool), TapeCarry(e))
+    ctx = AttentionContext.create(
+        x, positions, carry=TapeCarry(e), explicit_mask_BTS=jnp.ones((b, t, t), bool)
+    )
     block = Block(cfg)
     params = nn.meta.unbox(block.init(jax.random.key(0), x, ctx))
     site = params["params"]["attention"]["own_site"]
@@ -309,7 +313,9 @@ def test_block_is_orthogonally_invariant_and_equivariant(
 ) -> None:
     block, params, x, e, ctx = _block_setup(rng)
     if causal:
-        ctx = ctx.replace(mask_BTS=jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool)), (2, 6, 6)))
+        ctx = ctx.replace(
+            explicit_mask_BTS=jnp.broadcast_to(jnp.tril(jnp.ones((6, 6), bool)), (2, 6, 6))
+        )
     rot = jnp.asarray(_random_orthogonal(rng, 4))
     x_out, carry = block.apply(params, x, ctx)
     x_rot, carry_rot = block.apply(params, x, ctx.replace(carry=TapeCarry(e @ rot)))

@@ -58,7 +58,7 @@ def site_scores(q, k, pos, mask, values) -> np.ndarray:
         x_BTD=jnp.zeros((B, T, 12)),
         q_positions_BT=jnp.asarray(pos),
         k_positions_BS=jnp.asarray(pos),
-        mask_BTS=jnp.asarray(mask),
+        explicit_mask_BTS=jnp.asarray(mask),
     )
     params = flax.core.unfreeze(site.init(jax.random.key(0), q, k, k, logits, ctx, method="bias"))
     for name, value in values.items():

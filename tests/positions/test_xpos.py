@@ -43,7 +43,7 @@ def site_scores(q: np.ndarray, k: np.ndarray, pos: np.ndarray, max_len: int = 16
         x_BTD=jnp.zeros((*pos.shape, 16)),
         q_positions_BT=jnp.asarray(pos),
         k_positions_BS=jnp.asarray(pos),
-        mask_BTS=jnp.ones((*pos.shape, pos.shape[1]), bool),
+        explicit_mask_BTS=jnp.ones((*pos.shape, pos.shape[1]), bool),
     )
     q_out, k_out, _ = site.apply(
         {}, jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), ctx, method=lambda s, *a: s.qk(*a)

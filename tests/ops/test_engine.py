@@ -1,0 +1,157 @@
+"""The blockwise engine (``copejax.ops.engine``): O(T) memory, path choice, clear errors.
+
+Values and gradients against the naive path, for every registered scheme, are in
+``tests/test_blockwise_equivalence.py``; here: no (T, S)-sized array anywhere in the traced
+forward and backward of a whole model, ``auto``'s choice, and refusals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax import attention
+from copejax.model import Transformer
+from copejax.ops import engine
+from tests.conftest import tiny_config
+
+SCHEMES = [
+    "nope",
+    "rope",
+    "alibi",
+    "t5",
+    "relative_capped",
+    "kerple",
+    "fire",
+    "transformer_xl",
+    "cope",
+    "fox",
+    "stickbreaking",
+    "tape",
+]
+
+
+def _avals(jaxpr: jax.extend.core.Jaxpr):
+    """Every abstract value of a jaxpr, sub-jaxprs (scan, cond, custom_vjp, remat) included."""
+    for var in (*jaxpr.invars, *jaxpr.constvars):
+        yield var.aval
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield var.aval
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _avals(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _avals(sub)
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
+    """Every array in the jaxpr of the loss gradient has at most one dimension >= T."""
+    length = 192
+    cfg = tiny_config(
+        position, num_layers=1, max_len=length, attention_impl="blockwise", attention_block=32
+    )
+    model = Transformer(cfg)
+    tokens_BT = jnp.zeros((1, length), jnp.int32)
+    positions_BT = jnp.arange(length)[None]
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens_BT, positions_BT))
+
+    def loss(p: object) -> jax.Array:
+        return jnp.sum(model.apply(p, tokens_BT, positions_BT))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    shapes = [tuple(getattr(a, "shape", ())) for a in _avals(jaxpr)]
+    square = [s for s in shapes if sum(d >= length for d in s) >= 2]
+    assert not square, f"{position}: (T, S)-sized arrays {sorted(set(square))[:5]}"
+
+
+def test_auto_is_naive_while_short_or_sowing_and_blockwise_beyond() -> None:
+    cfg = tiny_config("cope")
+    side = attention.AUTO_BLOCKWISE_FROM
+    assert attention.choose_impl(cfg, side - 1, sowing=False, backend="cpu") == "naive"
+    assert attention.choose_impl(cfg, side, sowing=False, backend="cpu") == "blockwise"
+    assert attention.choose_impl(cfg, side, sowing=True, backend="cpu") == "naive"
+    forced = dataclasses.replace(cfg, attention_impl="blockwise")
+    assert attention.choose_impl(forced, 4, sowing=True) == "blockwise"
+
+
+def test_auto_takes_the_fused_kernel_on_gpu_in_bfloat16_where_it_applies() -> None:
+    rope16 = tiny_config("rope", dtype="bfloat16")
+    assert attention.choose_impl(rope16, 64, sowing=False, backend="gpu") == (
+        "dot_product_attention"
+    )
+    alibi16 = tiny_config("alibi", dtype="bfloat16")
+    assert attention.choose_impl(alibi16, 64, sowing=False, backend="gpu") == (
+        "dot_product_attention"
+    )
+    cope16 = tiny_config("cope", dtype="bfloat16")
+    assert attention.choose_impl(cope16, 64, sowing=False, backend="gpu") == "naive"
+    rope32 = tiny_config("rope")
+    assert attention.choose_impl(rope32, 64, sowing=False, backend="gpu") == "naive"
+
+
+def _engine_inputs(length: int = 6) -> dict:
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, length, 2, 4)), jnp.float32) for _ in range(3))
+    ids = jnp.zeros((1, length), jnp.int32)
+    positions = jnp.arange(length)[None]
+    return dict(
+        q_BTNH=q,
+        k_BSNH=k,
+        v_BSNW=v,
+        q_positions_BT=positions,
+        k_positions_BS=positions,
+        q_segment_ids_BT=ids,
+        k_segment_ids_BS=ids,
+    )
+
+
+def test_engine_without_terms_is_causal_softmax_attention() -> None:
+    """A NumPy reference: y_i = sum_{j <= i} softmax_j(q_i . k_j / sqrt(H)) v_j."""
+    inputs = _engine_inputs()
+    y, _ = engine.blockwise_attention(**inputs, block=4)
+    q, k, v = (np.asarray(inputs[n], np.float64) for n in ("q_BTNH", "k_BSNH", "v_BSNW"))
+    expected = np.zeros_like(q)
+    for i in range(q.shape[1]):
+        for n in range(2):
+            s = q[0, i, n] @ k[0, : i + 1, n].T / 2.0
+            w = np.exp(s - s.max())
+            expected[0, i, n] = (w / w.sum()) @ v[0, : i + 1, n]
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_flash_backward_is_refused_for_a_term_with_a_carry() -> None:
+    term = engine.BlockTerm(
+        bias=lambda p, pair, prep, carry: (jnp.zeros_like(pair.logits_BNQK), carry),
+        init=lambda b, n, q: jnp.zeros((b, n, q)),
+    )
+    with pytest.raises(ValueError, match="backward='flash' needs softmax and no term with a"):
+        engine.blockwise_attention(**_engine_inputs(), terms=[term], backward="flash")
+
+
+def test_bad_engine_options_are_named() -> None:
+    with pytest.raises(ValueError, match="backward must be one of"):
+        engine.blockwise_attention(**_engine_inputs(), backward="fast")
+    with pytest.raises(ValueError, match="block size must be a positive integer"):
+        engine.blockwise_attention(**_engine_inputs(), block=0)
+    with pytest.raises(ValueError, match="attention_block must be a positive integer"):
+        tiny_config("nope", attention_block=0)
+    with pytest.raises(ValueError, match="attention_backward must be one of"):
+        tiny_config("nope", attention_backward="fast")
+
+
+def test_a_bias_site_without_block_terms_is_refused() -> None:
+    from copejax.positions.base import AttentionSite, Dims, check_block_terms
+
+    class BiasOnly(AttentionSite):
+        def bias(self, q, k, v, logits, ctx):
+            return logits
+
+    with pytest.raises(NotImplementedError, match="BiasOnly defines a bias site but no"):
+        check_block_terms(BiasOnly(Dims(8, 2, 4, 1, 8)))

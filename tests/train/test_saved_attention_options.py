@@ -1,0 +1,64 @@
+"""Configs saved before the attention options moved to model level still load.
+
+Earlier runs stored ``model.attention_kernel`` and, in cope / fox / stickbreaking,
+``position_options.attention_impl``, ``block_size``, ``blockwise_min_len`` and ``scan_impl``.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+import pytest
+
+from copejax import train
+from copejax.config_base import base_config
+from copejax.data.base import make_task
+from copejax.model_config import upgrade_attention_options
+
+
+def _saved_config(
+    position: str, options: dict, kernel: str = "einsum"
+) -> ml_collections.ConfigDict:
+    """The model block as a run before the change wrote it."""
+    config = base_config()
+    config.model.position = position
+    del config.model["attention_impl"]
+    del config.model["attention_block"]
+    del config.model["attention_backward"]
+    del config.model["scan_impl"]
+    config.model.attention_kernel = kernel
+    config.model.position_options = ml_collections.ConfigDict(options)
+    return config
+
+
+def test_a_cope_run_saved_with_per_scheme_options_loads_with_model_level_ones() -> None:
+    options = {"p_max": 8, "attention_impl": "blockwise", "block_size": 64, "scan_impl": "cumsum"}
+    options["blockwise_min_len"] = 512
+    config = _saved_config("cope", options)
+    task = make_task(config.task.name, config.task.options.to_dict())
+    cfg = train.model_config(config, task).validate()
+    assert (cfg.attention_impl, cfg.attention_block, cfg.scan_impl) == ("blockwise", 64, "cumsum")
+    assert dict(cfg.position_options) == {"p_max": 8}
+
+
+def test_a_saved_dot_product_attention_kernel_becomes_the_attention_impl() -> None:
+    config = _saved_config("rope", {}, kernel="dot_product_attention")
+    task = make_task(config.task.name, config.task.options.to_dict())
+    cfg = train.model_config(config, task).validate()
+    assert cfg.attention_impl == "dot_product_attention"
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ({"attention_kernel": "einsum", "position_options": {"attention_impl": "auto"}}, {}),
+        ({"attention_impl": "naive", "position_options": {}}, {"attention_impl": "naive"}),
+        (
+            {"attention_impl": "naive", "position_options": {"attention_impl": "blockwise"}},
+            {"attention_impl": "naive"},
+        ),
+    ],
+)
+def test_upgrade_keeps_model_level_keys_and_drops_defaults(model: dict, expected: dict) -> None:
+    upgraded, options = upgrade_attention_options(model)
+    assert upgraded == expected
+    assert options == {}

@@ -17,7 +17,7 @@ from copejax import decode, sample
 from copejax.kv_cache import decode_mask_BTS
 from copejax.model import Transformer
 from copejax.positions import registry
-from copejax.positions.fox import fox_cached_cumsum, segment_starts_at
+from copejax.positions.fox import PRO_OPTIONS, fox_cached_cumsum, segment_starts_at
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
 from tests.conftest import tiny_config
 
@@ -35,7 +35,7 @@ VARIANTS = [
     ("cope", {"position_term": "alibi"}),
     ("cope", {"position_term": "mlp"}),
     ("cope", {"p_max": 3}),
-    ("fox", {"output_gate": True, "qk_norm": True, "key_shift": True, "value_shift": True}),
+    ("fox", PRO_OPTIONS),
     ("stickbreaking", {"include_self": True}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"contextualize": "mlp"}),

@@ -459,6 +459,36 @@ def test_cope_plus_rope_gates_use_the_rotated_logits() -> None:
     np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gates", ["keys", "sep_keys", "values"])
+def test_cope_plus_rope_gates_and_absolute_positions(gates: str) -> None:
+    """As CoPE's ``gates`` docstring states: in cope+rope, "keys" gates depend on i - j only;
+    "sep_keys" and "values" gates (rotated q_i against unrotated k'_j or v_j) change when every
+    position shifts by the same amount, and so does the position term q_i . e[p] (rotated q)."""
+    inp = _inputs(seed=10, segments=False)
+    site, params = _site_setup("cope+rope", {"gates": gates}, inp)
+    args = (jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]))
+
+    def run(shift: int) -> tuple[np.ndarray, np.ndarray]:
+        positions = jnp.broadcast_to(jnp.arange(T) + shift, (B, T))
+        ctx = _ctx(inp).replace(q_positions_BT=positions, k_positions_BS=positions)
+        term, state = site.apply(
+            params, *args, ctx, method=_qk_then_bias, mutable=["intermediates"]
+        )
+        inter = {
+            "/".join(str(getattr(p, "key", p)) for p in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state["intermediates"])
+        }
+        return np.asarray(term), _find(inter, "gates_BNTS")
+
+    term0, gates0 = run(0)
+    term7, gates7 = run(7)
+    if gates == "keys":
+        np.testing.assert_allclose(gates7, gates0, atol=1e-5)
+    else:
+        assert np.abs(gates7 - gates0).max() > 1e-2
+    assert np.abs(term7 - term0).max() > 1e-3  # the position term reads the rotated q
+
+
 def test_cope_plus_relative_sums_both_biases() -> None:
     assert "relative" in registry.names(), "relative (cope+relative, Table 5) is not registered"
     inp = _inputs(seed=9)

@@ -412,3 +412,27 @@ def test_retrofit_rejects_non_rope_configs() -> None:
         tape_config_from_rope(tiny_config("rope", position_options={"fraction": 0.5}))
     with pytest.raises(ValueError, match="fixes the TAPE option 'coords'"):
         tape_config_from_rope(tiny_config("rope"), coords=4)
+
+
+def test_retrofit_carries_ntk_scaling_and_refuses_linear_and_yarn() -> None:
+    """NTK scaling is a change of base: the converted model is identical. Linear and YaRN
+    scaling have no counterpart in TAPE's initial state: a clear error, not a silent drift."""
+    tokens, _ = tokens_and_positions()
+    positions = jnp.asarray(np.random.default_rng(4).integers(0, 60, tokens.shape), jnp.int32)
+    rope_cfg = tiny_config("rope", position_options={"scaling": "ntk", "factor": 4.0})
+    rope = Transformer(rope_cfg)
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_cfg = tape_config_from_rope(rope_cfg)
+    h = rope_cfg.resolved_head_dim
+    assert tape_cfg.scheme().base == pytest.approx(10000.0 * 4.0 ** (h / (h - 2)))
+    tape_params = retrofit_rope_params(rope_params, tape_cfg, jax.random.key(1))
+    np.testing.assert_allclose(
+        Transformer(tape_cfg).apply(tape_params, tokens, positions),
+        rope.apply(rope_params, tokens, positions),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    for scaling in ("linear", "yarn"):
+        cfg = tiny_config("rope", position_options={"scaling": scaling, "factor": 4.0})
+        with pytest.raises(ValueError, match=f"scaling='{scaling}'.*allowed: scaling='none'"):
+            tape_config_from_rope(cfg)

@@ -37,6 +37,7 @@ VARIANTS = [
     ("cope", {"p_max": 3}),
     ("fox", PRO_OPTIONS),
     ("stickbreaking", {"include_self": True}),
+    ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"contextualize": "mlp"}),
 ]

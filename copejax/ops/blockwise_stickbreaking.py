@@ -26,7 +26,8 @@ def blockwise_stickbreaking_attention(
     block: int = 256,
     scan_impl: str = "auto",
     remat: bool = True,
-) -> jax.Array:
+    return_remainder: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal stick-breaking attention with logits z = q.k / sqrt(H).
 
     Args:
@@ -37,9 +38,12 @@ def blockwise_stickbreaking_attention(
       block: Q = K, the query and key block length; T need not be a multiple.
       scan_impl: the within-block suffix sum (``copejax.ops.scan``).
       remat: recompute blocks in the backward pass (O(T) memory).
+      return_remainder: also return each query's leftover weight (the authors' ``rem``).
 
     Returns:
-      y_BTNH in the dtype of ``v_BTNH``.
+      y_BTNH in the dtype of ``v_BTNH``; with ``return_remainder``, the pair (y_BTNH,
+      leftover_BTN), ``leftover_i = prod_j (1 - beta_ij)`` over the allowed keys (float32, 1
+      for a query with no key), so that the weights sum to ``1 - leftover``.
     """
     batch, length, heads, head_dim = q_BTNH.shape
     seg_blocks = bw.to_blocks(segment_ids_BT, block)
@@ -73,8 +77,15 @@ def blockwise_stickbreaking_attention(
             "remainder_BNQ": carry["remainder_BNQ"] + suffix_BNQK[..., 0],
         }
 
-    def finish(carry: dict, qd: dict) -> jax.Array:
-        return carry["acc_BQNH"].astype(v_BTNH.dtype)
+    def finish(carry: dict, qd: dict) -> jax.Array | tuple[jax.Array, jax.Array]:
+        y_BQNH = carry["acc_BQNH"].astype(v_BTNH.dtype)
+        if not return_remainder:
+            return y_BQNH
+        # The carried remainder is the softplus total over every allowed key: -log leftover.
+        return y_BQNH, jnp.moveaxis(jnp.exp(-carry["remainder_BNQ"]), 1, 2)
 
-    y_GBQNH = bw.walk_blocks(q_blocks, k_blocks, init, step, finish, remat=remat)
-    return bw.from_blocks(y_GBQNH, length)
+    out = bw.walk_blocks(q_blocks, k_blocks, init, step, finish, remat=remat)
+    if not return_remainder:
+        return bw.from_blocks(out, length)
+    y_GBQNH, leftover_GBQN = out
+    return bw.from_blocks(y_GBQNH, length), bw.from_blocks(leftover_GBQN, length)

@@ -53,6 +53,7 @@ SLOW_VARIANTS = [
     ("fox", {"unit_forget_gate": True, "key_shift": True}),
     ("tape", {"init": "random", "block": 4, "coords": 3}),
     ("tape", {"tensorial": False, "equivariant": False}),
+    ("tape", {"psi_input": "head", "hidden": 6}),
     ("rope", {"scaling": "yarn", "factor": 2.0}),
     ("randomized", {"encoding": "learned"}),
     ("randomized", {"encoding": "rope"}),

@@ -18,6 +18,7 @@ from copejax.model import Block, Transformer
 from copejax.positions.base import AttentionContext, Dims
 from copejax.positions.rope import apply_rope, rope_inv_freq
 from copejax.positions.tape import (
+    PAPER_OPTIONS,
     Tape,
     TapeCarry,
     rope_tape_embeddings,
@@ -207,6 +208,49 @@ def test_site_update_matches_eq8_with_psi_on_attention_output_blocks(
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_site_update_with_psi_on_heads_shares_the_gates_of_a_head(
+    rng: np.random.Generator,
+) -> None:
+    """psi_input="head" (the appendix's B = 64 -> B' = 48): psi reads head h's H features of
+    the attention output, and its gates enter eq. 8 for every block of that head."""
+    scheme = Tape(init="random", coords=3, hidden=6, psi_input="head")
+    carry = _random_carry(rng, scheme)
+    attn_out = jnp.asarray(rng.normal(size=(2, 4, DIMS.d_model)), jnp.float32)
+    site, params = _site_and_params(scheme, carry, attn_out)
+    got = np.asarray(
+        site.apply(params, carry, attn_out, attn_out, method=site.carry_after_mlp).e_BTMLR
+    )
+    p = {k: np.asarray(v) for k, v in _flat(params["params"]).items()}
+    assert p["psi_in/kernel"].shape == (DIMS.head_dim, 6)
+    e, mixed, x = map(np.asarray, (carry.e_BTMLR, carry.mixed_BTMLR, attn_out))
+    per_head = DIMS.head_dim // scheme.block
+    want = e.astype(np.float64).copy()
+    for bb in range(2):
+        for j in range(4):
+            for hd in range(DIMS.num_heads):
+                x_head = x[bb, j, hd * DIMS.head_dim : (hd + 1) * DIMS.head_dim]
+                psi = _gelu(x_head @ p["psi_in/kernel"] + p["psi_in/bias"])
+                psi = psi @ p["psi_out/kernel"] + p["psi_out/bias"]
+                for kk in range(per_head):
+                    m = hd * per_head + kk
+                    want[bb, j, m] += p["w2"] @ np.diag(psi) @ p["w1"] @ mixed[bb, j, m]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_paper_options_keep_the_rope_identity_at_init() -> None:
+    tokens, positions = tokens_and_positions()
+    rope = Transformer(tiny_config("rope"))
+    tape = Transformer(tiny_config("tape", position_options=PAPER_OPTIONS))
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_params = _copy_shared(rope_params, tape.init(jax.random.key(1), tokens, positions))
+    np.testing.assert_allclose(
+        np.asarray(tape.apply(tape_params, tokens, positions)),
+        np.asarray(rope.apply(rope_params, tokens, positions)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 # ----------------------------------------------------------------------------- ablations
 
 
@@ -350,6 +394,7 @@ def test_block_is_permutation_equivariant_without_causal_mask(rng: np.random.Gen
         ({"init": "sinusoid"}, "init must be one of"),
         ({"contextualize": "neither"}, "contextualize must be one of"),
         ({"hidden": 0}, "hidden must be a positive integer"),
+        ({"psi_input": "token"}, "psi_input must be one of"),
     ],
 )
 def test_bad_options_raise(options: dict, message: str) -> None:

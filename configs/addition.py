@@ -7,7 +7,8 @@
 Arguments: ``smoke`` (seconds: operands up to 3 digits), ``cpu`` (the default; up to 5 digits
 in training, the grid to 8, under 15 minutes on 2 cores), ``paper`` (TAPE 4.1 and its Table 5:
 operands up to 40 digits, the grid to 50 with 100 sums per pair, 16 layers, D = 1024, MLP 2048,
-16 heads, batch 512, 20k steps, AdamW lr 1e-4). Shortcuts: ``position=<scheme>``, ``seed``,
+16 heads, batch 512, 20k steps, AdamW lr 1e-4; with ``position=tape``, TAPE at its appendix
+sizes, ``copejax.positions.tape.PAPER_OPTIONS``). Shortcuts: ``position=<scheme>``, ``seed``,
 ``steps``, ``batch_size``, ``lr``, ``layers``, ``heads``, ``d_model``, ``digits=<N>``,
 ``extra=<grid digits beyond N>``, ``per_pair=<sums per grid cell>``.
 
@@ -25,6 +26,7 @@ from copejax.config_base import (
     parse_arg,
     pop_variant,
 )
+from copejax.positions.tape import PAPER_OPTIONS as TAPE_PAPER_OPTIONS
 
 SHORTCUTS = {
     **COMMON_SHORTCUTS,
@@ -71,6 +73,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.eval.update(batch_size=256, max_examples=0)
 
     apply_shortcuts(c, args, SHORTCUTS)
+    if variant == "paper" and c.model.position == "tape":
+        # TAPE's appendix sizes (L = D = 2, B' = 48, psi on each head's B = 64 features).
+        c.model.position_options.update(TAPE_PAPER_OPTIONS)
     o = c.task.options
     c.model.max_len = 3 * (o.max_digits + o.extra_digits) + 3  # the grid's length
     return c

@@ -7,7 +7,8 @@ Arguments: ``smoke`` (seconds: T = 72), ``cpu`` (the default; trained at T = 128
 128, 256 and 512, under 15 minutes on 2 cores), ``paper`` (TAPE 4.3 fine-tunes Llama2-7B from
 4096 to 8192 tokens and tests 1k to 8k; we train from scratch instead: a D = 768, 12-layer,
 12-head model at T = 4096, batch 64, evaluated at 1024 to 8192 with 100 keys per length; for
-accelerators, not run by us). Shortcuts: ``position=<scheme>``, ``seed``, ``steps``,
+accelerators, not run by us; with ``position=tape``, TAPE at its appendix sizes,
+``copejax.positions.tape.PAPER_OPTIONS``). Shortcuts: ``position=<scheme>``, ``seed``, ``steps``,
 ``batch_size``, ``lr``, ``layers``, ``heads``, ``d_model``, ``length=<training T>``.
 
 ``model.max_len`` is the longest evaluation length, so that learned tables cover every split.
@@ -24,6 +25,7 @@ from copejax.config_base import (
     parse_arg,
     pop_variant,
 )
+from copejax.positions.tape import PAPER_OPTIONS as TAPE_PAPER_OPTIONS
 
 SHORTCUTS = {
     **COMMON_SHORTCUTS,
@@ -75,5 +77,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.eval.update(batch_size=8, max_examples=0)
 
     apply_shortcuts(c, args, SHORTCUTS)
+    if variant == "paper" and c.model.position == "tape":
+        # TAPE's appendix sizes (L = D = 2, B' = 48, psi on each head's B = 64 features).
+        c.model.position_options.update(TAPE_PAPER_OPTIONS)
     c.model.max_len = max(c.task.options.train_len, *c.task.options.eval_lengths)
     return c

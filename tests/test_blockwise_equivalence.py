@@ -19,6 +19,7 @@ import pytest
 from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
+from copejax.positions.fox import PRO_OPTIONS
 from tests.conftest import perturbed, tiny_config
 
 LENGTH = 8
@@ -36,8 +37,9 @@ VARIANTS = [(name, {}) for name in registry.names()] + [
     ("cope", {"p_max": 3}),
     ("cope", {"per_head_embeddings": True, "scale_position_term": True}),
     ("cope", {"force_unit_gates": True}),
-    ("fox", {"output_gate": True, "qk_norm": True, "key_shift": True, "value_shift": True}),
+    ("fox", dict(PRO_OPTIONS)),
     ("stickbreaking", {"include_self": True}),
+    ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("stickbreaking+alibi", {}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"init": "random", "block": 4, "coords": 3}),

@@ -87,3 +87,17 @@ def test_shortcuts_and_bad_arguments(name: str) -> None:
         module.get_config("smoke,nonsense=1")
     with pytest.raises(ValueError, match="at most one"):
         module.get_config("smoke,paper")
+
+
+@pytest.mark.parametrize("name", ["addition", "passkey"])
+def test_paper_tape_uses_the_appendix_sizes(name: str) -> None:
+    """TAPE's appendix: L = D = 2, B' = 48, psi on each head's B = 64 features."""
+    from copejax.positions.tape import PAPER_OPTIONS
+
+    config = load(name).get_config("paper,position=tape")
+    plan = validate(config, device_count=1)
+    scheme = plan.model_config.scheme()
+    assert {key: getattr(scheme, key) for key in PAPER_OPTIONS} == PAPER_OPTIONS
+    assert plan.model_config.resolved_head_dim == 64  # B = 64
+    assert scheme.hidden == 48 and scheme.psi_input == "head"
+    assert not load(name).get_config("cpu,position=tape").model.position_options

@@ -16,7 +16,7 @@ import pytest
 from copejax import decode, sample
 from copejax.model import Transformer
 from copejax.positions import registry
-from copejax.positions.fox import fox_cached_cumsum
+from copejax.positions.fox import PRO_OPTIONS, fox_cached_cumsum
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
 from copejax.segments import causal_mask_BTS, segment_starts_BT
 from tests.conftest import perturbed, tiny_config
@@ -35,8 +35,9 @@ VARIANTS = [
     ("cope", {"position_term": "alibi"}),
     ("cope", {"position_term": "mlp"}),
     ("cope", {"p_max": 3}),
-    ("fox", {"output_gate": True, "qk_norm": True, "key_shift": True, "value_shift": True}),
+    ("fox", PRO_OPTIONS),
     ("stickbreaking", {"include_self": True}),
+    ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"contextualize": "mlp"}),
 ]
@@ -52,6 +53,7 @@ SLOW_VARIANTS = [
     ("fox", {"unit_forget_gate": True, "key_shift": True}),
     ("tape", {"init": "random", "block": 4, "coords": 3}),
     ("tape", {"tensorial": False, "equivariant": False}),
+    ("tape", {"psi_input": "head", "hidden": 6}),
     ("rope", {"scaling": "yarn", "factor": 2.0}),
     ("randomized", {"encoding": "learned"}),
     ("randomized", {"encoding": "rope"}),

@@ -75,6 +75,14 @@ class CoPE(PositionScheme):
         projection k' = W x of the layer input (Section 4 "sep-keys"), gates
         sigmoid(q.k' / sqrt(H)); k' is not rotated in ``cope+rope``. "values": gates
         sigmoid(q.v / sqrt(H)) (Section 4 "val-gates").
+        With RoPE (``cope+rope``) the bias site sees the rotated q: "keys" gates then read
+        rotated q_i against rotated k_j, so they depend on content and i - j only; "sep_keys"
+        and "values" pair the rotated q_i with an unrotated k'_j or v_j, so their gates also
+        depend on the query's absolute position i (shifting every position changes them;
+        ``tests/positions/test_cope.py::test_cope_plus_rope_gates_and_absolute_positions``).
+        The paper does not combine these gates with RoPE. The position term ``q_i . e[p]``
+        also reads the rotated q, so in ``cope+rope`` it depends on the absolute position of
+        the query whatever the gates.
       p_max: number of integer positions; p_ij is capped at p_max - 1. The paper uses 64
         (default), 16 and T; None means T = the model's max_len.
       share_layers: one set of CoPE parameters for all layers. The paper's Wikitext-103

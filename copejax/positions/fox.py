@@ -7,11 +7,16 @@ into the additive logit bias ``D_ij = sum_{l=j+1..i} log f_l`` (``D_ii = 0``), s
 packed-segment start, so no gate of one document reaches another, and entries that the mask
 forbids are exactly 0.
 
-The "Pro" block of the paper (section 3) adds, each an option here: an output gate
-``y * sigmoid(W_o x)`` per head and feature, QK-norm (RMSNorm of q and k per head with a
-learnable scale per head and feature), and data-dependent token shift of keys and/or values,
+The "Pro" block of the paper (section 3) is five options here, all on in :data:`PRO_OPTIONS`
+(the authors' ``pro_*.yaml`` configs of zhixuan-lin/forgetting-transformer set the same five):
+``output_gate`` (``y * sigmoid(W_o x)`` per head and feature), ``output_norm`` (RMSNorm of each
+head's attention output over its H features, a learnable scale per head and feature initialised
+to 1, eps 1e-6, applied before the output gate, as the authors' ``FusedGroupNormGated`` does),
+``qk_norm`` (RMSNorm of q and k per head with a learnable scale per head and feature), and
+data-dependent token shift of keys and/or values (``key_shift``, ``value_shift``),
 ``k_t <- a_t k_t + (1 - a_t) k_{t-1}`` with ``a_t = sigmoid(w . x_t)`` per head.
-Order in the qk site: token shift, then QK-norm (as the paper's reference code does).
+Order in the qk site: token shift, then QK-norm (as the paper's reference code does); order at
+the output site: output norm, then output gate (:func:`fox_output`), then the output projection.
 Token shift restarts at packed-segment starts, read off ``AttentionContext.segment_ids_BT``
 (never off the (B, T, T) mask, so the blockwise path stays O(T) in memory); in decode mode it
 keeps only each row's last raw k / v (:class:`PreviousToken`), not one per cache slot.
@@ -43,6 +48,15 @@ from copejax.positions.registry import register
 
 GATE_INIT_STD = 0.02
 QK_NORM_EPS = 1e-6
+OUTPUT_NORM_EPS = 1e-6  # the authors' norm_eps (configs/model/forgetting_transformer.py)
+# FoX Pro: the five components the authors' pro_*.yaml configs switch on.
+PRO_OPTIONS = {
+    "output_gate": True,
+    "output_norm": True,
+    "qk_norm": True,
+    "key_shift": True,
+    "value_shift": True,
+}
 
 
 def fox_log_forget_gates(x_BTD: jax.Array, w_DN: jax.Array, b_N: jax.Array) -> jax.Array:
@@ -162,13 +176,48 @@ def rms_norm_heads(x_BTNH: jax.Array, scale_NH: jax.Array, eps: float = QK_NORM_
     return (x32_BTNH / rms_BTN1 * scale_NH.astype(jnp.float32)).astype(x_BTNH.dtype)
 
 
+def fox_output(
+    y_BTNH: jax.Array,
+    x_BTD: jax.Array,
+    norm_scale_NH: jax.Array | None,
+    gate_w_DNH: jax.Array | None,
+) -> jax.Array:
+    """FoX Pro's output site: per-head RMSNorm, then the output gate (float32 inside).
+
+    ``y <- rms_norm_h(y) * scale`` when ``norm_scale_NH`` is given (eps 1e-6, over each head's
+    H features), then ``y <- y * sigmoid(x W_o)`` when ``gate_w_DNH`` is given: the order of
+    the authors' ``FusedGroupNormGated`` (norm, scale, then the sigmoid gate).
+
+    Args:
+      y_BTNH: the attention output per head, before the output projection.
+      x_BTD: the attention layer's input (the gate reads it).
+      norm_scale_NH: the output norm's scale, or None for no output norm.
+      gate_w_DNH: the output gate's weights, or None for no gate.
+
+    Returns:
+      y_BTNH in the dtype of the input.
+    """
+    out_BTNH = y_BTNH.astype(jnp.float32)
+    if norm_scale_NH is not None:
+        out_BTNH = rms_norm_heads(out_BTNH, norm_scale_NH, OUTPUT_NORM_EPS)
+    if gate_w_DNH is not None:
+        z_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD.astype(jnp.float32), gate_w_DNH)
+        out_BTNH = out_BTNH * jax.nn.sigmoid(z_BTNH)
+    return out_BTNH.astype(y_BTNH.dtype)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class FoX(PositionScheme):
     """Forgetting attention: a data-dependent forget-gate logit bias, optionally the Pro block.
 
+    FoX Pro is ``output_gate``, ``output_norm``, ``qk_norm``, ``key_shift`` and ``value_shift``
+    together (:data:`PRO_OPTIONS`); each can be switched on alone for ablations.
+
     Options:
       output_gate: multiply each head's output by sigmoid(W_o x) per feature (Pro).
+      output_norm: RMSNorm of each head's output (learnable scale per head and feature, eps
+        1e-6) before the output gate (Pro; the authors' ``use_output_norm``).
       qk_norm: RMSNorm of q and k per head with a learnable scale (Pro).
       key_shift: data-dependent token shift of the keys (Pro).
       value_shift: data-dependent token shift of the values (Pro).
@@ -185,6 +234,7 @@ class FoX(PositionScheme):
     paper = "Lin et al. 2025, arXiv 2503.02130"
 
     output_gate: bool = False
+    output_norm: bool = False
     qk_norm: bool = False
     key_shift: bool = False
     value_shift: bool = False
@@ -192,7 +242,14 @@ class FoX(PositionScheme):
     forget_bias_init: float = 0.0
 
     def validate(self, dims: Dims) -> None:
-        for key in ("output_gate", "qk_norm", "key_shift", "value_shift", "unit_forget_gate"):
+        for key in (
+            "output_gate",
+            "output_norm",
+            "qk_norm",
+            "key_shift",
+            "value_shift",
+            "unit_forget_gate",
+        ):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"{self.name}: {key} must be True or False, got {value!r}")
@@ -238,6 +295,11 @@ class _FoXSite(AttentionSite):
             ones = nn.initializers.ones
             self.q_scale = _param(self, "q_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
             self.k_scale = _param(self, "k_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
+        if s.output_norm:
+            ones = nn.initializers.ones
+            self.output_norm_scale = _param(
+                self, "output_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h)
+            )
         if s.output_gate:
             self.output_w = _param(
                 self, "output_gate_w", normal, (ax.EMBED, ax.HEADS, ax.HEAD_DIM), (d, n, h)
@@ -333,10 +395,15 @@ class _FoXSite(AttentionSite):
         return fox_decay_bias(logf_BTN, ctx.mask_BTS, ctx.scan_impl)
 
     def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
-        if not self.scheme.output_gate:
+        s = self.scheme
+        if not (s.output_gate or s.output_norm):
             return y_BTNH
-        z_BTNH = jnp.einsum("BTD,DNH->BTNH", ctx.x_BTD.astype(jnp.float32), self.output_w)
-        return (y_BTNH.astype(jnp.float32) * jax.nn.sigmoid(z_BTNH)).astype(y_BTNH.dtype)
+        return fox_output(
+            y_BTNH,
+            ctx.x_BTD,
+            self.output_norm_scale if s.output_norm else None,
+            self.output_w if s.output_gate else None,
+        )
 
 
 def _decay(c_BTN: jax.Array, c_BSN: jax.Array) -> jax.Array:

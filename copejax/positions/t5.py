@@ -3,6 +3,14 @@
 Each head adds a learned scalar per bucket of the relative position (section 2.1). Half of the
 buckets hold exact distances 0, 1, ...; the rest grow logarithmically up to ``max_distance``,
 beyond which everything shares the last bucket. As in T5, one table serves every layer.
+
+Scaling: T5 computes ``softmax(q . k + b)`` with no 1/sqrt(H); its initialisation of the
+query projection absorbs the factor. copejax scales the content logits of every scheme by
+1/sqrt(H) (``copejax/attention.py``) and adds this bias unscaled, i.e.
+``softmax(q . k / sqrt(H) + b)``. Both are the same family of functions (a query kernel
+multiplied by sqrt(H) turns one into the other), but the bias is weighed against content logits
+that are sqrt(H) times smaller than T5's for the same q and k: to run a T5 checkpoint here,
+multiply its query kernel by sqrt(H).
 """
 
 from __future__ import annotations

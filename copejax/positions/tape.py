@@ -27,6 +27,30 @@ in block k (so with L = 2 block k is RoPE's rotate-half pair k, frequency theta_
 
 Extra shape letters here: M blocks per token (N * K), K blocks per head (H / L), L rows per
 block (= block features), R coordinates, F hidden units of psi (the paper's B').
+
+Sizes: two readings of the paper. Its eq. 6 text takes L = B (block features = rows) with
+phi the identity, and section 3.3 makes RoPE the case L = R = 2 with one frequency theta_m per
+block, so a block is a RoPE pair: B = 2, psi: R^2 -> R^F (``psi_input="block"``). Its
+appendix (answer to reviewers, "Hyperparameters in TAPE") gives M = 12, B = 64 ("their product
+defining the hidden size as 768"), L = D = 2 and B' = 48. Taken literally (12 blocks of 64
+features, one 2 x 2 matrix each) eq. 6 would need a phi from R^{2 x 2} to R^{64 x 64} that
+the paper does not give, and the RoPE initialisation would keep one frequency per head
+instead of RoPE's 32. We read M x B as heads x head features: the position tensor keeps one
+2 x 2 matrix per RoPE pair (K = 32 per head, so the RoPE initialisation is exact), and psi
+reads the head's B = H features and gives B' gates that all the head's K matrices share
+(``psi_input="head"``, ``hidden=48``: :data:`PAPER_OPTIONS`, used by the ``paper`` variants
+of ``configs/addition.py`` and ``configs/passkey.py``, whose 64-feature heads match B = 64).
+The default stays ``psi_input="block"`` with F = 16: it is eq. 6's own reading and what the
+project's studies have used; the appendix reading is one option away.
+
+What psi reads: eq. 8's x~_jm is "the output of attention used for token mixing". The carry
+site of copejax's engine receives the block's attention output after the output projection
+(``carry_after_mlp``'s ``attn_out_BTD``, D = N H features), not each head's output before it,
+so psi reads that D-vector cut into heads (``"head"``) or blocks (``"block"``) by the head
+layout. After the learned projection those slices are not head m's features but fixed linear
+mixtures of all heads; since W_O is learned, any fixed slicing is as expressive as any other.
+The head-aligned reading (y_BTNH before W_O) needs the engine to hand the per-head output to
+the carry site; it is not offered here.
 """
 
 from __future__ import annotations
@@ -57,6 +81,10 @@ from copejax.positions.rope import rope_inv_freq
 LAYOUTS = ("half", "interleaved")
 INITS = ("rope", "random")
 CONTEXTUALIZE = ("both", "attention", "mlp")
+PSI_INPUTS = ("block", "head")
+# The appendix's sizes (M = 12 heads of B = 64 features, L = D = 2, B' = 48) for a model with
+# 64-feature heads; see the module docstring for the reading.
+PAPER_OPTIONS = {"block": 2, "coords": 2, "hidden": 48, "psi_input": "head"}
 
 
 @struct.dataclass
@@ -221,7 +249,10 @@ class Tape(PositionScheme):
         or "random" (learned random Fourier features of size L x R).
       block: L, features per block (= rows of each position matrix); divides head_dim.
       coords: R, the coordinate dimension (the paper's D) on which O(R) acts.
-      hidden: F, psi's output width (the paper's B'; 48 there).
+      hidden: F, psi's output width (the paper's B'; 48 in its appendix).
+      psi_input: what psi reads (eq. 8's x~): "block" (default; each block's L features of the
+        attention output, one gate vector per block) or "head" (the head's H features, one
+        gate vector per head shared by its H / L blocks: the appendix's B = 64 -> B' = 48).
       base: RoPE frequency base for init="rope" (and the frequency scale of "random").
       layout: "half" (rope's default pairing) or "interleaved" grouping of features into blocks.
       contextualize: Table 6's switch: "both" (default; ``e + W2 diag(psi(x~)) W1 e~``),
@@ -246,6 +277,7 @@ class Tape(PositionScheme):
     contextualize: str = "both"
     equivariant: bool = True
     tensorial: bool = True
+    psi_input: str = "block"
 
     @property
     def rows(self) -> int:
@@ -267,6 +299,7 @@ class Tape(PositionScheme):
         check_choice(self.name, "contextualize", self.contextualize, CONTEXTUALIZE)
         check_choice(self.name, "equivariant", self.equivariant, (True, False))
         check_choice(self.name, "tensorial", self.tensorial, (True, False))
+        check_choice(self.name, "psi_input", self.psi_input, PSI_INPUTS)
         for key in ("block", "coords", "hidden"):
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
@@ -369,7 +402,7 @@ class _TapeSite(AttentionSite):
             self.psi_out = dense((ax.POS_MLP, None), "psi_out")
 
     def psi(self, x_tilde_BTMC: jax.Array) -> jax.Array:
-        """psi: R^L -> R^F, a two-layer GELU MLP, in float32."""
+        """psi: R^C -> R^F (C = L per block, or H per head), a two-layer GELU MLP, float32."""
         return self.psi_out(nn.gelu(self.psi_in(x_tilde_BTMC.astype(jnp.float32))))
 
     def qk(
@@ -418,7 +451,11 @@ class _TapeSite(AttentionSite):
             batch, length = attn_out_BTD.shape[:2]
             heads, head_dim = self.dims.num_heads, self.dims.head_dim
             x_BTNH = attn_out_BTD.reshape(batch, length, heads, head_dim)
-            x_BTNKL = to_blocks(x_BTNH, head_dim // s.block, s.layout)
-            gates_BTMF = self.psi(x_BTNKL.reshape(batch, length, -1, s.block))
+            if s.psi_input == "head":
+                gates_BTNF = self.psi(x_BTNH)
+                gates_BTMF = jnp.repeat(gates_BTNF, head_dim // s.block, axis=2)
+            else:
+                x_BTNKL = to_blocks(x_BTNH, head_dim // s.block, s.layout)
+                gates_BTMF = self.psi(x_BTNKL.reshape(batch, length, -1, s.block))
         update_BTMLR = tape_update(source_BTMLR, gates_BTMF, self.w1, self.w2, s.equivariant)
         return TapeCarry(e_BTMLR=carry.e_BTMLR + update_BTMLR)

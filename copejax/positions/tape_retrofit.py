@@ -35,8 +35,11 @@ def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelCo
     """The ``tape`` config (init="rope") equivalent to a ``rope`` config at conversion.
 
     The RoPE base and pair layout carry over; ``tape_options`` set the other TAPE options
-    (hidden, contextualize, ...). Raises ValueError for a config that is not plain full-width
-    ``rope`` or for options that break the RoPE initialisation.
+    (hidden, contextualize, ...). Length scaling: "ntk" carries over as TAPE's base
+    ``base * factor^(H / (H - 2))`` (the same frequencies); "linear" and "yarn" are refused,
+    since TAPE's initial state has one base, no per-frequency scale and no attention
+    temperature. Raises ValueError for a config that is not plain full-width ``rope`` (or
+    ntk-scaled), or for options that break the RoPE initialisation.
     """
     if rope_cfg.position != "rope":
         raise ValueError(f"retrofit needs position='rope', got {rope_cfg.position!r}")
@@ -45,13 +48,27 @@ def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelCo
         raise ValueError(
             f"retrofit needs rope fraction=1.0 (every feature rotated), got {rope.fraction!r}"
         )
+    base = rope.base
+    if rope.scaling == "ntk":
+        # NTK scaling is a change of base (rope.scaled_inv_freq): TAPE's RoPE initialisation
+        # with base * s^(d / (d - 2)) has exactly the scaled frequencies.
+        rot_dim = rope_cfg.resolved_head_dim
+        base = rope.base * rope.factor ** (rot_dim / (rot_dim - 2))
+    elif rope.scaling != "none":
+        raise ValueError(
+            f"retrofit cannot carry rope scaling={rope.scaling!r} (factor={rope.factor!r}) "
+            "into TAPE's initial state: TAPE's RoPE initialisation has one base and no "
+            "per-frequency scale or attention temperature, so the converted model would not "
+            "compute what the rope model does; allowed: scaling='none' or 'ntk' (a change of "
+            "base). Retrofit the unscaled rope model, or use scaling='ntk'"
+        )
     for key in ("init", "block", "coords", "tensorial"):
         if key in tape_options:
             raise ValueError(
                 f"retrofit fixes the TAPE option {key!r} (RoPE init, L = R = 2, tensorial); "
                 f"got {key}={tape_options[key]!r}"
             )
-    options = {"init": "rope", "base": rope.base, "layout": rope.layout, **tape_options}
+    options = {"init": "rope", "base": base, "layout": rope.layout, **tape_options}
     return dataclasses.replace(rope_cfg, position="tape", position_options=options).validate()
 
 

@@ -1,4 +1,6 @@
-"""CoPE (Golovneva et al. 2024, arXiv 2405.18719) against a loop port of Appendix B's listing."""
+"""CoPE (Golovneva et al. 2024, arXiv 2405.18719) against a loop port of Appendix B's listing,
+and, for CoPE-ALiBi and CoPE-MLP, against Appendix C's eq. 10 and its MLP description, with
+each choice the paper leaves open named where the reference makes it."""
 
 from __future__ import annotations
 
@@ -35,6 +37,54 @@ def _sigmoid(x: float) -> float:
 
 def _gelu(x: float) -> float:
     return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+# CoPE-ALiBi, written from Appendix C's eq. 10:  a_ij = Softmax(q_i^T k_j + m . p_ij), "m is
+# a head-specific slope fixed before training" (or "a learned parameter, specific for each
+# head and layer, and initialized from 0"). Choices the paper leaves open, and copejax's:
+# - the sign of a fixed slope: eq. 10 adds +m p_ij, and the paper lists the slope sets as
+#   positive numbers ({1, 1/2^2, ...}); with +m a key behind more gated tokens would get a
+#   *higher* logit. copejax reads the listed slopes as ALiBi's penalty magnitudes (Press et
+#   al.: -m |i - j|), i.e. m = -slope. A learned m is used as written in eq. 10 (+m p_ij).
+# - "press" slopes: Press et al.'s geometric m_h = 2^(-8 h / N), h = 1..N (Appendix D).
+# - p_ij: eq. 4's sum of gates, capped at p_max - 1 as the listing's clamp does (section 4's
+#   text writes min(p_ij, p_max)); eq. 10 itself says nothing of a cap.
+# - q_i^T k_j is scaled by 1/sqrt(H) as in the listing, the m p_ij term is not.
+
+
+def _alibi_m(opts: dict[str, Any], params: dict, head: int, heads: int) -> float:
+    """m of eq. 10 for one head: the learned value, or minus a fixed slope (copejax's sign)."""
+    slopes = opts.get("alibi_slopes")
+    if slopes is None:
+        return float(params["alibi_slopes"][head])  # learned: eq. 10 as written
+    if slopes == "press":
+        return -(2.0 ** (-8.0 * (head + 1) / heads))
+    return -float(slopes[head])
+
+
+def paper_alibi_term(p_ij: float, m: float) -> float:
+    """Eq. 10's position term m . p_ij."""
+    return m * p_ij
+
+
+# CoPE-MLP, from Appendix C: "instead of using interpolation (Eq. (5)) we learn the
+# positional encodings by training an N-dimensional MLP layer", i.e. e[p_ij] = MLP(p_ij) in
+# R^H and, as eq. 6, a_ij = Softmax(q_i^T (k_j + e[p_ij])), so the term is q_i . MLP(p_ij).
+# Choices the paper leaves open, and copejax's: one hidden layer of N units; its activation
+# (GELU, the erf form); its input (p_ij / p_max, to keep it in [0, 1)); no output bias (it
+# would add q_i . b, the same for every key, which the softmax cancels); the initialisation
+# (hidden unit f a ramp starting at p = f p_max / N, output weights zero, so the term starts
+# at zero like the listing's e). The reference builds the vector e[p_ij] and then takes the
+# dot product, as eq. 6 reads; the implementation never builds it.
+
+
+def paper_mlp_term(q_i: np.ndarray, p_ij: float, params: dict, p_max: int) -> float:
+    """q_i . MLP(p_ij) with MLP(p) = W_out^T gelu(w_in * p / p_max + b_in)."""
+    x = p_ij / p_max
+    w_in, b_in = params["mlp_w_in"], params["mlp_b_in"]
+    hidden = np.array([_gelu(w * x + b) for w, b in zip(w_in, b_in, strict=True)])
+    e_p = hidden @ params["mlp_w_out"]  # e[p_ij] in R^H
+    return float(q_i @ e_p)
 
 
 def reference_cope(
@@ -92,21 +142,9 @@ def reference_cope(
                         wgt = p - f
                         value = logits_int[c] * wgt + logits_int[f] * (1 - wgt)
                     elif term_kind == "alibi":
-                        slopes = opts.get("alibi_slopes")
-                        if slopes is None:
-                            m = params["alibi_slopes"][n]
-                        elif slopes == "press":
-                            m = -(2.0 ** (-8.0 * (n + 1) / heads))
-                        else:
-                            m = -slopes[n]
-                        value = m * p
-                    else:  # CoPE-MLP: e(p) = W_out^T gelu(w_in p / P + b_in), then q . e(p)
-                        hidden = [
-                            _gelu(params["mlp_w_in"][f] * p / num_positions + params["mlp_b_in"][f])
-                            for f in range(len(params["mlp_w_in"]))
-                        ]
-                        e_p = np.asarray(hidden) @ params["mlp_w_out"]
-                        value = float(qi @ e_p)
+                        value = paper_alibi_term(p, _alibi_m(opts, params, n, heads))
+                    else:
+                        value = paper_mlp_term(qi, p, params, num_positions)
                     if opts.get("scale_position_term"):
                         value /= math.sqrt(hd)
                     term[b, n, i, j] = value
@@ -458,6 +496,36 @@ def test_cope_plus_rope_gates_use_the_rotated_logits() -> None:
     np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gates", ["keys", "sep_keys", "values"])
+def test_cope_plus_rope_gates_and_absolute_positions(gates: str) -> None:
+    """As CoPE's ``gates`` docstring states: in cope+rope, "keys" gates depend on i - j only;
+    "sep_keys" and "values" gates (rotated q_i against unrotated k'_j or v_j) change when every
+    position shifts by the same amount, and so does the position term q_i . e[p] (rotated q)."""
+    inp = _inputs(seed=10, segments=False)
+    site, params = _site_setup("cope+rope", {"gates": gates}, inp)
+    args = (jnp.asarray(inp["q"]), jnp.asarray(inp["k"]), jnp.asarray(inp["v"]))
+
+    def run(shift: int) -> tuple[np.ndarray, np.ndarray]:
+        positions = jnp.broadcast_to(jnp.arange(T) + shift, (B, T))
+        ctx = _ctx(inp).replace(q_positions_BT=positions, k_positions_BS=positions)
+        term, state = site.apply(
+            params, *args, ctx, method=_qk_then_bias, mutable=["intermediates"]
+        )
+        inter = {
+            "/".join(str(getattr(p, "key", p)) for p in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(state["intermediates"])
+        }
+        return np.asarray(term), _find(inter, "gates_BNTS")
+
+    term0, gates0 = run(0)
+    term7, gates7 = run(7)
+    if gates == "keys":
+        np.testing.assert_allclose(gates7, gates0, atol=1e-5)
+    else:
+        assert np.abs(gates7 - gates0).max() > 1e-2
+    assert np.abs(term7 - term0).max() > 1e-3  # the position term reads the rotated q
+
+
 def test_cope_plus_relative_sums_both_biases() -> None:
     assert "relative" in registry.names(), "relative (cope+relative, Table 5) is not registered"
     inp = _inputs(seed=9)
@@ -474,6 +542,27 @@ def test_cope_plus_relative_sums_both_biases() -> None:
     np.testing.assert_allclose(
         term[allowed], (cope_term + relative_term)[allowed], rtol=1e-5, atol=1e-5
     )
+
+
+def test_learned_alibi_slope_is_eq10_as_written_and_fixed_slopes_are_penalties() -> None:
+    """Eq. 10 adds +m p_ij: a learned m enters with its own sign. Fixed slopes are read as
+    ALiBi penalty magnitudes (m = -slope): more gated tokens lower the logit."""
+    inp = _inputs(seed=11)
+    site, params = _site_setup("cope", {"position_term": "alibi"}, inp)
+    m = jnp.asarray([0.5, -0.25])
+    params = {"params": {**params["params"], "alibi_slopes": m}}
+    term, inter = _run(site, params, inp)
+    positions = _find(inter, "positions_BNTS")
+    allowed = np.broadcast_to(inp["mask"][:, None], term.shape)
+    want = np.asarray(m)[None, :, None, None] * positions
+    np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-6, atol=1e-6)
+    fixed, fixed_params = _site_setup(
+        "cope", {"position_term": "alibi", "alibi_slopes": (1, 2)}, inp
+    )
+    term, inter = _run(fixed, fixed_params, inp)
+    want = -np.asarray([1.0, 2.0])[None, :, None, None] * _find(inter, "positions_BNTS")
+    np.testing.assert_allclose(term[allowed], want[allowed], rtol=1e-6, atol=1e-6)
+    assert np.all(term[allowed] <= 0)
 
 
 def test_option_names_do_not_clash_with_rope() -> None:

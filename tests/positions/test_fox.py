@@ -19,12 +19,17 @@ from copejax.attention import Attention
 from copejax.model import Transformer
 from copejax.ops import scan
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
-from copejax.positions.fox import fox_decay_bias, fox_log_forget_gates, token_shift
+from copejax.positions.fox import (
+    PRO_OPTIONS,
+    fox_decay_bias,
+    fox_log_forget_gates,
+    token_shift,
+)
 from copejax.positions.registry import make_scheme
 from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions
 
-PRO = ("output_gate", "qk_norm", "key_shift", "value_shift")
+PRO = tuple(PRO_OPTIONS)
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
 
 
@@ -101,14 +106,18 @@ def _ref_attention(
                 w = np.exp(scores - scores.max())
                 w /= w.sum()
                 y[b, i, n] = sum(wj * v[b, j, n] for wj, j in zip(w, keys, strict=True))
+    if options.get("output_norm"):  # the authors' FusedGroupNormGated: norm, scale, then gate
+        y = _ref_rms(y, p["output_norm_scale"])
     if options.get("output_gate"):
         y = y * _sigmoid(np.einsum("BTD,DNH->BTNH", x_BTD, p["output_gate_w"]))
     return np.einsum("BTNH,NHD->BTD", y, p["out"])
 
 
-def _layer(options: dict, seed: int = 0) -> tuple[Attention, dict, dict, np.ndarray]:
+def _layer(
+    options: dict, seed: int = 0, **model: object
+) -> tuple[Attention, dict, dict, np.ndarray]:
     """An Attention layer with random (not initial) site parameters and a random input."""
-    cfg = tiny_config("fox", position_options=options)
+    cfg = tiny_config("fox", position_options=options, **model)
     attention = Attention(cfg)
     rng = np.random.default_rng(seed)
     x_BTD = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
@@ -126,16 +135,8 @@ def _layer(options: dict, seed: int = 0) -> tuple[Attention, dict, dict, np.ndar
 
 
 def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
-    batch, length = segments_BT.shape
-    positions_BT = jnp.zeros((batch, length), jnp.int32)
-    return AttentionContext(
-        x_BTD=x_BTD,
-        q_positions_BT=positions_BT,
-        k_positions_BS=positions_BT,
-        explicit_mask_BTS=causal_mask_BTS(jnp.asarray(segments_BT), jnp.asarray(segments_BT)),
-        q_segment_ids_BT=jnp.asarray(segments_BT),
-        k_segment_ids_BS=jnp.asarray(segments_BT),
-    )
+    positions_BT = jnp.zeros(segments_BT.shape, jnp.int32)
+    return AttentionContext.create(x_BTD, positions_BT, jnp.asarray(segments_BT))
 
 
 @pytest.mark.parametrize(
@@ -143,6 +144,8 @@ def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
     [
         {},
         {"output_gate": True},
+        {"output_norm": True},
+        {"output_norm": True, "output_gate": True},
         {"qk_norm": True},
         {"key_shift": True},
         {"value_shift": True},
@@ -153,6 +156,30 @@ def _ctx(x_BTD: jax.Array, segments_BT: np.ndarray) -> AttentionContext:
 )
 def test_layer_matches_numpy_reference(options: dict) -> None:
     attention, variables, flat, x_BTD = _layer(options)
+    y_BTD, _ = jax.jit(attention.apply)(
+        variables, jnp.asarray(x_BTD), _ctx(jnp.asarray(x_BTD), SEGMENTS_BT)
+    )
+    expected = _ref_attention(flat, x_BTD, SEGMENTS_BT, options)
+    np.testing.assert_allclose(np.asarray(y_BTD), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_pro_is_the_authors_five_components() -> None:
+    assert set(PRO_OPTIONS) == {
+        "output_gate",
+        "output_norm",
+        "qk_norm",
+        "key_shift",
+        "value_shift",
+    }
+    assert all(PRO_OPTIONS.values())
+
+
+def test_pro_output_norm_on_the_blockwise_path_matches_numpy_reference() -> None:
+    """The output norm is an output-site change: the blockwise path gets it too."""
+    options = dict(PRO_OPTIONS)
+    attention, variables, flat, x_BTD = _layer(
+        options, attention_impl="blockwise", attention_block=4
+    )
     y_BTD, _ = jax.jit(attention.apply)(
         variables, jnp.asarray(x_BTD), _ctx(jnp.asarray(x_BTD), SEGMENTS_BT)
     )

@@ -16,6 +16,7 @@ import pytest
 
 from copejax.attention import Attention
 from copejax.model import Transformer
+from copejax.ops import engine
 from copejax.positions.base import AttentionContext
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.segments import causal_mask_BTS
@@ -93,14 +94,8 @@ def _layer(include_self: bool) -> tuple[Attention, dict, np.ndarray]:
 
 
 def _ctx(x_BTD: jax.Array) -> AttentionContext:
-    batch, length = SEGMENTS_BT.shape
-    positions_BT = jnp.zeros((batch, length), jnp.int32)
-    return AttentionContext(
-        x_BTD=x_BTD,
-        q_positions_BT=positions_BT,
-        k_positions_BS=positions_BT,
-        explicit_mask_BTS=causal_mask_BTS(jnp.asarray(SEGMENTS_BT), jnp.asarray(SEGMENTS_BT)),
-    )
+    positions_BT = jnp.zeros(SEGMENTS_BT.shape, jnp.int32)
+    return AttentionContext.create(x_BTD, positions_BT, jnp.asarray(SEGMENTS_BT))
 
 
 @pytest.mark.parametrize("include_self", [False, True])
@@ -121,6 +116,90 @@ def test_layer_matches_reference_and_sows_leftover(include_self: bool) -> None:
     sown = state["intermediates"]
     np.testing.assert_allclose(np.asarray(sown["own_site"]["leftover"][0]), leftover, atol=1e-5)
     np.testing.assert_allclose(np.asarray(sown["attention_weights"][0]), weights, atol=1e-5)
+
+
+def _ref_group_norm(y_BTNH: np.ndarray, scale_NH: np.ndarray, shift_NH: np.ndarray) -> np.ndarray:
+    """torch.nn.GroupNorm(N, N H) on the heads' concatenated outputs: one group per head."""
+    mean = y_BTNH.mean(-1, keepdims=True)
+    var = ((y_BTNH - mean) ** 2).mean(-1, keepdims=True)
+    return (y_BTNH - mean) / np.sqrt(var + 1e-5) * scale_NH + shift_NH
+
+
+AUTHORS_FORMS = [
+    {"remainder_bias": True},
+    {"head_norm": True},
+    {"remainder_bias": True, "head_norm": True, "include_self": True},
+]
+
+
+@pytest.mark.parametrize("impl", ["naive", "blockwise"])
+@pytest.mark.parametrize("form", AUTHORS_FORMS, ids="+".join)
+def test_authors_form_matches_reference_on_both_paths(form: dict, impl: str) -> None:
+    """The authors' SBAttention: y + rem * head_bias, then GroupNorm per head, then out."""
+    cfg = tiny_config(
+        "stickbreaking", position_options=form, attention_impl=impl, attention_block=4
+    )
+    attention = Attention(cfg)
+    rng = np.random.default_rng(3)
+    x_BTD = jnp.asarray(rng.normal(size=(2, 8, cfg.d_model)), jnp.float32)
+    params = nn.unbox(attention.init(jax.random.key(0), x_BTD, _ctx(x_BTD))["params"])
+    for name in ("query", "key"):
+        params[name] = {"kernel": params[name]["kernel"] * 60}
+    site = {
+        name: jnp.asarray(rng.normal(size=value.shape) + name.endswith("scale"), jnp.float32)
+        for name, value in params["own_site"].items()
+    }
+    params["own_site"] = site
+    y_BTD, _ = jax.jit(attention.apply)({"params": params}, x_BTD, _ctx(x_BTD))
+
+    p = {k: np.asarray(params[k]["kernel"], np.float64) for k in ("query", "key", "value", "out")}
+    x64 = np.asarray(x_BTD, np.float64)
+    q, k, v = (np.einsum("BTD,DNH->BTNH", x64, p[name]) for name in ("query", "key", "value"))
+    z_BNTS = np.einsum("BTNH,BSNH->BNTS", q, k) / math.sqrt(q.shape[-1])
+    weights, leftover_BNT = _ref_weights(z_BNTS, SEGMENTS_BT, form.get("include_self", False))
+    y = np.einsum("BNTS,BSNH->BTNH", weights, v)
+    if form.get("remainder_bias"):
+        y = y + np.moveaxis(leftover_BNT, 1, 2)[..., None] * np.asarray(site["head_bias"])
+    if form.get("head_norm"):
+        y = _ref_group_norm(y, np.asarray(site["head_norm_scale"]), site["head_norm_shift"])
+    expected = np.einsum("BTNH,NHD->BTD", y, p["out"])
+    np.testing.assert_allclose(np.asarray(y_BTD), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_authors_form_at_initialisation_adds_nothing_but_the_norm() -> None:
+    """head_bias starts at 0: remainder_bias alone equals the equation's output at init."""
+    tokens_BT, positions_BT = tokens_and_positions()
+    plain = Transformer(tiny_config("stickbreaking"))
+    authors = Transformer(tiny_config("stickbreaking", position_options={"remainder_bias": True}))
+    params = authors.init(jax.random.key(0), tokens_BT, positions_BT)
+    plain_params = plain.init(jax.random.key(0), tokens_BT, positions_BT)
+    np.testing.assert_allclose(
+        np.asarray(authors.apply(params, tokens_BT, positions_BT)),
+        np.asarray(plain.apply(plain_params, tokens_BT, positions_BT)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
+def test_the_engine_returns_the_log_stick_remainder() -> None:
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 3, 4)) * 3, jnp.float32) for _ in range(3))
+    seg, positions = jnp.asarray(SEGMENTS_BT), jnp.zeros(SEGMENTS_BT.shape, jnp.int32)
+    y, log_leftover_BNT = engine.blockwise_attention(
+        q,
+        k,
+        v,
+        q_positions_BT=positions,
+        k_positions_BS=positions,
+        q_segment_ids_BT=seg,
+        k_segment_ids_BS=seg,
+        normalizer=engine.Normalizer("stickbreaking", include_self=False),
+        block=4,
+    )
+    assert y.shape == (2, 8, 3, 4)
+    z_BNTS = np.einsum("BTNH,BSNH->BNTS", np.asarray(q, np.float64), np.asarray(k)) / 2.0
+    _, expected_BNT = _ref_weights(z_BNTS, SEGMENTS_BT, False)
+    np.testing.assert_allclose(np.exp(np.asarray(log_leftover_BNT)), expected_BNT, atol=1e-5)
 
 
 def test_extreme_logits_give_finite_values_and_gradients() -> None:
@@ -191,7 +270,13 @@ def test_bfloat16_close_to_float32(include_self: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "word"), [({"include_self": "no"}, "include_self"), ({"scan_impl": "x"}, "scan")]
+    ("options", "word"),
+    [
+        ({"include_self": "no"}, "include_self"),
+        ({"scan_impl": "x"}, "scan"),
+        ({"head_norm": 1}, "head_norm"),
+        ({"remainder_bias": "yes"}, "remainder_bias"),
+    ],
 )
 def test_bad_options_raise(options: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):

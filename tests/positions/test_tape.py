@@ -1,4 +1,5 @@
-"""TAPE (arXiv 2501.00712) against NumPy loops written from eq. 6, 7, 8, and its identities:
+"""TAPE (arXiv 2501.00712) against NumPy loops written from eq. 6, 7, 8 in the paper's notation
+(the choices they leave open named above the references), and its identities:
 RoPE at initialisation, O(R) invariance / equivariance (eq. 4, 5), permutation equivariance,
 the Table 6 ablations and the section 3.3 retrofit."""
 
@@ -18,6 +19,7 @@ from copejax.model import Block, Transformer
 from copejax.positions.base import AttentionContext, Dims
 from copejax.positions.rope import apply_rope, rope_inv_freq
 from copejax.positions.tape import (
+    PAPER_OPTIONS,
     Tape,
     TapeCarry,
     rope_tape_embeddings,
@@ -35,12 +37,69 @@ from tests.conftest import tiny_config, tokens_and_positions
 DIMS = Dims(d_model=8, num_heads=2, head_dim=4, num_layers=1, max_len=8)
 
 
-def _block_features(head_dim: int, size: int, layout: str) -> list[list[int]]:
-    """Feature indices of each block of a head, written out from the layout's definition."""
+# ----------------------------------------------------------------------------- the paper
+# The references below are eq. 6, 7 and 8 as the paper writes them, in its notation (C = M B
+# channels of a token cut into M blocks, each with a position matrix e_{i,m}). What the
+# equations leave open, and the reading copejax takes (each reference follows it, named):
+# - Orientation of e. The text calls e_{i,m} an L x D matrix and eq. 8 applies W1 (B' x L)
+#   on its left, which needs L rows; eq. 6's Gram e_{j,m}^T e_{i,m} is L x L only for a D x L
+#   matrix. We keep L x D (text, eq. 8) and read eq. 6's Gram as e_{i,m} e_{j,m}^T.
+# - Query and key. Eq. 6 writes (W_Q x_{j,m})^T phi(.) (W_K x_{i,m}); we read query i, key j.
+# - phi. "In practice, we can let L = B and phi be an identity mapping": B = L here.
+# - Heads. Eq. 6 sums all M blocks into one logit (one head). With N heads, head h's logit
+#   sums the blocks cut from its own H channels (K = H / L of them, M = N K).
+# - Which channels form a block. "Dividing the channel dimension into M segments" reads as
+#   contiguous segments: copejax's layout="interleaved". layout="half" (RoPE's rotate-half
+#   pairing, the default) puts features k, k + H / L, ... of a head in block k instead.
+# - Eq. 7's attention map. Eq. 7 normalises exp(alpha_{i,j,m}) per block; "in practice, we
+#   share the attention map between Eq. 6 and 7": each block is mixed with its head's map
+#   (softmax over the allowed keys of the head's logits), the one attention uses.
+# - Eq. 8's x~_{j,m}: "the output of attention used for token mixing", block m of it. copejax
+#   reads the attention output after the output projection (the carry site's input), cut by
+#   the same block layout; psi is a two-layer MLP (GELU, tanh form) R^B -> R^B'. The residual
+#   e + e^ ("we also introduce residual connections") is added.
+
+
+def _paper_blocks(heads: int, head_dim: int, size: int, layout: str) -> list[tuple[int, list]]:
+    """(head, channels of the C = N H vector) of each block m = 0..M-1, from the layout."""
     per_head = head_dim // size
-    if layout == "half":
-        return [[k + row * per_head for row in range(size)] for k in range(per_head)]
-    return [[k * size + row for row in range(size)] for k in range(per_head)]
+    blocks = []
+    for m in range(heads * per_head):
+        head, k = divmod(m, per_head)
+        if layout == "interleaved":  # the paper's contiguous segments of the channels
+            channels = list(range(m * size, (m + 1) * size))
+        else:  # rotate-half: features k, k + H / L, ... of the head
+            channels = [head * head_dim + k + row * per_head for row in range(size)]
+        blocks.append((head, channels))
+    return blocks
+
+
+def paper_eq6_logits(q_TC: np.ndarray, k_TC: np.ndarray, e_TMLD: np.ndarray, blocks) -> np.ndarray:
+    """alpha_{i,j} per head: the sum over its blocks m of q_{i,m}^T e_{i,m} e_{j,m}^T k_{j,m}."""
+    length = q_TC.shape[0]
+    heads = 1 + max(head for head, _ in blocks)
+    alpha = np.zeros((heads, length, length))
+    for i in range(length):
+        for j in range(length):
+            for m, (head, channels) in enumerate(blocks):
+                gram = e_TMLD[i, m] @ e_TMLD[j, m].T  # phi = identity, L x L
+                alpha[head, i, j] += q_TC[i, channels] @ gram @ k_TC[j, channels]
+    return alpha
+
+
+def paper_eq7(e_TMLD: np.ndarray, weights_NTS: np.ndarray, blocks) -> np.ndarray:
+    """e~_{j,m} = sum_i w_{j,i} e_{i,m}, w the map of block m's head (shared with eq. 6)."""
+    mixed = np.zeros(e_TMLD.shape)
+    for j in range(e_TMLD.shape[0]):
+        for m, (head, _) in enumerate(blocks):
+            for i in range(e_TMLD.shape[0]):
+                mixed[j, m] += weights_NTS[head, j, i] * e_TMLD[i, m]
+    return mixed
+
+
+def paper_eq8(e_tilde_LD: np.ndarray, psi_F: np.ndarray, w1_FL: np.ndarray, w2_LF: np.ndarray):
+    """e^_{j,m} = W2 diag(psi(x~_{j,m})) W1 e~_{j,m}, W1 in R^{B' x L}, W2 in R^{L x B'}."""
+    return w2_LF @ np.diag(psi_F) @ w1_FL @ e_tilde_LD
 
 
 def _flat(params: dict) -> dict:
@@ -67,17 +126,12 @@ def test_tensorial_logits_match_eq6_loops(rng: np.random.Generator, layout: str)
     q2 = np.asarray(tape_qk(jnp.asarray(q), jnp.asarray(e), layout, True))
     k2 = np.asarray(tape_qk(jnp.asarray(k), jnp.asarray(e), layout, True))
     got = np.einsum("btnh,bsnh->bnts", q2, k2)
-    blocks = _block_features(h, size, layout)
-    want = np.zeros((b, n, t, t), np.float64)
+    blocks = _paper_blocks(n, h, size, layout)
     for bb in range(b):
-        for hd in range(n):
-            for i in range(t):
-                for j in range(t):
-                    for kk, feats in enumerate(blocks):
-                        m = hd * len(blocks) + kk
-                        gram = e[bb, i, m] @ e[bb, j, m].T  # L x L, contracts over R
-                        want[bb, hd, i, j] += q[bb, i, hd, feats] @ gram @ k[bb, j, hd, feats]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        want = paper_eq6_logits(
+            q[bb].reshape(t, n * h).astype(np.float64), k[bb].reshape(t, n * h), e[bb], blocks
+        )
+        np.testing.assert_allclose(got[bb], want, rtol=1e-5, atol=1e-5)
 
 
 def test_vector_logits_match_phi_scalar_times_identity(rng: np.random.Generator) -> None:
@@ -88,15 +142,14 @@ def test_vector_logits_match_phi_scalar_times_identity(rng: np.random.Generator)
     q2 = np.asarray(tape_qk(jnp.asarray(q), jnp.asarray(e), "half", False))
     k2 = np.asarray(tape_qk(jnp.asarray(k), jnp.asarray(e), "half", False))
     got = np.einsum("btnh,bsnh->bnts", q2, k2)
-    blocks = _block_features(h, size, "half")
+    # Table 6's vector ablation: phi(s) = s I, so block m adds (q_{i,m} . k_{j,m})(e_i . e_j).
+    q_flat, k_flat = q[0].reshape(t, n * h), k[0].reshape(t, n * h)
     want = np.zeros((b, n, t, t))
-    for hd in range(n):
-        for i in range(t):
-            for j in range(t):
-                for kk, feats in enumerate(blocks):
-                    m = hd * len(blocks) + kk
-                    content = q[0, i, hd, feats] @ k[0, j, hd, feats]
-                    want[0, hd, i, j] += content * (e[0, i, m, 0] @ e[0, j, m, 0])
+    for i in range(t):
+        for j in range(t):
+            for m, (hd, channels) in enumerate(_paper_blocks(n, h, size, "half")):
+                content = q_flat[i, channels] @ k_flat[j, channels]
+                want[0, hd, i, j] += content * (e[0, i, m, 0] @ e[0, j, m, 0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -126,20 +179,21 @@ def test_vector_rope_initialisation_gives_cosine_of_distance(rng: np.random.Gene
 
 
 def test_mixing_matches_eq7_loops(rng: np.random.Generator) -> None:
-    b, t, n, per_head, size, coords = 2, 5, 2, 3, 2, 4
-    e = rng.normal(size=(b, t, n * per_head, size, coords)).astype(np.float32)
-    logits = rng.normal(size=(b, n, t, t))
-    logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    w = (w / w.sum(-1, keepdims=True)).astype(np.float32)
-    got = np.asarray(tape_mix(jnp.asarray(e), jnp.asarray(w)))
-    want = np.zeros_like(e, dtype=np.float64)
+    b, t, n, h, size, coords = 2, 5, 2, 6, 2, 4
+    q = rng.normal(size=(b, t, n * h))
+    k = rng.normal(size=(b, t, n * h))
+    e = rng.normal(size=(b, t, n * h // size, size, coords)).astype(np.float32)
+    blocks = _paper_blocks(n, h, size, "half")
+    causal = np.tril(np.ones((t, t), bool))
+    weights = np.zeros((b, n, t, t), np.float32)
+    for bb in range(b):  # the shared map: softmax over allowed keys of the head's eq. 6 logits
+        alpha = np.where(causal, paper_eq6_logits(q[bb], k[bb], e[bb], blocks), -np.inf)
+        w = np.exp(alpha - alpha.max(-1, keepdims=True))
+        weights[bb] = w / w.sum(-1, keepdims=True)
+    got = np.asarray(tape_mix(jnp.asarray(e), jnp.asarray(weights)))
     for bb in range(b):
-        for j in range(t):
-            for m in range(n * per_head):
-                for i in range(t):
-                    want[bb, j, m] += w[bb, m // per_head, j, i] * e[bb, i, m]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        want = paper_eq7(e[bb].astype(np.float64), weights[bb], blocks)
+        np.testing.assert_allclose(got[bb], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("equivariant", [True, False])
@@ -155,11 +209,11 @@ def test_update_matches_eq8_loops(rng: np.random.Generator, equivariant: bool) -
     for bb in range(b):
         for j in range(t):
             for m in range(blocks):
-                middle = w2 @ np.diag(gates[bb, j, m]) @ w1
                 if equivariant:
-                    want[bb, j, m] = middle @ e[bb, j, m]
-                else:
-                    want[bb, j, m] = (middle @ e[bb, j, m].reshape(-1)).reshape(size, coords)
+                    want[bb, j, m] = paper_eq8(e[bb, j, m], gates[bb, j, m], w1, w2)
+                else:  # Table 6: W1 in R^{B' x (L D)} acts on the flattened matrix
+                    flat = paper_eq8(e[bb, j, m].reshape(-1), gates[bb, j, m], w1, w2)
+                    want[bb, j, m] = flat.reshape(size, coords)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -193,18 +247,59 @@ def test_site_update_matches_eq8_with_psi_on_attention_output_blocks(
     )
     p = {k: np.asarray(v) for k, v in _flat(params["params"]).items()}
     e, mixed, x = map(np.asarray, (carry.e_BTMLR, carry.mixed_BTMLR, attn_out))
-    blocks = _block_features(DIMS.head_dim, scheme.block, "half")
+    blocks = _paper_blocks(DIMS.num_heads, DIMS.head_dim, scheme.block, "half")
+    want = e.astype(np.float64).copy()  # the residual e + e^
+    for bb in range(2):
+        for j in range(4):
+            for m, (_, channels) in enumerate(blocks):
+                x_tilde = x[bb, j, channels]  # block m of the attention output (after W_O)
+                hid = _gelu(x_tilde @ p["psi_in/kernel"] + p["psi_in/bias"])
+                psi = hid @ p["psi_out/kernel"] + p["psi_out/bias"]
+                want[bb, j, m] += paper_eq8(mixed[bb, j, m], psi, p["w1"], p["w2"])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_site_update_with_psi_on_heads_shares_the_gates_of_a_head(
+    rng: np.random.Generator,
+) -> None:
+    """psi_input="head" (the appendix's B = 64 -> B' = 48): psi reads head h's H features of
+    the attention output, and its gates enter eq. 8 for every block of that head."""
+    scheme = Tape(init="random", coords=3, hidden=6, psi_input="head")
+    carry = _random_carry(rng, scheme)
+    attn_out = jnp.asarray(rng.normal(size=(2, 4, DIMS.d_model)), jnp.float32)
+    site, params = _site_and_params(scheme, carry, attn_out)
+    got = np.asarray(
+        site.apply(params, carry, attn_out, attn_out, method=site.carry_after_mlp).e_BTMLR
+    )
+    p = {k: np.asarray(v) for k, v in _flat(params["params"]).items()}
+    assert p["psi_in/kernel"].shape == (DIMS.head_dim, 6)
+    e, mixed, x = map(np.asarray, (carry.e_BTMLR, carry.mixed_BTMLR, attn_out))
+    per_head = DIMS.head_dim // scheme.block
     want = e.astype(np.float64).copy()
     for bb in range(2):
         for j in range(4):
             for hd in range(DIMS.num_heads):
-                for kk, feats in enumerate(blocks):
-                    m = hd * len(blocks) + kk
-                    x_block = x[bb, j, hd * DIMS.head_dim + np.asarray(feats)]
-                    hid = _gelu(x_block @ p["psi_in/kernel"] + p["psi_in/bias"])
-                    psi = hid @ p["psi_out/kernel"] + p["psi_out/bias"]
-                    want[bb, j, m] += p["w2"] @ np.diag(psi) @ p["w1"] @ mixed[bb, j, m]
+                x_head = x[bb, j, hd * DIMS.head_dim : (hd + 1) * DIMS.head_dim]
+                psi = _gelu(x_head @ p["psi_in/kernel"] + p["psi_in/bias"])
+                psi = psi @ p["psi_out/kernel"] + p["psi_out/bias"]
+                for kk in range(per_head):
+                    m = hd * per_head + kk
+                    want[bb, j, m] += paper_eq8(mixed[bb, j, m], psi, p["w1"], p["w2"])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_paper_options_keep_the_rope_identity_at_init() -> None:
+    tokens, positions = tokens_and_positions()
+    rope = Transformer(tiny_config("rope"))
+    tape = Transformer(tiny_config("tape", position_options=PAPER_OPTIONS))
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_params = _copy_shared(rope_params, tape.init(jax.random.key(1), tokens, positions))
+    np.testing.assert_allclose(
+        np.asarray(tape.apply(tape_params, tokens, positions)),
+        np.asarray(rope.apply(rope_params, tokens, positions)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- ablations
@@ -356,6 +451,7 @@ def test_block_is_permutation_equivariant_without_causal_mask(rng: np.random.Gen
         ({"init": "sinusoid"}, "init must be one of"),
         ({"contextualize": "neither"}, "contextualize must be one of"),
         ({"hidden": 0}, "hidden must be a positive integer"),
+        ({"psi_input": "token"}, "psi_input must be one of"),
     ],
 )
 def test_bad_options_raise(options: dict, message: str) -> None:
@@ -418,3 +514,27 @@ def test_retrofit_rejects_non_rope_configs() -> None:
         tape_config_from_rope(tiny_config("rope", position_options={"fraction": 0.5}))
     with pytest.raises(ValueError, match="fixes the TAPE option 'coords'"):
         tape_config_from_rope(tiny_config("rope"), coords=4)
+
+
+def test_retrofit_carries_ntk_scaling_and_refuses_linear_and_yarn() -> None:
+    """NTK scaling is a change of base: the converted model is identical. Linear and YaRN
+    scaling have no counterpart in TAPE's initial state: a clear error, not a silent drift."""
+    tokens, _ = tokens_and_positions()
+    positions = jnp.asarray(np.random.default_rng(4).integers(0, 60, tokens.shape), jnp.int32)
+    rope_cfg = tiny_config("rope", position_options={"scaling": "ntk", "factor": 4.0})
+    rope = Transformer(rope_cfg)
+    rope_params = rope.init(jax.random.key(0), tokens, positions)
+    tape_cfg = tape_config_from_rope(rope_cfg)
+    h = rope_cfg.resolved_head_dim
+    assert tape_cfg.scheme().base == pytest.approx(10000.0 * 4.0 ** (h / (h - 2)))
+    tape_params = retrofit_rope_params(rope_params, tape_cfg, jax.random.key(1))
+    np.testing.assert_allclose(
+        Transformer(tape_cfg).apply(tape_params, tokens, positions),
+        rope.apply(rope_params, tokens, positions),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    for scaling in ("linear", "yarn"):
+        cfg = tiny_config("rope", position_options={"scaling": scaling, "factor": 4.0})
+        with pytest.raises(ValueError, match=f"scaling='{scaling}'.*allowed: scaling='none'"):
+            tape_config_from_rope(cfg)

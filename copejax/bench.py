@@ -1,15 +1,14 @@
 """Benchmark of every position scheme: time and memory of attention against length (a script).
 
-Issue 8's benchmark for CoPE (Golovneva et al. 2024, arXiv 2405.18719) and the other schemes:
-forward+backward time and peak memory of one attention layer (the scheme's embed site, then
-one ``copejax.attention.Attention`` with projections) and of one full training step of a small
-model (AdamW), over T = 256, 512, ... as far as memory and a time cap allow, with fixed
-B x N and head dim. ``dpa`` is the same layer without a scheme on ``jax.nn.dot_product_attention``;
-ratios are to ``nope``, measured in the same run. Measurements run in subprocesses (an
-out-of-memory death does not stop the script): one per measurement for ``nope``, ``dpa`` and
-``cope`` (the targets), one per length series (ascending) for the other schemes. A scheme stops
-at its first failure, time over the cap, or predicted memory over the cap (XLA's buffer
-assignment, read before running). Also runs ``copejax.ops.bench_scan``.
+Issue 13's benchmark of the attention engine: forward+backward time and peak memory of one
+attention layer (the scheme's embed site, then one ``copejax.attention.Attention`` with
+projections) for every scheme over T = 1K..16K, 32K for the schemes the issue names, one
+training step through the command line at 16K, and interleaved side-by-side rounds (one
+process, ratios within rounds) of each scheme's default path against its naive path and the
+fastest nope path. ``dpa`` is nope on ``jax.nn.dot_product_attention``. Measurements run in
+subprocesses (an out-of-memory death does not stop the script); a series stops at its first
+failure, time over the cap, or predicted memory over the cap (XLA's buffer assignment, read
+before running). Also runs ``copejax.ops.bench_scan``.
 
     .venv/bin/python -m copejax.bench --mode full     # writes experiments/results/bench.*
     .venv/bin/python -m copejax.bench --mode quick --out_dir /tmp/bench   # smoke run
@@ -31,54 +30,51 @@ from pathlib import Path
 from typing import Any
 
 MODES = {
-    # Lengths of the layer and step benchmarks for the target schemes (one subprocess per
-    # measurement) and for the others (one subprocess per series, lengths ascending: a
-    # 2-core machine cannot afford a process start and compile per point for every scheme),
-    # timed repeats, and the time cap (s) per measurement.
+    # layer: one attention layer's forward+backward for every scheme, one subprocess per scheme
+    # with lengths ascending; long: the 32K run of LONG_SCHEMES, one subprocess each;
+    # cli_step: one training step through ``python -m copejax.main`` (configs/lm.py, batch 1);
+    # side_by_side: {length: arm groups} timed in interleaved rounds in one process.
     "quick": {
         "layer": [64],
-        "step": [32],
-        "other_layer": [64],
-        "other_step": [32],
-        "side_by_side": [64],
+        "long": [],
+        "cli_step": [],
+        "side_by_side": {64: ("core",)},
         "rounds": 2,
         "repeats": 1,
         "cap_s": 120,
     },
     "full": {
-        "layer": [256, 512, 1024, 2048, 4096, 8192, 16384],
-        "step": [256, 1024, 4096],
-        "other_layer": [256, 1024, 4096, 16384],
-        "other_step": [256, 1024],
-        "side_by_side": [256, 512, 1024, 2048],
-        "rounds": 7,
+        "layer": [1024, 2048, 4096, 8192, 16384],
+        "long": [32768],
+        "cli_step": [16384],
+        "side_by_side": {1024: ("core",), 4096: ("core", "every"), 16384: ("core",)},
+        "rounds": 5,
         "repeats": 2,
-        "cap_s": 300,
+        "cap_s": 900,
     },
 }
 # The side-by-side timing: every arm compiled in one process, then ``rounds`` rounds that each
 # time every arm once, in an order that rotates between rounds, so that a change of machine
-# load hits all arms alike; ratios are taken within a round. (label, scheme, options.)
-SIDE_BY_SIDE_ARMS = (
+# load hits all arms alike; ratios are taken within a round. (label, scheme, options.) An arm
+# named after a scheme alone is its default (model.attention_impl="auto").
+CORE_ARMS = (
     ("nope", "nope", {}),
     ("nope naive", "nope", {"attention_impl": "naive"}),
     ("nope blockwise", "nope", {"attention_impl": "blockwise"}),
     ("dpa", "dpa", {}),
     ("cope", "cope", {}),
     ("cope naive", "cope", {"attention_impl": "naive"}),
-    ("cope blockwise", "cope", {"attention_impl": "blockwise"}),
     ("fox", "fox", {}),
     ("fox naive", "fox", {"attention_impl": "naive"}),
-    ("fox blockwise", "fox", {"attention_impl": "blockwise"}),
+    ("fox remat", "fox", {"attention_impl": "blockwise", "attention_backward": "remat"}),
     ("stickbreaking", "stickbreaking", {}),
     ("stickbreaking naive", "stickbreaking", {"attention_impl": "naive"}),
-    ("stickbreaking blockwise", "stickbreaking", {"attention_impl": "blockwise"}),
-    ("alibi", "alibi", {}),
-    ("alibi blockwise", "alibi", {"attention_impl": "blockwise"}),
 )
+NOPE_ARMS = ("nope", "nope naive", "nope blockwise", "dpa")
+# The schemes the 32K target names (issue 13).
+LONG_SCHEMES = ("nope", "rope", "alibi", "t5", "kerple", "cope", "fox", "stickbreaking")
 # Keys of an arm's options that are model options, not the scheme's.
 MODEL_KEYS = ("attention_impl", "attention_block", "attention_backward", "scan_impl")
-TARGET_SCHEMES = ("nope", "dpa", "cope")
 QUICK_SCHEMES = ("nope", "cope")
 BATCH, HEADS, HEAD_DIM = 2, 4, 64  # B x N = 8, H = 64
 STEP_MODEL = {"d_model": 256, "num_heads": 4, "num_layers": 2, "vocab_size": 256}
@@ -149,40 +145,39 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     return jax.jit(fwd_bwd), (params, x_BTD)
 
 
-def _step_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
-    """(jitted AdamW training step, its args) of a small model at ``length``."""
-    import jax
-    import jax.numpy as jnp
-    import optax
+def cli_step(scheme: str, length: int) -> dict:
+    """One training step of the bench's small model (STEP_MODEL) at ``length`` through the
+    command line (``python -m copejax.main``, configs/lm.py, batch 1, one eval example): its
+    wall time and the peak RSS of that process (this worker's only child)."""
+    import tempfile
 
-    from copejax.model import Transformer
-    from copejax.model_config import ModelConfig
-
-    cfg = ModelConfig(
-        **STEP_MODEL,
-        head_dim=HEAD_DIM,
-        max_len=length,
-        **_position_fields(scheme, options),
-    ).validate()
-    model = Transformer(cfg)
-    tokens_BT = jax.random.randint(jax.random.key(1), (BATCH, length + 1), 0, cfg.vocab_size)
-    positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (BATCH, length))
-    params = model.init(jax.random.key(0), tokens_BT[:, :-1], positions_BT)
-    optimizer = optax.adamw(1e-3)
-    opt_state = optimizer.init(params)
-
-    def step(params: Any, opt_state: Any, tokens_BT: jax.Array) -> tuple:
-        def loss_fn(p: Any) -> jax.Array:
-            logits_BTV = model.apply(p, tokens_BT[:, :-1], positions_BT)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits_BTV, tokens_BT[:, 1:]
-            ).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return jax.jit(step), (params, opt_state, tokens_BT)
+    m = STEP_MODEL
+    arg = (
+        f"cpu,position={scheme},length={length},steps=1,batch_size=1,d_model={m['d_model']},"
+        f"heads={m['num_heads']},layers={m['num_layers']}"
+    )
+    row: dict[str, Any] = {"kind": "cli_step", "scheme": scheme, "T": length}
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [
+            sys.executable,
+            "-m",
+            "copejax.main",
+            f"--config=configs/lm.py:{arg}",
+            f"--workdir={workdir}/run",
+            "--config.eval.batch_size=1",
+            "--config.eval.max_examples=1",
+            "--config.train.warmup_steps=0",
+        ]
+        start = time.perf_counter()
+        root = Path(__file__).resolve().parents[1]
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+        row["time_s"] = time.perf_counter() - start
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    row["command"] = "python -m copejax.main " + " ".join(command[3:4]) + " (batch 1)"
+    row["status"] = "ok" if done.returncode == 0 else "error"
+    if done.returncode != 0:
+        row["stderr_tail"] = done.stderr[-800:]
+    return row
 
 
 def _rss_bytes() -> int:
@@ -193,8 +188,7 @@ def measure(kind: str, scheme: str, length: int, repeats: int, options: dict[str
     """One measurement (run inside a worker subprocess): compile, predict memory, time."""
     import jax
 
-    build = _layer_program if kind == "layer" else _step_program
-    fn, args = build(scheme, length, options)
+    fn, args = _layer_program(scheme, length, options)
     start = time.perf_counter()
     compiled = fn.lower(*args).compile()
     compile_s = time.perf_counter() - start
@@ -276,7 +270,10 @@ def _worker(spec: dict) -> None:
         return
     for length in spec["lengths"]:
         start = time.perf_counter()
-        row = measure(spec["kind"], spec["scheme"], length, spec["repeats"], spec["options"])
+        if spec["kind"] == "cli_step":
+            row = cli_step(spec["scheme"], length)
+        else:
+            row = measure(spec["kind"], spec["scheme"], length, spec["repeats"], spec["options"])
         row["isolated"] = len(spec["lengths"]) == 1
         if row["status"] == "ok" and time.perf_counter() - start > spec["cap_s"]:
             row["status"] = f"over_time_cap_{spec['cap_s']:.0f}s"
@@ -322,10 +319,19 @@ def _run_series(spec: dict) -> list[dict]:
     return rows
 
 
-def scheme_options(scheme: str) -> dict[str, Any]:
-    """Options of the benchmarked configuration: CoPE, FoX and stick-breaking blockwise from
-    1024 tokens on (their "auto" default) and naive below."""
-    return {}
+def side_by_side_arms(groups: tuple[str, ...], schemes: list[str]) -> list[tuple]:
+    """The arms of a side-by-side length: "core" (CORE_ARMS) and "every" (each scheme's
+    default against its naive path)."""
+    arms = [arm for arm in CORE_ARMS if arm[1] in schemes] if "core" in groups else []
+    if "every" in groups:
+        labels = {label for label, _, _ in arms}
+        for scheme in schemes:
+            if scheme == "dpa":
+                continue
+            for label, options in ((scheme, {}), (f"{scheme} naive", {"attention_impl": "naive"})):
+                if label not in labels:
+                    arms.append((label, scheme, options))
+    return arms
 
 
 def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
@@ -334,35 +340,30 @@ def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
     settings = MODES[mode]
     load_at_start = os.getloadavg()
     if schemes is None:
-        first = ["nope", "dpa", "cope", "fox", "stickbreaking"]  # the targets' schemes first
+        first = ["nope", "dpa", "cope", "fox", "stickbreaking"]
         others = [name for name in registry.names() if name not in first]
         schemes = list(QUICK_SCHEMES) if mode == "quick" else first + others
-    rows = []
+    rows: list[dict] = []
 
     def run(spec: dict) -> list[dict]:
-        series = _run_series({"repeats": settings["repeats"], "cap_s": settings["cap_s"], **spec})
+        spec = {"repeats": settings["repeats"], "cap_s": settings["cap_s"], "options": {}, **spec}
+        series = _run_series(spec)
         for row in series:
             print(_row_line(row), flush=True)
         return series
 
-    for kind in ("layer", "step"):
-        for scheme in schemes:
-            base = {"kind": kind, "scheme": scheme, "options": scheme_options(scheme)}
-            if scheme not in TARGET_SCHEMES:
-                rows += run({**base, "lengths": settings[f"other_{kind}"]})
-                continue
-            for length in settings[kind]:  # one subprocess per measurement
-                rows += run({**base, "lengths": [length]})
-                if rows[-1]["status"] != "ok":
-                    break
-    if "cope" in schemes:  # interleaved timing, one process per length
-        arms = [arm for arm in SIDE_BY_SIDE_ARMS if arm[1] in schemes]
-        for length in settings["side_by_side"]:
-            spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
-            rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
-    if mode == "full" and "cope" in schemes:  # the 32K target, one run
-        spec = {"kind": "layer", "scheme": "cope", "options": {}, "lengths": [32768]}
-        rows += [{**row, "extra": "target_32k"} for row in run({**spec, "cap_s": 900})]
+    for length, groups in settings["side_by_side"].items():  # the speed targets first
+        arms = side_by_side_arms(groups, schemes)
+        spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
+        rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
+    for scheme in schemes:
+        rows += run({"kind": "layer", "scheme": scheme, "lengths": settings["layer"]})
+    for length in settings["long"]:
+        for scheme in (s for s in LONG_SCHEMES if s in schemes):
+            rows += run({"kind": "layer", "scheme": scheme, "lengths": [length]})
+    for length in settings["cli_step"]:
+        for scheme in (s for s in schemes if s != "dpa"):
+            rows += run({"kind": "cli_step", "scheme": scheme, "lengths": [length]})
     return {"meta": {**_meta(mode), "load_average_start": load_at_start}, "rows": rows}
 
 
@@ -421,26 +422,17 @@ def _ok(rows: list[dict], kind: str, scheme: str) -> dict[int, dict]:
 NOTES = [
     "Notes:",
     "",
-    "- every scheme runs with the default `model.attention_impl='auto'`: the naive "
-    "(B, N, T, S) path below `copejax.attention.AUTO_BLOCKWISE_PAIRS` and the blockwise "
-    "engine (`copejax.ops.engine`) from it on; the 'Side by "
-    "side' table times both paths. Their values and gradients are equal "
-    "(tests/test_blockwise_equivalence.py).",
-    "- CoPE's skip of saturated key blocks (`lax.cond`, every query already at p_max - 1) is "
-    "on in all runs here.",
-    "- Times of the per-scheme tables come from separate processes run one after another, so "
-    "a change of machine load between them shows up in their ratios; the side-by-side rounds "
-    "do not have that problem and are the ones the speed target reads.",
-    "- `dpa` is the same layer (projections, mask) with `model.attention_impl = "
-    "'dot_product_attention'`: `jax.nn.dot_product_attention` (XLA's implementation on CPU) "
-    "instead of the explicit einsum path; its training-step rows are the nope model on that "
-    "kernel. On CPU XLA's dot_product_attention is slower than copejax's einsum path, so the "
-    "speed target is stated against both.",
-    "- Where blockwise CoPE's time goes beyond FoX's (the same walk and online softmax): the "
-    "gates, suffix sums and the two gathers of the interpolation (a scatter-add in the "
-    "backward) in the key blocks before every query of a block has counted p_max - 1 gates "
-    "(at random initialisation, gates near 0.5, about two blocks of 128 per query block); "
-    "older blocks take the saturated branch.",
+    "- An arm named after a scheme alone is its default, `model.attention_impl='auto'`: the "
+    "naive (B, N, T, S) path below `copejax.attention.AUTO_BLOCKWISE_FROM` keys and the "
+    "blockwise engine (`copejax.ops.engine`) from there; `naive` and `blockwise` arms force "
+    "a path. Their values and gradients are equal (tests/test_blockwise_equivalence.py).",
+    "- `dpa` is nope on `jax.nn.dot_product_attention` (`model.attention_impl = "
+    "'dot_product_attention'`, XLA's implementation on CPU). 'The fastest nope path' is, in "
+    "each round, the fastest of nope (default), nope naive, nope blockwise and dpa.",
+    "- The per-scheme tables come from one process per scheme (lengths ascending), so a change "
+    "of machine load between them shows in their ratios; the side-by-side rounds are the ones "
+    "the speed targets read.",
+    "- Peak RSS includes the Python/JAX process (about 0.3-0.5 GiB).",
 ]
 
 
@@ -459,66 +451,160 @@ def _ratio_cell(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
-def targets(result: dict) -> list[str]:
-    """Issue 8's three targets, each stated as met / not met with the measured numbers."""
-    rows = result["rows"]
-    cope = _ok([r for r in rows if "extra" not in r], "layer", "cope")
-    nope = _ok(rows, "layer", "nope")
-    out = []
-    side_ok = _ok(rows, "side_by_side", "cope")
-    if 1024 in side_ok:
-        # The issue's baseline is nope on jax.nn.dot_product_attention (`dpa`); copejax's own
-        # einsum nope is faster than XLA's dpa on CPU, so the ratio to it is stated as well.
-        for base, name in (("dpa", "nope on jax.nn.dot_product_attention (`dpa`, the issue's "
-                           "baseline)"), ("nope", "copejax's einsum nope (stricter)")):  # fmt: skip
-            ratios = round_ratios(rows, "cope", 1024, base)
-            if not ratios:
-                out.append(f"- CoPE / {base} at T = 1024: not measured.")
-                continue
-            ratio = statistics.median(ratios)
-            verdict = "met" if ratio <= 1.5 else "NOT met"
-            base_row = _ok(rows, "side_by_side", base)[1024]
-            out.append(
-                f"- CoPE forward+backward at T = 1024 at most 1.5x {name}: {verdict}, median "
-                f"ratio {ratio:.2f}x over {len(ratios)} interleaved rounds (range "
-                f"{min(ratios):.2f}-{max(ratios):.2f}; medians {1e3 * side_ok[1024]['time_s']:.0f}"
-                f" ms against {1e3 * base_row['time_s']:.0f} ms; see 'Side by side')."
-            )
-    elif 1024 in cope and 1024 in nope:
-        ratio = cope[1024]["time_s"] / nope[1024]["time_s"]
-        verdict = "met" if ratio <= 1.5 else "NOT met"
-        out.append(
-            f"- CoPE forward+backward at T = 1024 at most 1.5x nope: {verdict}, "
-            f"{1e3 * cope[1024]['time_s']:.0f} ms against {1e3 * nope[1024]['time_s']:.0f} ms "
-            f"({ratio:.2f}x)."
-        )
-    else:
-        out.append("- CoPE / nope at T = 1024: not measured (a run failed).")
-    span = [t for t in sorted(cope) if 2048 <= t <= 16384]
-    for key, name in (("xla_bytes", "XLA buffers"), ("peak_rss_bytes", "peak RSS")):
-        slope = loglog_slope([(t, cope[t][key]) for t in span])
-        if slope is None:
-            out.append(f"- CoPE memory slope ({name}): not measured.")
+def fastest_nope_ratios(rows: list[dict], label: str, length: int) -> list[float]:
+    """Per round: ``label``'s time over the fastest nope arm of that round (NOPE_ARMS)."""
+    side = _ok(rows, "side_by_side", label).get(length)
+    bases = [_ok(rows, "side_by_side", arm).get(length) for arm in NOPE_ARMS]
+    bases = [b for b in bases if b is not None]
+    if side is None or not bases:
+        return []
+    fastest = [min(times) for times in zip(*(b["times_s"] for b in bases), strict=True)]
+    return [a / b for a, b in zip(side["times_s"], fastest, strict=True)]
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _memory_targets(rows: list[dict]) -> list[str]:
+    """16K under 4 GiB with slope <= 1.1 from 2K to 16K; 32K under 8 GiB."""
+    out = [
+        "- Every scheme, one layer forward+backward at T = 16384 under 4 GiB peak RSS, log-log "
+        "memory slope at most 1.1 from 2K to 16K (XLA buffers / peak RSS):",
+        "",
+        "| scheme | peak RSS at 16K (GiB) | slope XLA | slope RSS | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows if r["kind"] == "layer"))
+    for scheme in schemes:
+        ok = {t: r for t, r in _ok(rows, "layer", scheme).items() if t <= 16384}
+        span = [t for t in sorted(ok) if 2048 <= t <= 16384]
+        if 16384 not in ok:
+            status = [r["status"] for r in rows if r["kind"] == "layer" and r["scheme"] == scheme]
+            out.append(f"| {scheme} | {status[-1] if status else 'not run'} | - | - | NOT met |")
             continue
-        verdict = "met" if slope <= 1.1 else "NOT met"
+        slopes = [
+            loglog_slope([(t, ok[t][key]) for t in span]) for key in ("xla_bytes", "peak_rss_bytes")
+        ]
+        peak = ok[16384]["peak_rss_bytes"] / 2**30
+        met = peak < 4 and slopes[0] is not None and slopes[0] <= 1.1
+        cells = ["-" if x is None else f"{x:.2f}" for x in slopes]
+        out.append(f"| {scheme} | {peak:.2f} | {cells[0]} | {cells[1]} | {_verdict(met)} |")
+    long = {r["scheme"]: r for r in rows if r["kind"] == "layer" and r["T"] == 32768}
+    out += ["", "- At T = 32768, one layer forward+backward under 8 GiB peak RSS:", ""]
+    for scheme in LONG_SCHEMES:
+        row = long.get(scheme)
+        if row is None:
+            out.append(f"  - {scheme}: not run.")
+        elif row["status"] != "ok":
+            out.append(f"  - {scheme}: NOT met ({row['status'].replace('_', ' ')}).")
+        else:
+            peak = row["peak_rss_bytes"] / 2**30
+            out.append(
+                f"  - {scheme}: {_verdict(peak < 8)}, {peak:.2f} GiB peak RSS, "
+                f"{row['time_s']:.0f} s."
+            )
+    others = [s for s in schemes if s not in LONG_SCHEMES and s != "dpa"]
+    if others:
         out.append(
-            f"- CoPE memory linear in T, log-log slope at most 1.1 from 2K to 16K ({name}, "
-            f"T = {span[0]}..{span[-1]}): {verdict}, slope {slope:.2f}."
+            f"  - not run at 32K (time on 2 cores; their 16K rows above are linear): "
+            f"{', '.join(others)}."
         )
-    big = [r for r in rows if r.get("extra") == "target_32k"]
-    if big and big[0]["status"] == "ok":
-        peak = big[0]["peak_rss_bytes"] / 2**30
-        verdict = "met" if peak <= 24 else "NOT met"
-        out.append(
-            f"- CoPE forward+backward at T = 32768, B x N = {BATCH * HEADS}, H = {HEAD_DIM} "
-            f"within 24 GiB: {verdict}, peak RSS {peak:.2f} GiB (XLA buffers "
-            f"{big[0].get('xla_bytes', 0) / 2**30:.2f} GiB), {big[0]['time_s']:.0f} s."
-            + (f" Note: {big[0]['note']}." if "note" in big[0] else "")
-        )
-    else:
-        status = big[0]["status"] if big else "not run"
-        out.append(f"- CoPE at T = 32768: NOT met ({status}).")
     return out
+
+
+def _cli_targets(rows: list[dict]) -> list[str]:
+    steps = [r for r in rows if r["kind"] == "cli_step"]
+    if not steps:
+        return ["- One CLI training step at T = 16384 under 6 GiB: not measured."]
+    out = [
+        f"- Every scheme trains the bench's small model ({STEP_MODEL}) for one step at "
+        f"T = 16384 through `{steps[0].get('command', 'python -m copejax.main')}` under 6 GiB:",
+        "",
+        "| scheme | peak RSS (GiB) | wall time incl. start and compile (s) | verdict |",
+        "|---|---|---|---|",
+    ]
+    for row in steps:
+        if row["status"] != "ok":
+            out.append(f"| {row['scheme']} | {row['status']} | - | NOT met |")
+            continue
+        peak = row["peak_rss_bytes"] / 2**30
+        out.append(f"| {row['scheme']} | {peak:.2f} | {row['time_s']:.0f} | {_verdict(peak < 6)} |")
+    return out
+
+
+def _speed_targets(rows: list[dict]) -> list[str]:
+    out = []
+    ratios = round_ratios(rows, "nope blockwise", 1024, "nope naive")
+    if ratios:
+        median = statistics.median(ratios)
+        out.append(
+            f"- At T = 1024, blockwise nope at most 1.2x einsum (naive) nope: "
+            f"{_verdict(median <= 1.2)}, {_ratio_cell(ratios)}."
+        )
+    every = sorted({r["scheme"] for r in rows if r["kind"] == "side_by_side" and r["T"] >= 4096})
+    for length in sorted({r["T"] for r in rows if r["kind"] == "side_by_side" and r["T"] >= 4096}):
+        worse, lines = [], []
+        for label in every:
+            naive = f"{label} naive"
+            if label.endswith((" naive", " blockwise", " remat")) or label == "dpa":
+                continue
+            ratios = round_ratios(rows, label, length, naive)
+            if not ratios:
+                naive_rows = [
+                    r
+                    for r in rows
+                    if r["kind"] == "side_by_side" and r["scheme"] == naive and r["T"] == length
+                ]
+                if naive_rows and naive_rows[0]["status"] != "ok":
+                    lines.append(f"{label}: naive {naive_rows[0]['status'].replace('_', ' ')}")
+                continue
+            if statistics.median(ratios) > 1.0:
+                worse.append(label)
+            lines.append(f"{label} {statistics.median(ratios):.2f}x")
+        if lines:
+            out.append(
+                f"- At T = {length}, every scheme's default path at most its naive path: "
+                f"{_verdict(not worse)} (median ratio default / naive: {'; '.join(lines)})"
+                + (f"; slower: {', '.join(worse)}." if worse else ".")
+            )
+    for label, bound in (("cope", 1.5), ("fox", 1.3), ("stickbreaking", 1.3)):
+        for length in (1024, 4096, 16384):
+            ratios = fastest_nope_ratios(rows, label, length)
+            if not ratios:
+                out.append(f"- {label} / fastest nope at T = {length}: not measured.")
+                continue
+            median = statistics.median(ratios)
+            out.append(
+                f"- {label}'s default at most {bound}x the fastest nope path at T = {length}: "
+                f"{_verdict(median <= bound)}, {_ratio_cell(ratios)}."
+            )
+    return out
+
+
+def _listing_target() -> list[str]:
+    path = Path(__file__).resolve().parents[1] / "experiments/results/cope_listing_torch.md"
+    if not path.exists():
+        return ["- Against the CoPE paper's Listing 1 in PyTorch: not measured."]
+    return [
+        "- Against the CoPE paper's Listing 1 in PyTorch: see "
+        "[cope_listing_torch.md](cope_listing_torch.md) (a separate script, "
+        "`experiments/cope_listing_torch.py`, run in a side venv)."
+    ]
+
+
+def targets(result: dict) -> list[str]:
+    """Issue 13's targets, each stated as met / not met with the measured numbers."""
+    rows = result["rows"]
+    return [
+        *_speed_targets(rows),
+        "",
+        *_memory_targets(rows),
+        "",
+        *_cli_targets(rows),
+        "",
+        *_listing_target(),
+    ]
 
 
 def _load(values: list[float] | None) -> str:
@@ -546,7 +632,7 @@ def markdown(result: dict) -> str:
         f"{meta['time_cap_s']} s per subprocess or {meta['memory_cap_bytes'] / 2**30:.0f} GiB "
         "predicted memory.",
     ]
-    lines += ["", "## Targets (issue 8)", "", *targets(result), "", *NOTES]
+    lines += ["", "## Targets (issue 13)", "", *targets(result), "", *NOTES]
     side = [r for r in rows if r["kind"] == "side_by_side"]
     if side:
         lengths = sorted({r["T"] for r in side})
@@ -557,7 +643,7 @@ def markdown(result: dict) -> str:
             "",
             "All arms of a length are compiled in one process, then timed in rounds that run "
             "each arm once (the order rotates between rounds). Cells: median time in ms, and "
-            "the median (min-max) over rounds of the ratio to nope within the round. "
+            "the median (min-max) over rounds of the ratio to the round's fastest nope arm. "
             "`cope`, `fox` and `stickbreaking` are their defaults (`attention_impl='auto'`); "
             "`naive` is the (B, N, T, S) path, `blockwise` the O(T)-memory path.",
             "",
@@ -568,14 +654,13 @@ def markdown(result: dict) -> str:
             ok, cells = _ok(rows, "side_by_side", label), []
             for t in lengths:
                 if t in ok:
-                    cells.append(
-                        f"{1e3 * ok[t]['time_s']:.0f} ({_ratio_cell(round_ratios(rows, label, t))})"
-                    )
+                    ratios = fastest_nope_ratios(rows, label, t)
+                    cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({_ratio_cell(ratios)})")
                 else:
                     status = [r["status"] for r in side if r["scheme"] in (label, "all")]
                     cells.append(status[0].replace("_", " ") if status else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    for kind, title in (("layer", "One attention layer"), ("step", "One training step")):
+    for kind, title in (("layer", "One attention layer"),):
         schemes = list(dict.fromkeys(r["scheme"] for r in rows if r["kind"] == kind))
         lengths = sorted({r["T"] for r in rows if r["kind"] == kind})
         nope = _ok(rows, kind, "nope")
@@ -627,7 +712,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     paths = []
     for key, label, scale in (("time_s", "time (s)", 1.0), ("xla_bytes", "memory (GiB)", 2**-30)):
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-        for ax, kind in zip(axes, ("layer", "step"), strict=True):
+        for ax, kind in zip(axes, ("layer", "cli_step"), strict=True):
             for scheme in dict.fromkeys(r["scheme"] for r in result["rows"]):
                 ok = _ok(result["rows"], kind, scheme)
                 points = [(t, ok[t][key] * scale) for t in sorted(ok) if key in ok[t]]
@@ -637,7 +722,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
                     )
                     ax.plot(*zip(*points, strict=True), style, marker=".", label=scheme)
             ax.set(xscale="log", yscale="log", xlabel="T", ylabel=label)
-            ax.set_title(f"{kind}: forward+backward" if kind == "layer" else "training step")
+            ax.set_title(f"{kind}: forward+backward" if kind == "layer" else "CLI training step")
             ax.grid(True, which="both", alpha=0.3)
         axes[1].legend(fontsize=7, ncol=2)
         path = out_dir / ("bench_time.png" if key == "time_s" else "bench_memory.png")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from copejax.bench import loglog_slope, markdown, round_ratios, targets
+from copejax.bench import fastest_nope_ratios, loglog_slope, markdown, round_ratios, targets
 
 
 def rows_side(result: dict) -> list[dict]:
@@ -33,9 +33,7 @@ def test_quick_mode_writes_json_page_and_plots(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     rows = [r for r in result["rows"] if r["kind"] != "side_by_side"]
-    assert {(r["kind"], r["scheme"]) for r in rows} == {
-        (kind, scheme) for kind in ("layer", "step") for scheme in ("nope", "cope")
-    }
+    assert {(r["kind"], r["scheme"]) for r in rows} == {("layer", "nope"), ("layer", "cope")}
     for row in rows:
         assert row["status"] == "ok", row
         assert row["time_s"] > 0 and row["xla_bytes"] > 0 and row["peak_rss_bytes"] > 0
@@ -43,7 +41,13 @@ def test_quick_mode_writes_json_page_and_plots(tmp_path: Path) -> None:
     page = (tmp_path / "bench.md").read_text()
     assert "| cope |" in page and "(1.00x / -)" in page  # nope's own ratio; no dpa in quick
     side = [r for r in rows_side(result) if r["status"] == "ok"]
-    assert {r["scheme"] for r in side} == {"nope", "cope", "cope naive", "cope blockwise"}
+    assert {r["scheme"] for r in side} == {
+        "nope",
+        "nope naive",
+        "nope blockwise",
+        "cope",
+        "cope naive",
+    }
     assert all(len(r["times_s"]) == 2 for r in side)
     assert "## Side by side" in page
     for name in ("bench_time.png", "bench_memory.png"):
@@ -56,26 +60,41 @@ def test_loglog_slope() -> None:
     assert loglog_slope([(1, 1)]) is None
 
 
-def _side(label: str, times: list[float]) -> dict:
-    return {"kind": "side_by_side", "scheme": label, "T": 1024, "status": "ok",
+def _side(label: str, times: list[float], length: int = 1024) -> dict:
+    return {"kind": "side_by_side", "scheme": label, "T": length, "status": "ok",
             "times_s": times, "time_s": sorted(times)[len(times) // 2]}  # fmt: skip
 
 
-def test_speed_target_reads_interleaved_rounds_against_both_baselines() -> None:
+def test_speed_targets_read_interleaved_rounds_against_the_fastest_nope() -> None:
     rows = [
         _side("nope", [1.0, 2.0, 1.0]),
+        _side("nope naive", [1.0, 2.0, 1.0]),
+        _side("nope blockwise", [0.5, 2.5, 1.0]),  # the fastest nope in rounds 1 and 3
         _side("dpa", [2.0, 4.0, 2.0]),
-        _side("cope", [1.4, 4.0, 1.6]),  # per round: 1.4x, 2.0x, 1.6x nope; 0.7x, 1.0x, 0.8x dpa
+        _side("cope", [1.4, 4.0, 1.6]),  # per round: 2.8x, 2.0x, 1.6x the fastest nope
+        _side("cope", [1.0, 1.0], length=4096),
+        _side("cope naive", [2.0, 0.5], length=4096),  # default / naive: 0.5x, 2.0x
+        _side("fox", [1.0, 1.0], length=4096),
+        _side("fox naive", [2.0, 2.0], length=4096),
     ]
-    assert round_ratios(rows, "cope", 1024) == [1.4, 2.0, 1.6]
-    assert round_ratios(rows, "cope", 1024, base="dpa") == [0.7, 1.0, 0.8]
-    assert round_ratios(rows, "cope", 2048) == []
+    assert fastest_nope_ratios(rows, "cope", 1024) == [2.8, 2.0, 1.6]
+    assert round_ratios(rows, "nope blockwise", 1024, "nope naive") == [0.5, 1.25, 1.0]
     lines = targets({"rows": rows})
-    assert "(`dpa`, the issue's baseline): met, median ratio 0.80x" in lines[0]
-    assert "einsum nope (stricter): NOT met, median ratio 1.60x" in lines[1]
-    assert "range 1.40-2.00" in lines[1]
+    assert "blockwise nope at most 1.2x einsum (naive) nope: met, 1.00x (0.50-1.25)" in lines[0]
+    assert any(
+        "At T = 4096, every scheme's default path at most its naive path: NOT met" in line
+        and "cope 1.25x" in line
+        and "fox 0.50x" in line
+        and "slower: cope." in line
+        for line in lines
+    )
+    assert any(
+        "cope's default at most 1.5x the fastest nope path at T = 1024: NOT met, 2.00x "
+        "(1.60-2.80)" in line
+        for line in lines
+    )
     meta = {"command": "c", "jax": "j", "backend": "cpu", "cpu_count": 2, "batch": 2,
             "heads": 4, "head_dim": 64, "pallas": "-", "time_cap_s": 1,
             "memory_cap_bytes": 2**30}  # fmt: skip
     page = markdown({"rows": rows, "meta": meta})
-    assert "| cope | 1600 (1.60x (1.40-2.00)) |" in page
+    assert "| cope | 1600 (2.00x (1.60-2.80)) | 1000 (-) |" in page

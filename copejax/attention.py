@@ -22,7 +22,10 @@ from copejax.ops import engine
 from copejax.positions.base import AttentionContext, AttentionSite, Carry, check_block_terms
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
-AUTO_BLOCKWISE_FROM = 2048
+# Side-by-side probes on a 2-core CPU had the engine at or below the naive path from T = 256
+# for nope, CoPE and FoX (causal block skipping halves the work); 512 keeps short task
+# sequences on the simpler path.
+AUTO_BLOCKWISE_FROM = 512
 
 
 def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | None = None) -> str:
@@ -181,7 +184,8 @@ class Attention(nn.Module):
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         cfg = self.cfg
         impl = choose_impl(cfg, k_BSNH.shape[1], self.is_mutable_collection("intermediates"))
-        ctx = ctx.replace(impl=impl, block=cfg.resolved_attention_block, scan_impl=cfg.scan_impl)
+        block = cfg.attention_block_for(k_BSNH.shape[1])
+        ctx = ctx.replace(impl=impl, block=block, scan_impl=cfg.scan_impl)
         extra_BSNC = site.mixed_values(ctx)
         if impl == "blockwise":
             y_BTNH, mixed_BTNC = self._blockwise(

@@ -44,11 +44,11 @@ MODES = {
         "cap_s": 120,
     },
     "full": {
-        "layer": [1024, 2048, 4096, 8192, 16384],
+        "layer": [2048, 4096, 16384],
         "long": [32768],
         "cli_step": [16384],
-        "side_by_side": {1024: ("core",), 4096: ("core", "every"), 16384: ("core",)},
-        "rounds": 5,
+        "side_by_side": {1024: ("core",), 4096: ("core", "every"), 16384: ("long",)},
+        "rounds": 3,
         "repeats": 2,
         "cap_s": 900,
     },
@@ -71,6 +71,8 @@ CORE_ARMS = (
     ("stickbreaking naive", "stickbreaking", {"attention_impl": "naive"}),
 )
 NOPE_ARMS = ("nope", "nope naive", "nope blockwise", "dpa")
+# At 16K only the defaults run (the naive paths exceed the memory cap; auto is blockwise).
+LONG_ARMS = ("nope", "cope", "fox", "stickbreaking")
 # The schemes the 32K target names (issue 13).
 LONG_SCHEMES = ("nope", "rope", "alibi", "t5", "kerple", "cope", "fox", "stickbreaking")
 # Keys of an arm's options that are model options, not the scheme's.
@@ -323,6 +325,8 @@ def side_by_side_arms(groups: tuple[str, ...], schemes: list[str]) -> list[tuple
     """The arms of a side-by-side length: "core" (CORE_ARMS) and "every" (each scheme's
     default against its naive path)."""
     arms = [arm for arm in CORE_ARMS if arm[1] in schemes] if "core" in groups else []
+    if "long" in groups:
+        arms = [arm for arm in CORE_ARMS if arm[0] in LONG_ARMS and arm[1] in schemes]
     if "every" in groups:
         labels = {label for label, _, _ in arms}
         for scheme in schemes:
@@ -334,7 +338,7 @@ def side_by_side_arms(groups: tuple[str, ...], schemes: list[str]) -> list[tuple
     return arms
 
 
-def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
+def run_benchmark(mode: str, schemes: list[str] | None = None, partial: Path | None = None) -> dict:
     from copejax.positions import registry
 
     settings = MODES[mode]
@@ -350,12 +354,20 @@ def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
         series = _run_series(spec)
         for row in series:
             print(_row_line(row), flush=True)
+        if partial is not None:  # what has run so far, renderable with --render
+            done = {"meta": _meta(mode), "rows": [*rows, *series]}
+            partial.write_text(json.dumps(done, indent=1) + "\n")
         return series
 
-    for length, groups in settings["side_by_side"].items():  # the speed targets first
-        arms = side_by_side_arms(groups, schemes)
-        spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
-        rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
+    def side(lengths: list[int]) -> None:
+        nonlocal rows
+        for length in lengths:
+            arms = side_by_side_arms(settings["side_by_side"][length], schemes)
+            spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
+            rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
+
+    lengths = list(settings["side_by_side"])
+    side(lengths[:1])
     for scheme in schemes:
         rows += run({"kind": "layer", "scheme": scheme, "lengths": settings["layer"]})
     for length in settings["long"]:
@@ -364,6 +376,7 @@ def run_benchmark(mode: str, schemes: list[str] | None = None) -> dict:
     for length in settings["cli_step"]:
         for scheme in (s for s in schemes if s != "dpa"):
             rows += run({"kind": "cli_step", "scheme": scheme, "lengths": [length]})
+    side(lengths[1:])
     return {"meta": {**_meta(mode), "load_average_start": load_at_start}, "rows": rows}
 
 
@@ -753,7 +766,8 @@ def main() -> None:
     from copejax.ops import bench_scan
 
     schemes = args.schemes.split(",") if args.schemes else None
-    result = run_benchmark(args.mode, schemes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = run_benchmark(args.mode, schemes, partial=out_dir / "bench.partial.json")
     scan_shapes = ((2, 2, 64, 64),) if args.mode == "quick" else bench_scan.DEFAULT_SHAPES
     result["scan"] = bench_scan.bench(scan_shapes, MODES[args.mode]["repeats"])
     result["meta"]["load_average_end"] = os.getloadavg()

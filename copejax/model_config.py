@@ -16,9 +16,10 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("auto", "naive", "blockwise", "dot_product_attention")
 ATTENTION_BACKWARDS = ("auto", "flash", "remat")
 SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
-# The blockwise engine's block length when model.attention_block is None (measured in
-# experiments/bench.py on CPU; see its page).
-DEFAULT_ATTENTION_BLOCK = 256
+# The blockwise engine's block length when model.attention_block is None: 128 below 4096 keys,
+# 256 from there (side-by-side probes on a 2-core CPU: at T = 1024 blocks of 128 were faster
+# for nope and CoPE, at T = 4096 blocks of 256 for nope and FoX; experiments/results/bench.md).
+SMALL_BLOCK, LARGE_BLOCK, LARGE_BLOCK_FROM = 128, 256, 4096
 # Sites a scheme may use with attention_impl="dot_product_attention": the kernel takes the
 # queries, keys and values the qk site returns, an additive bias, and computes the masked
 # softmax itself; a bias site is allowed when its bias reads positions only.
@@ -61,7 +62,8 @@ class ModelConfig:
         embed and qk (nope, learned, sinusoidal, randomized, rope, xpos). "auto" (default):
         naive for short sequences and while sowing, blockwise beyond
         (``copejax.attention.choose_impl``).
-      attention_block: the blockwise engine's block length (None: DEFAULT_ATTENTION_BLOCK).
+      attention_block: the blockwise engine's block length (None: by length, see
+        :meth:`attention_block_for`).
       attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the
         log-sum-exp, for softmax schemes without a walk carry), "remat" (rematerialised walk)
         or "auto" (flash where it applies).
@@ -111,9 +113,11 @@ class ModelConfig:
         extra = set(scheme.sites) - KERNEL_SITES
         return not extra or (extra == {"bias"} and scheme.position_only_bias)
 
-    @property
-    def resolved_attention_block(self) -> int:
-        return DEFAULT_ATTENTION_BLOCK if self.attention_block is None else self.attention_block
+    def attention_block_for(self, length_k: int) -> int:
+        """The block length for ``length_k`` keys: ``attention_block``, or by length."""
+        if self.attention_block is not None:
+            return self.attention_block
+        return LARGE_BLOCK if length_k >= LARGE_BLOCK_FROM else SMALL_BLOCK
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -32,6 +32,11 @@ def tokens_and_positions(batch: int = 2, length: int = 8, seed: int = 0) -> tupl
     return tokens_BT, positions_BT
 
 
+# A packed batch: row 0 is one document; row 1 packs three (boundaries at 3 and 5).
+PACKED_SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
+PACKED_POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
+
+
 def perturbed(params: object, scale: float = 0.1, seed: int = 1) -> object:
     """Every parameter plus scale * N(0, 1) noise, so that zero-initialised terms (CoPE's
     table, TAPE's W2, ...) are live in equivalence tests."""

@@ -19,34 +19,31 @@ import pytest
 from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
-from copejax.positions.fox import PRO_OPTIONS
-from tests.conftest import perturbed, tiny_config
+from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
+from tests.test_decode import SLOW_VARIANTS as SLOW_DECODE_VARIANTS
+from tests.test_decode import VARIANTS as DECODE_VARIANTS
 
 LENGTH = 8
 BLOCK = 3
-SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
-POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
+SEGMENTS_BT, POSITIONS_BT = PACKED_SEGMENTS_BT, PACKED_POSITIONS_BT
 
-VARIANTS = [(name, {}) for name in registry.names()] + [
-    ("cope+rope", {}),
-    ("cope+relative", {}),
-    ("cope", {"gates": "sep_keys"}),
-    ("cope", {"gates": "values"}),
-    ("cope", {"position_term": "alibi"}),
-    ("cope", {"position_term": "mlp"}),
-    ("cope", {"p_max": 3}),
-    ("cope", {"per_head_embeddings": True, "scale_position_term": True}),
+# Every registered scheme with its defaults runs in the default suite; the decode test's
+# variants and a few that exercise other engine code are marked slow (about 5 s each on 2
+# cores), except two composites.
+EXTRA_VARIANTS = [
+    *DECODE_VARIANTS,
+    *SLOW_DECODE_VARIANTS,
     ("cope", {"force_unit_gates": True}),
-    ("fox", dict(PRO_OPTIONS)),
-    ("stickbreaking", {"include_self": True}),
-    ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("stickbreaking+alibi", {}),
-    ("tape", {"contextualize": "attention"}),
-    ("tape", {"init": "random", "block": 4, "coords": 3}),
-    ("kerple", {"variant": "power"}),
     ("t5", {"bidirectional": True}),
     ("relative_capped", {"max_distance": 3}),
     ("alibi+rope", {}),
+]
+FAST_EXTRAS = {"cope+rope", "stickbreaking+alibi"}
+VARIANTS = [(name, {}) for name in registry.names()] + EXTRA_VARIANTS
+PARAMS = [(name, {}) for name in registry.names()] + [
+    v if v[0] in FAST_EXTRAS and not v[1] else pytest.param(v, marks=pytest.mark.slow)
+    for v in EXTRA_VARIANTS
 ]
 
 
@@ -78,7 +75,7 @@ def _tokens() -> jax.Array:
     return jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+@pytest.mark.parametrize("variant", PARAMS, ids=_ids)
 def test_blockwise_values_and_gradients_equal_naive(variant: tuple[str, dict]) -> None:
     position, options = variant
     tokens_BT = _tokens()
@@ -112,7 +109,11 @@ def test_blockwise_values_and_gradients_equal_naive(variant: tuple[str, dict]) -
 
 @pytest.mark.parametrize(
     "variant",
-    [v for v in VARIANTS if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape")],
+    [
+        v if not v[1] else pytest.param(v, marks=pytest.mark.slow)
+        for v in VARIANTS
+        if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape")
+    ],
     ids=_ids,
 )
 def test_decoding_through_the_engine_equals_the_full_forward(variant: tuple[str, dict]) -> None:

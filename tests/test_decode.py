@@ -19,13 +19,12 @@ from copejax.positions import registry
 from copejax.positions.fox import PRO_OPTIONS, fox_cached_cumsum
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
 from copejax.segments import causal_mask_BTS, segment_starts_BT
-from tests.conftest import perturbed, tiny_config
+from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 LENGTH = 8
 PREFILL = 4
 # Row 0 is one document; row 1 packs three (a boundary in the prompt and one in the steps).
-SEGMENTS_BT = np.array([[1] * 8, [1, 1, 1, 2, 2, 3, 3, 3]], np.int32)
-POSITIONS_BT = np.array([list(range(8)), [0, 1, 2, 0, 1, 0, 1, 2]], np.int32)
+SEGMENTS_BT, POSITIONS_BT = PACKED_SEGMENTS_BT, PACKED_POSITIONS_BT
 
 VARIANTS = [
     ("cope+rope", {}),

@@ -26,8 +26,8 @@ Backward passes (``backward``):
   precomputations (pulled back once per query block). No (T, S) array and no saved walk.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
-  the backward keeps carries only. Needed by carries (CoPE, stick-breaking); measured against
-  "flash" in ``experiments/bench.py``.
+  the backward keeps carries only. Needed by carries (CoPE, stick-breaking); timed against
+  "flash" by ``python -m copejax.bench`` (the "fox remat" arm).
 
 Shape letters: B batch, T queries, S keys, N heads, H head dim (values may be wider: TAPE mixes
 its position tensors as extra value features), Q / K query / key block length, G blocks.
@@ -118,8 +118,9 @@ class BlockTerm:
 
 @dataclasses.dataclass(frozen=True)
 class Normalizer:
-    """How the pairs' scores become weights: "softmax", or "stickbreaking" (with or without
-    the query's own key, ``include_self``)."""
+    """How the pairs' scores become weights: "softmax" (always over keys up to and including
+    the query's own), or "stickbreaking" (with or without the query's own key,
+    ``include_self``)."""
 
     kind: str = "softmax"
     include_self: bool = True
@@ -278,9 +279,12 @@ class _Layout:
         ]
 
     def allowed(self, offset: jax.Array, qi: jax.Array, qn: dict, kj: jax.Array, kn: dict):
-        include_self = self.normalizer.include_self or self.normalizer.kind == "softmax"
         return segments.pair_allowed_BQK(
-            qn["seg"], kn["seg"], self.q_start(offset, qi), kj * self.size_k, include_self
+            qn["seg"],
+            kn["seg"],
+            self.q_start(offset, qi),
+            kj * self.size_k,
+            self.normalizer.include_self,
         )
 
     def scores(
@@ -553,8 +557,8 @@ def blockwise_attention(
       normalizer: softmax, or stick-breaking.
       block: the block length (queries use ``min(block, T)``, keys ``min(block, S)``).
       scan_impl: suffix sums of stick-breaking (``copejax.ops.scan``).
-      backward: "auto" (flash where it applies: softmax and no term with a carry), "flash"
-        or "remat".
+      backward: "auto" (flash where it applies, softmax and no term with a carry, over more
+        than ``REMAT_WALKS_ABOVE`` key blocks; remat otherwise), "flash" or "remat".
 
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
@@ -601,7 +605,13 @@ def blockwise_attention(
         raise ValueError(
             "engine: backward='flash' needs softmax and no term with a carry; use 'remat'"
         )
-    if backward != "remat" and flash_applies:
+    # "auto": flash where it applies and the walk is long. Up to REMAT_WALKS_ABOVE key blocks
+    # the remat backward keeps every walk's carries and recomputes no walk, and measured
+    # faster (FoX at T = 1024: remat 326 ms, flash 419 ms; experiments/results/bench.md).
+    flash = backward == "flash" or (
+        backward == "auto" and flash_applies and layout.count_k > REMAT_WALKS_ABOVE
+    )
+    if flash:
         out_GBQNW = _flash_walk(layout)(data)
         stat_GBNQ = None
     else:

@@ -1,6 +1,6 @@
 """Runs tiny_copy training in a subprocess: ``python -m tests.train.run_tiny WORKDIR JSON``.
 
-JSON holds ``{"position", "train", "mesh", "eval", "distributed": [addr, n, i],
+JSON holds ``{"position", "train", "mesh", "model", "eval", "distributed": [addr, n, i],
 "kill_during_save": step}`` (all optional); ``kill_during_save`` SIGKILLs the process as soon as
 the asynchronous save of that step has started (its files are still being written). WORKDIR
 may be a comma-separated list: the same config runs in each.
@@ -47,6 +47,7 @@ def main() -> None:
 
     config = tiny_config(spec.get("position", "rope"), **spec.get("train", {}))
     config.mesh.update(spec.get("mesh", {}))
+    config.model.update(spec.get("model", {}))
     config.eval.update(spec.get("eval", {}))
     for root in workdir.split(","):  # several runs share one process (and its start-up cost)
         train.run(config, root)

@@ -51,16 +51,24 @@ def _spec(position: str, **extra: object) -> dict:
     return {"position": position, "train": train, "eval": {"splits": ["test"]}, **extra}
 
 
+# The blockwise engine under the meshes too (blocks of 4: several per sequence).
+BLOCKWISE = {"attention_impl": "blockwise", "attention_block": 4}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("position", SCHEMES)
-def test_meshes_match_one_device(position: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("position", "model"),
+    [(name, {}) for name in SCHEMES] + [("alibi", BLOCKWISE), ("cope", BLOCKWISE)],
+    ids=lambda v: v if isinstance(v, str) else ("blockwise" if v else "default"),
+)
+def test_meshes_match_one_device(position: str, model: dict, tmp_path: Path) -> None:
     if position not in registry.names():
         pytest.fail(f"scheme {position!r} is not registered; known: {registry.names()}")
     one = tmp_path / "one"
-    _wait(_run([one], _spec(position)))
+    _wait(_run([one], _spec(position, model=model)))
     meshes = {"data4_tensor2": {"data": 4, "tensor": 2}, "fsdp8": {"data": 1, "fsdp": 8}}
     for name, mesh in meshes.items():
-        _wait(_run([tmp_path / name], _spec(position, mesh=mesh), devices=8))
+        _wait(_run([tmp_path / name], _spec(position, mesh=mesh, model=model), devices=8))
     reference = _losses(one)
     assert len(reference) == STEPS
     for name in meshes:

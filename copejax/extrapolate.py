@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,16 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
     Path(path).write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
 
 
+def can_write(directory: str | os.PathLike) -> bool:
+    """True when a file can be created in ``directory`` (tried, not guessed from the mode
+    bits: root ignores them, a read-only mount does not)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
 def writable_workdirs(workdirs: list[str], out: str | None) -> list[str]:
     """The workdirs that can take ``extrapolation.json`` / ``.png``, checked before any compute.
 
@@ -45,7 +56,7 @@ def writable_workdirs(workdirs: list[str], out: str | None) -> list[str]:
     """
     writable = []
     for path in workdirs:
-        if os.access(path, os.W_OK):
+        if can_write(path):
             writable.append(path)
         elif out:
             print(f"note: {path} is not writable: its results go only to {out}.json", flush=True)
@@ -68,7 +79,7 @@ def main(argv: list[str]) -> None:
     out = flags.FLAGS.out
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(Path(out).parent, os.W_OK):
+        if not can_write(Path(out).parent):
             raise ValueError(f"--out={out}: {Path(out).parent} is not writable")
     writable = writable_workdirs(flags.FLAGS.workdir, out)
     labels = run_labels(flags.FLAGS.workdir)

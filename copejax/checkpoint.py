@@ -227,5 +227,9 @@ class Checkpointer:
         return str(target)
 
     def close(self) -> None:
+        # orbax 0.12.8's close() does not wait for the start-up removal of temporary
+        # directories; a run that stops right after starting (a refusal) would otherwise print
+        # that thread's traceback at interpreter exit. (Private; skipped where absent.)
+        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self.manager.wait_until_finished()
         self.manager.close()

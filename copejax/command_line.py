@@ -89,11 +89,16 @@ def _check_override(config: Any, path: str) -> None:
         node = node[part]
 
 
-def parse_flags(argv: list[str], name: str = "config") -> list[str]:
-    """absl ``flags_parser``: parses ``argv``, ending any mistake in one ``error:`` line."""
+def parse_flags(
+    argv: list[str], name: str = "config", values: flags.FlagValues | None = None
+) -> list[str]:
+    """absl ``flags_parser``: parses ``argv``, ending any mistake in one ``error:`` line.
+
+    ``values`` defaults to absl's global flags; ``name`` is the config flag's name.
+    """
     from copejax import scheme_options  # the scheme registry: only for the training program
 
-    values = flags.FLAGS
+    values = flags.FLAGS if values is None else values
     try:
         kept, options = scheme_options.split_overrides(argv)
     except ValueError as error:

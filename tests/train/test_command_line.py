@@ -14,19 +14,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_collections
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
-from copejax import extrapolate, train
+from copejax import command_line, extrapolate, train
 from copejax.workdir import run_labels
 from tests.train import unprivileged
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
-PARSE = (
-    "import json, sys; from copejax import main, command_line; command_line.parse_flags(sys.argv);"
-    "m = main._CONFIG.value.model;"
-    "print(json.dumps({'position': m.position, 'options': m.position_options.to_dict()}))"
-)
 
 
 def _run(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
@@ -36,10 +34,24 @@ def _run(*args: str, **kwargs: object) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _parsed(*flags: str) -> dict:
-    done = _run("-c", PARSE, "--workdir=/tmp/unused", *flags)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.splitlines()[-1])
+def _parse(monkeypatch: pytest.MonkeyPatch, *argv: str) -> ml_collections.ConfigDict:
+    """``copejax.main``'s flag parsing, in this process, on fresh flags."""
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "config", flag_values=values)
+    flags.DEFINE_string("workdir", None, "workdir", flag_values=values)
+    full = ["prog", "--workdir=/tmp/unused", *argv]
+    monkeypatch.setattr(sys, "argv", list(full))  # ml_collections reads overrides from it
+    command_line.parse_flags(full, values=values)
+    return values["config"].value
+
+
+def _parse_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        _parse(monkeypatch, *argv)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.strip()
 
 
 def _one_error_line(done: subprocess.CompletedProcess) -> str:
@@ -51,7 +63,7 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
 
 
 @pytest.mark.parametrize(
-    ("flags", "position", "options"),
+    ("argv", "position", "options"),
     [
         (["--config=configs/lm.py:smoke,position=cope,p_max=8,mlp_hidden=16"], "cope",
          {"p_max": 8, "mlp_hidden": 16}),
@@ -68,15 +80,15 @@ def _one_error_line(done: subprocess.CompletedProcess) -> str:
     ],
 )  # fmt: skip
 def test_any_scheme_option_from_the_command_line(
-    flags: list[str], position: str, options: dict
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], position: str, options: dict
 ) -> None:
-    parsed = _parsed(*flags)
-    assert parsed == {"position": position, "options": options}
-    assert type(parsed["options"].get("base", 0.0)) is float
+    model = _parse(monkeypatch, *argv).model
+    assert (model.position, model.position_options.to_dict()) == (position, options)
+    assert type(model.position_options.get("base", 0.0)) is float
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"),
+    ("argv", "expected"),
     [
         (["--config=configs/flipflop.py:smoke", "--config.model.postion=cope"],
          "unknown config key 'model.postion' (--config.model.postion); did you mean 'position'?"),
@@ -94,10 +106,21 @@ def test_any_scheme_option_from_the_command_line(
          "flag --config.train.steps=abc: invalid literal for int()"),
     ],
 )  # fmt: skip
-def test_command_line_mistakes_are_one_line(flags: list[str], expected: str) -> None:
-    line = _one_error_line(_run("-m", "copejax.main", "--workdir=/tmp/unused", *flags))
+def test_command_line_mistakes_are_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, argv: list[str], expected: str
+) -> None:
+    line = _parse_error(monkeypatch, capsys, *argv)
     assert expected in line
     assert line.count("did you mean") <= 1
+
+
+def test_the_training_program_parses_that_way() -> None:
+    """End to end: ``python -m copejax.main`` with a typo'd key is one line, no traceback."""
+    done = _run(
+        "-m", "copejax.main", "--workdir=/tmp/unused", "--config=configs/flipflop.py:smoke",
+        "--config.model.postion=cope",
+    )  # fmt: skip
+    assert "did you mean 'position'?" in _one_error_line(done)
 
 
 def test_a_peer_that_never_comes_is_named_and_timed_out() -> None:

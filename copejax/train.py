@@ -5,6 +5,8 @@ arXiv 1706.03762) with the checks a long research run needs: every config proble
 ValueError before any compute, the workdir belongs to one config, a re-run resumes from the
 latest readable checkpoint (an unreadable one is reported and set aside) with metrics identical
 to an uninterrupted run, a non-finite loss stops (or skips) and non-finite state is never saved.
+One run at a time holds a workdir (copejax.workdir_lock); SIGTERM or Ctrl-C saves the current
+step and stops (copejax.preemption).
 """
 
 from __future__ import annotations

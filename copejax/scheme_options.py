@@ -95,10 +95,10 @@ def set_option(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
     check(position, {key: value})
     value = coerce(value, scheme_defaults(position)[key])
     options = config.model.position_options
-    if key in options and options[key] is not None and value is not None:
-        # ConfigDict keeps a key's type; replacing the entry lets e.g. None become a string.
-        del options[key]
-    with options.unlocked():
+    with options.unlocked():  # config_flags locks the config it loads
+        if key in options:
+            # ConfigDict keeps a key's type; replacing the entry lets e.g. None become a string.
+            del options[key]
         options[key] = value
 
 

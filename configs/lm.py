@@ -16,10 +16,10 @@ not run by us: GPT-2 blocks, 12 layers, D = 768, 12 heads, T = 1024, CoPE p_max 
 point ``corpus`` at a prepared ``tfds:wikipedia/...`` or ``files:`` corpus and set
 ``tokenizer=bpe``). Shortcuts: ``position=<scheme>``, ``corpus=<corpus>``, ``length=<T>``,
 ``tokenizer=byte|bpe``, ``tokenizer_dir=<dir>``, ``seed``, ``steps``, ``batch_size``, ``lr``,
-``layers``, ``heads``, ``d_model``, ``p_max=<int>`` (CoPE's number of positions; give it
-only with a CoPE scheme), and CoPE's ablation options (Table 8, experiments/cope_ablations.py):
-``gates=keys|sep_keys|values``, ``share_layers=<bool>``, ``position_term=<term>``,
-``alibi_slopes=press``.
+``layers``, ``heads``, ``d_model``, and any option of the chosen scheme (``python -m
+copejax.positions`` lists them), e.g. CoPE's ``p_max=<int>`` and its ablation options (Table 8,
+experiments/cope_ablations.py): ``gates=keys|sep_keys|values``, ``share_layers=<bool>``,
+``position_term=<term>``, ``alibi_slopes=press``.
 
 Every scheme trains with its default options (CoPE: p_max = 64, the paper's Wikitext value).
 """
@@ -42,11 +42,6 @@ SHORTCUTS = {
     "length": "task.options.length",
     "tokenizer": "task.options.tokenizer",
     "tokenizer_dir": "task.options.tokenizer_dir",
-    "p_max": "model.position_options.p_max",
-    "gates": "model.position_options.gates",
-    "share_layers": "model.position_options.share_layers",
-    "position_term": "model.position_options.position_term",
-    "alibi_slopes": "model.position_options.alibi_slopes",
 }
 
 

@@ -173,8 +173,17 @@ class Checkpointer:
         config problem rather than corruption and is raised as is.
 
         Raises:
-          CorruptCheckpointError: checkpoints exist but none of them can be read.
+          CorruptCheckpointError: checkpoints exist but none of them can be read; or none is
+            left and earlier ones were set aside as unreadable (a rerun after that refusal
+            must not quietly start over at step 0: only --restart, which deletes them, does).
         """
+        set_aside = self.directory.parent / CORRUPT_DIR
+        if not self.all_steps() and set_aside.is_dir() and any(set_aside.iterdir()):
+            raise CorruptCheckpointError(
+                f"no readable checkpoint in {self.directory}: the run's checkpoints were "
+                f"unreadable and were moved to {set_aside}. Pass --restart to start the run over "
+                "(it deletes them), or move a checkpoint back into place to resume from it."
+            )
         moved = []
         for step in sorted(self.all_steps(), reverse=True):
             try:
@@ -218,5 +227,9 @@ class Checkpointer:
         return str(target)
 
     def close(self) -> None:
+        # orbax 0.12.8's close() does not wait for the start-up removal of temporary
+        # directories; a run that stops right after starting (a refusal) would otherwise print
+        # that thread's traceback at interpreter exit. (Private; skipped where absent.)
+        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self.manager.wait_until_finished()
         self.manager.close()

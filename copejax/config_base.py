@@ -159,15 +159,32 @@ def apply_shortcuts(
     """Sets ``config`` keys from ``key=value`` arguments through a shortcut table.
 
     ``shortcuts`` maps an argument name to a dotted config path (``{"position":
-    "model.position", "seed": "seed"}``); any other argument raises a ValueError listing the
-    known ones. Boolean switches such as ``smoke``
-    are the caller's to consume before calling this.
+    "model.position", "seed": "seed"}``). Any other name that is an option of the chosen
+    position scheme goes to ``model.position_options`` (``cope,p_max=8``); anything else raises
+    a ValueError listing the shortcuts, the size variants and the scheme's options. Boolean
+    switches such as ``smoke`` are the caller's to consume before calling this.
     """
+    from copejax import scheme_options  # imports the scheme registry, so only when needed
+    from copejax.command_line import did_you_mean
+
+    options = {}
     for key, value in args.items():
         if key not in shortcuts:
-            raise ValueError(f"unknown config argument {key!r}; known: {sorted(shortcuts)}")
+            options[key] = value
+            continue
         *parents, leaf = shortcuts[key].split(".")
         node = config
         for parent in parents:
             node = node[parent]
         node[leaf] = value
+    for key, value in options.items():  # after the shortcuts: position=... may come later
+        try:
+            scheme_options.set_option(config, key, value)
+        except ValueError as error:
+            known = sorted(shortcuts)
+            hint = did_you_mean(key, [*known, *VARIANTS])
+            raise ValueError(
+                f"unknown config argument {key!r}{hint or '.'} Known: the variants "
+                f"{', '.join(VARIANTS)}; the shortcuts {', '.join(known)}; and the options of "
+                f"the position scheme ({error})"
+            ) from None

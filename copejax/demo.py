@@ -15,6 +15,7 @@ study, with 3 seeds and the paper's numbers: ``python -m experiments.flipflop``.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import ml_collections
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     from copejax import train
+    from copejax.preemption import Preempted
 
     root = Path(_WORKDIR.value)
     runs: dict[str, list[dict[str, float]]] = {}
@@ -132,7 +134,11 @@ def main(argv: list[str]) -> None:
         splits = tuple(config.eval.splits)
         workdir = root / position
         print(f"Flip-Flop with {position}: {config.train.steps} steps -> {workdir}", flush=True)
-        train.run(config, workdir)
+        try:
+            train.run(config, workdir)
+        except Preempted as stopped:  # Ctrl-C or SIGTERM: saved; the same command resumes
+            print(stopped, file=sys.stderr, flush=True)
+            sys.exit(stopped.exit_code)
         runs[position] = read_jsonl(workdir / "metrics.jsonl")
         plot_losses(runs[position], workdir / "loss.png", f"Flip-Flop, {position}")
     last = {}

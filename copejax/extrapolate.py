@@ -11,9 +11,61 @@ Writes ``extrapolation.json`` and ``extrapolation.png`` into every workdir and, 
 from __future__ import annotations
 
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags
+
+from copejax import command_line
+
+
+def json_safe(tree: Any) -> Any:
+    """``tree`` with every non-finite float as None: JSON has no NaN, and strict parsers
+    reject the ``NaN`` literal Python's json writes by default."""
+    if isinstance(tree, dict):
+        return {key: json_safe(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [json_safe(value) for value in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    Path(path).write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+
+
+def can_write(directory: str | os.PathLike) -> bool:
+    """True when a file can be created in ``directory`` (tried, not guessed from the mode
+    bits: root ignores them, a read-only mount does not)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def writable_workdirs(workdirs: list[str], out: str | None) -> list[str]:
+    """The workdirs that can take ``extrapolation.json`` / ``.png``, checked before any compute.
+
+    A read-only workdir is skipped with a note when ``out`` collects the results; without
+    ``out`` it would lose them, so it is an error.
+    """
+    writable = []
+    for path in workdirs:
+        if can_write(path):
+            writable.append(path)
+        elif out:
+            print(f"note: {path} is not writable: its results go only to {out}.json", flush=True)
+        else:
+            raise ValueError(
+                f"{path} is not writable, so extrapolation.json cannot be written there; "
+                "pass --out=<path prefix> to write the results elsewhere"
+            )
+    return writable
 
 
 def main(argv: list[str]) -> None:
@@ -22,32 +74,41 @@ def main(argv: list[str]) -> None:
     from copejax import lm_eval
     from copejax.data.lm import LanguageModel
     from copejax.trained_run import load_run
+    from copejax.workdir import run_labels
 
+    out = flags.FLAGS.out
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        if not can_write(Path(out).parent):
+            raise ValueError(f"--out={out}: {Path(out).parent} is not writable")
+    writable = writable_workdirs(flags.FLAGS.workdir, out)
+    labels = run_labels(flags.FLAGS.workdir)
     runs, train_length = {}, 0
     for path in flags.FLAGS.workdir:
         run = load_run(path, flags.FLAGS.step)
         if not isinstance(run.task, LanguageModel):
-            raise app.UsageError(f"{path} trained task {run.task.name!r}, not 'lm'")
+            raise ValueError(
+                f"{path} trained task {run.task.name!r}; extrapolate needs an 'lm' run"
+            )
         results = lm_eval.evaluate_lengths(
             run.model_config, run.params, run.task, batch_size=flags.FLAGS.batch_size,
             max_examples=flags.FLAGS.max_examples, bucket_width=flags.FLAGS.bucket_width,
         )  # fmt: skip
+        label = labels[path]
         record = {"workdir": str(path), "step": run.step, "position": run.label, "splits": results}
-        (Path(path) / "extrapolation.json").write_text(json.dumps(record, indent=2) + "\n")
         train_length = run.task.seq_len
-        label = run.label if run.label not in runs else f"{run.label} ({path})"
         runs[label] = results
-        lm_eval.plot_extrapolation(
-            {label: results}, train_length, str(Path(path) / "extrapolation.png")
-        )
+        if path in writable:
+            write_json(Path(path) / "extrapolation.json", record)
+            lm_eval.plot_extrapolation(
+                {label: results}, train_length, str(Path(path) / "extrapolation.png")
+            )
         for split, r in results.items():
             shown = f"ppl {r['perplexity']:.3f}" if "error" not in r else r["error"]
             print(f"{label} {split} (length {r['length']}): {shown}", flush=True)
-    if flags.FLAGS.out:
-        out = Path(flags.FLAGS.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(runs, indent=2) + "\n")
-        lm_eval.plot_extrapolation(runs, train_length, str(out.with_suffix(".png")))
+    if out:
+        write_json(Path(out).with_suffix(".json"), runs)
+        lm_eval.plot_extrapolation(runs, train_length, str(Path(out).with_suffix(".png")))
 
 
 def define_flags() -> None:
@@ -64,4 +125,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(command_line.one_line_errors(main))

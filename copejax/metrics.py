@@ -104,11 +104,14 @@ class MetricsWriter:
         self.path = Path(workdir) / "metrics.jsonl"
         self._jsonl = None
         self._events = None
-        if not enabled:
-            return
-        Path(workdir).mkdir(parents=True, exist_ok=True)
+        self.workdir = Path(workdir)
+
+    def _open(self) -> None:
+        """Opens both sinks at the first write, so that a run with nothing to log (a rerun of
+        a finished workdir) leaves no new empty event file."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.path, "a", encoding="utf-8")
-        tb_dir = Path(workdir) / "tb"
+        tb_dir = self.workdir / "tb"
         tb_dir.mkdir(exist_ok=True)
         now = time.time()
         name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
@@ -119,6 +122,8 @@ class MetricsWriter:
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         if not self.enabled:
             return
+        if self._jsonl is None:
+            self._open()
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in scalars.items()}
         assert self._jsonl is not None and self._events is not None
         self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from copejax import decode
+from copejax import command_line, decode
 from copejax.data import _tokenizers as tok
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
@@ -96,6 +96,11 @@ def main(argv: list[str]) -> None:
     from copejax.trained_run import load_run
 
     run = load_run(flags.FLAGS.workdir, flags.FLAGS.step)
+    if not hasattr(run.task, "text_tokenizer"):
+        raise ValueError(
+            f"{flags.FLAGS.workdir} trained task {run.task.name!r}, which has no text to sample; "
+            "copejax.sample needs an 'lm' run (configs/lm.py)"
+        )
     tokenizer = run.task.text_tokenizer()
     prompt_ids = np.concatenate([[tok.BOS_ID], tokenizer.encode(flags.FLAGS.prompt)]).astype(
         np.int32
@@ -127,4 +132,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(command_line.one_line_errors(main))

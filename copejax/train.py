@@ -5,6 +5,8 @@ arXiv 1706.03762) with the checks a long research run needs: every config proble
 ValueError before any compute, the workdir belongs to one config, a re-run resumes from the
 latest readable checkpoint (an unreadable one is reported and set aside) with metrics identical
 to an uninterrupted run, a non-finite loss stops (or skips) and non-finite state is never saved.
+One run at a time holds a workdir (copejax.workdir_lock); SIGTERM or Ctrl-C saves the current
+step and stops (copejax.preemption).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,10 @@ from copejax.data.base import Task, make_task
 from copejax.metrics import MetricsWriter, truncate_after, truncate_events_after
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig, upgrade_attention_options
+from copejax.preemption import Preempted, StopSignal
 from copejax.progress import Progress
 from copejax.train_step import Steps, make_steps
+from copejax.workdir_lock import WorkdirLock, WorkdirUnusableError, prepare
 
 
 class NonFiniteLossError(RuntimeError):
@@ -203,17 +208,57 @@ def run(
     resolved = workdir.config_to_dict(config)
     root = Path(workdir_path)
     main_process = jax.process_index() == 0
-    wipe = workdir.check(root, resolved, restart)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("copejax: workdir checked")
-    if main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        if wipe:
-            workdir.wipe(root)
-        workdir.write_json_atomic(root / workdir.CONFIG_FILE, resolved)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("copejax: workdir ready")
+    with contextlib.ExitStack() as locked:
+        _lock_workdir(root, main_process, locked)
+        wipe = workdir.check(root, resolved, restart)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("copejax: workdir checked")
+        if main_process:
+            if wipe:
+                deleted = workdir.wipe(root)
+                print(f"--restart: deleted {', '.join(deleted)} in {root}", flush=True)
+            try:
+                workdir.write_json_atomic(root / workdir.CONFIG_FILE, resolved)
+            except OSError as error:
+                raise WorkdirUnusableError(
+                    f"--workdir {root} is not writable ({error.strerror})"
+                ) from None
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("copejax: workdir ready")
+        return _run_locked(
+            config, plan, root, resolved, main_process=main_process, stop_after=stop_after
+        )
 
+
+def _lock_workdir(root: Path, main_process: bool, stack: contextlib.ExitStack) -> None:
+    """Process 0 creates and locks the workdir; every process learns whether that worked."""
+    error: ValueError | None = None
+    if main_process:
+        try:
+            prepare(root)
+            lock = WorkdirLock(root)
+            lock.acquire()
+            stack.callback(lock.release)
+        except ValueError as failed:
+            error = failed
+    if jax.process_count() > 1:
+        ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+        if not main_process and not int(ok):
+            raise WorkdirUnusableError(f"process 0 could not take --workdir {root}; see its error")
+    if error is not None:
+        raise error
+
+
+def _run_locked(
+    config: ml_collections.ConfigDict,
+    plan: Plan,
+    root: Path,
+    resolved: dict[str, Any],
+    *,
+    main_process: bool,
+    stop_after: int | None,
+) -> dict[str, float]:
+    """``run`` once the workdir is locked and holds this run's config."""
     mesh = sharding.make_mesh(*plan.mesh_shape)
     rules = sharding.rules_tuple(config.axis_rules)
     # Inside the mesh context the model's activation sharding constraints (logical names
@@ -288,6 +333,19 @@ def _train(
     progress = Progress(train.steps, start, tokens_per_step)
     last: dict[str, float] = {}
     last_saved = start if start > 0 else None
+    stop = stack.enter_context(StopSignal(ckpt.manager))
+    window_skipped = 0
+
+    def save(step: int) -> None:
+        if not bool(_all_finite((state.params, state.opt_state))):
+            ckpt.wait()
+            where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
+            raise NonFiniteLossError(
+                f"the train state at step {step} holds non-finite values, so it was not "
+                f"saved; last good checkpoint: {where} in {root / 'checkpoints'}"
+            )
+        ckpt.save(step, state, data, resolved, host)
+
     for step in range(start + 1, train.steps + 1):
         state, out = steps.train(state, _global_batch(next(data), steps.batch_sharding))
         out = jax.device_get(out)
@@ -302,6 +360,7 @@ def _train(
                     f"{root / 'checkpoints'} (re-run with --config.train.nonfinite=skip to resume "
                     "from it skipping such batches)"
                 )
+            window_skipped += 1
         else:
             host["loss_sum"] += float(out["loss"])
             host["grad_norm_sum"] += float(out["grad_norm"])
@@ -309,35 +368,63 @@ def _train(
         record: dict[str, float] = {}
         if train.log_every and (step % train.log_every == 0 or step == train.steps):
             speed = progress.update(step)
+            # A window whose steps were all skipped has no loss: NaN, written as JSON null and
+            # left out of TensorBoard (never 0, which would look like a perfect fit).
+            count = host["count"] or float("nan")
             record.update(
                 {
-                    "train/loss": host["loss_sum"] / max(host["count"], 1.0),
-                    "train/grad_norm": host["grad_norm_sum"] / max(host["count"], 1.0),
+                    "train/loss": host["loss_sum"] / count,
+                    "train/grad_norm": host["grad_norm_sum"] / count,
                     "train/learning_rate": float(out["learning_rate"]),
                     "train/nonfinite_steps": float(state.nonfinite_count),
                     **speed,
                 }
             )
-            progress.print(step, record)
+            progress.print(step, record, skipped=window_skipped)
             host = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
+            window_skipped = 0
         if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
-            record.update(evaluate(steps, state.params, plan, config, mesh))
+            with progress.paused():
+                record.update(evaluate(steps, state.params, plan, config, mesh))
             progress.print_eval(step, record)
         if record:
             writer.write(step, record)
             last.update(record)
         if (train.checkpoint_every and step % train.checkpoint_every == 0) or step == train.steps:
-            if not bool(_all_finite((state.params, state.opt_state))):
-                ckpt.wait()
-                where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
-                raise NonFiniteLossError(
-                    f"the train state at step {step} holds non-finite values, so it was not "
-                    f"saved; last good checkpoint: {where} in {root / 'checkpoints'}"
-                )
-            ckpt.save(step, state, data, resolved, host)
+            with progress.paused():
+                save(step)
             last_saved = step
+        if stop.reached(step):
+            if last_saved != step:
+                save(step)
+                last_saved = step
+            ckpt.wait()
+            raise Preempted(
+                f"stopped by {stop.name()} at step {step}: saved checkpoint {step} in "
+                f"{root / 'checkpoints'}; run the same command to resume",
+                stop.exit_code(),
+            )
         if stop_after is not None and step >= stop_after:
             break
     if start == train.steps:
         print(f"run already complete at step {start}; nothing to do", flush=True)
+        step = start
+    _report_skipped(int(state.nonfinite_count), step, root)
     return last
+
+
+def _report_skipped(skipped: int, steps_done: int, root: Path) -> None:
+    """Says how many steps ``train.nonfinite=skip`` skipped; a run that skipped all failed."""
+    if not skipped:
+        return
+    if skipped >= steps_done:
+        raise NonFiniteLossError(
+            f"all {steps_done} steps had a non-finite loss or gradient and were skipped "
+            f"(train.nonfinite=skip): the model did not train. See {root / 'metrics.jsonl'}"
+        )
+    print(
+        f"warning: {skipped} of {steps_done} steps were skipped (non-finite loss or gradient, "
+        f"train.nonfinite=skip); their batches did not train the model",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -18,6 +18,9 @@ import ml_collections
 
 CONFIG_FILE = "config.json"
 RUN_OUTPUTS = ("checkpoints", "corrupt_checkpoints", "metrics.jsonl", "tb", CONFIG_FILE)
+# What the tools write into a run's workdir (copejax.extrapolate, copejax.plots.maps): they
+# describe that run, so --restart deletes them with it.
+TOOL_OUTPUTS = ("extrapolation.json", "extrapolation.png", "maps_l*_h*.png")
 
 
 class WorkdirConflictError(ValueError):
@@ -72,6 +75,14 @@ def read_config(workdir: str | os.PathLike) -> dict[str, Any] | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+def _outputs(workdir: str | os.PathLike) -> list[Path]:
+    root = Path(workdir)
+    found = [root / name for name in RUN_OUTPUTS if (root / name).exists()]
+    for pattern in TOOL_OUTPUTS:
+        found.extend(sorted(root.glob(pattern)))
+    return found
+
+
 def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> bool:
     """Checks that ``workdir`` may run ``config``; returns True when its outputs must be wiped.
 
@@ -81,7 +92,7 @@ def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> 
     """
     old = read_config(workdir)
     if restart:
-        return any((Path(workdir) / name).exists() for name in RUN_OUTPUTS)
+        return bool(_outputs(workdir))
     if old is None or same_run(old, config):
         return False
     diffs = [d for d in config_differences(old, config) if d.split(":")[0] not in RESUMABLE]
@@ -93,11 +104,37 @@ def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> 
     )
 
 
-def wipe(workdir: str | os.PathLike) -> None:
-    """Removes a previous run's outputs (only the files copejax writes)."""
-    for name in RUN_OUTPUTS:
-        path = Path(workdir) / name
+def wipe(workdir: str | os.PathLike) -> list[str]:
+    """Removes a previous run's outputs (only the files copejax and its tools write there).
+
+    Returns the names removed, for the message that says what --restart deleted.
+    """
+    removed = []
+    for path in _outputs(workdir):
         if path.is_dir():
             shutil.rmtree(path)
-        elif path.exists():
+            removed.append(f"{path.name}/")
+        else:
             path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def run_labels(workdirs: list[str]) -> dict[str, str]:
+    """A legend label per workdir: its ``model.position`` (else the directory name); runs that
+    share a scheme all get ``"<scheme> (<directory name>)"``, or the whole path when the
+    directory names repeat too."""
+    schemes = {}
+    for path in workdirs:
+        config = read_config(path) if Path(path).is_dir() else None
+        schemes[path] = str((config or {}).get("model", {}).get("position") or Path(path).name)
+    labels = {}
+    for path, scheme in schemes.items():
+        twins = [p for p, s in schemes.items() if s == scheme]
+        if len(twins) == 1:
+            labels[path] = scheme
+        else:
+            names = [Path(p).name for p in twins]
+            unique = names.count(Path(path).name) == 1
+            labels[path] = f"{scheme} ({Path(path).name if unique else path})"
+    return labels

@@ -55,13 +55,15 @@ def _ids(variant: tuple[str, dict]) -> str:
 def _model(position: str, options: dict, impl: str, **overrides: object) -> Transformer:
     scheme = registry.make_scheme(position, options)
     layers = 2 if "carry" in scheme.sites or scheme.share_across_layers else 1
+    # The flash backward wherever it applies (auto would take remat for these 3 key blocks).
+    backward = "remat" if scheme.walk_carry else "flash"
     cfg = tiny_config(
         position,
         position_options=options,
         num_layers=layers,
         attention_impl=impl,
         attention_block=BLOCK,
-        **overrides,
+        **{"attention_backward": backward, **overrides},
     )
     return Transformer(cfg)
 

@@ -96,10 +96,14 @@ def tfds_documents(name: str, data_dir: str, split: str, text_feature: str) -> l
     try:
         source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
     except Exception as error:
+        # tfds lists every dataset it knows (hundreds of lines) after "not found": keep the cause.
+        cause = str(error).split("Available datasets:")[0].strip()
+        cause = " ".join(cause.split())[:500]
         raise ValueError(
             f"corpus 'tfds:{name}': cannot open split {split!r} in data_dir {data_dir!r} "
-            f"(prepare it with file_format='array_record'): {error}"
-        ) from error
+            f"(prepare it with file_format='array_record'; `tfds.list_builders()` names the "
+            f"datasets tfds knows): {cause}"
+        ) from None
     docs = []
     for index in range(len(source)):
         example = source[index]

@@ -4,7 +4,8 @@
     python -m copejax.plots.curves --workdir=workdirs/lm_rope --workdir=workdirs/lm_cope \
         --metric=eval/valid/loss --metric=train/loss --out=workdirs/lm_curves.png
 
-Each workdir's label is its ``model.position`` (from ``config.json``), else its directory name.
+Each workdir's label is its ``model.position`` (from ``config.json``), else its directory name;
+runs of one scheme are told apart by their directory names.
 One panel per metric; a run without a metric is left out of that panel.
 """
 
@@ -21,19 +22,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from absl import app, flags
 
+from copejax import command_line
 from copejax.metrics import read_jsonl
-from copejax.workdir import read_config
+from copejax.workdir import run_labels
 
 
 def run_label(workdir: str | os.PathLike) -> str:
     """``model.position`` of the run in ``workdir``, or the directory name."""
-    config = read_config(workdir) or {}
-    return str(config.get("model", {}).get("position") or Path(workdir).name)
+    return run_labels([str(workdir)])[str(workdir)]
 
 
 def series(records: Sequence[Mapping[str, float]], metric: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the records holding ``metric``; a resumed run's repeats keep the last."""
-    by_step = {int(r["step"]): float(r[metric]) for r in records if metric in r}
+    """(steps, values) of the records holding ``metric``; a resumed run's repeats keep the last.
+
+    A null value (a logging window whose steps were all skipped as non-finite) is a gap.
+    """
+    by_step = {int(r["step"]): float(r[metric]) for r in records if r.get(metric) is not None}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -73,12 +77,8 @@ def plot_curves(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    runs = {}
-    for workdir in flags.FLAGS.workdir:
-        label = run_label(workdir)
-        runs[label if label not in runs else f"{label} ({workdir})"] = read_jsonl(
-            Path(workdir) / "metrics.jsonl"
-        )
+    labels = run_labels(flags.FLAGS.workdir)
+    runs = {labels[w]: read_jsonl(Path(w) / "metrics.jsonl") for w in flags.FLAGS.workdir}
     plot_curves(runs, flags.FLAGS.metric, flags.FLAGS.out, flags.FLAGS.log_y)
     print(f"wrote {flags.FLAGS.out}", flush=True)
 
@@ -95,4 +95,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(command_line.one_line_errors(main))

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from absl import app, flags
 
+from copejax import command_line
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
@@ -146,7 +147,10 @@ def main(argv: list[str]) -> None:
 
     run = load_run(flags.FLAGS.workdir, flags.FLAGS.step)
     if not hasattr(run.task, "text_tokenizer"):
-        raise app.UsageError(f"{flags.FLAGS.workdir} trained task {run.task.name!r}, not 'lm'")
+        raise ValueError(
+            f"{flags.FLAGS.workdir} trained task {run.task.name!r}; maps of a --text need an "
+            "'lm' run (configs/lm.py)"
+        )
     tokenizer = run.task.text_tokenizer()
     tokens_T = np.concatenate([[tok.BOS_ID], tokenizer.encode(flags.FLAGS.text)]).astype(np.int32)
     out = flags.FLAGS.out or os.path.join(
@@ -174,4 +178,4 @@ def define_flags() -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(command_line.one_line_errors(main))

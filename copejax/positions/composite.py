@@ -44,6 +44,10 @@ class Composite(PositionScheme):
         return any(p.share_across_layers for p in self.parts)
 
     @property
+    def walk_carry(self) -> bool:  # type: ignore[override]
+        return any(p.walk_carry for p in self.parts)
+
+    @property
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 

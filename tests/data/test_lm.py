@@ -313,3 +313,12 @@ def test_lm_task_with_bpe(tmp_path: Path) -> None:
     other = make_task("lm", {**options, "length": 32})
     assert other.vocab == task.vocab
     assert (tmp_path / "tok" / tok.BPE_FILE).read_bytes() == model_bytes
+
+
+def test_unknown_tfds_dataset_is_one_short_error() -> None:
+    pytest.importorskip("tensorflow_datasets")
+    with pytest.raises(ValueError, match=r"tfds:not_a_dataset.*not found") as info:
+        _corpora.load_documents("tfds:not_a_dataset")
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 700, message  # not tfds's list of datasets
+    assert info.value.__cause__ is None

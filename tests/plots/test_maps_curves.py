@@ -84,3 +84,11 @@ def test_curves_from_fake_metrics(tmp_path: Path) -> None:
     assert matplotlib.image.imread(path).shape[:2] == (4 * 110, 11 * 110)
     with pytest.raises(ValueError, match="available"):
         curves.plot_curves(runs, ["eval/test/error"], path)
+
+
+def test_curves_leave_a_gap_for_skipped_windows(tmp_path: Path) -> None:
+    records = [{"step": 5, "train/loss": 1.0}, {"step": 10, "train/loss": None},
+               {"step": 15, "train/loss": 0.5}]  # fmt: skip
+    assert curves.series(records, "train/loss") == ([5, 15], [1.0, 0.5])
+    curves.plot_curves({"rope": records}, ["train/loss"], tmp_path / "c.png")
+    assert (tmp_path / "c.png").exists()

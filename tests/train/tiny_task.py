@@ -21,10 +21,11 @@ SPLITS = ("train", "test", "long")
 
 class CopySource(TaskSource):
     def __init__(
-        self, size: int, half: int, vocab: int, seed: int, split: str, *, poison: int = -1
-    ) -> None:
+        self, size: int, half: int, vocab: int, seed: int, split: str, *, poison: int = -1,
+        poison_all: bool = False,
+    ) -> None:  # fmt: skip
         self.size, self.half, self.vocab, self.seed, self.split = size, half, vocab, seed, split
-        self.poison = poison
+        self.poison, self.poison_all = poison, poison_all
 
     def __repr__(self) -> str:
         return f"CopySource(size={self.size}, half={self.half}, seed={self.seed}, {self.split})"
@@ -39,7 +40,7 @@ class CopySource(TaskSource):
         length = 2 * self.half - 1
         mask = np.zeros(length, np.float32)
         mask[self.half - 1 :] = 1.0
-        if index == self.poison:
+        if index == self.poison or self.poison_all:
             mask[-1] = np.nan  # a non-finite loss for the batch holding this example
         return {
             "inputs": doc[:-1].astype(np.int32),
@@ -60,6 +61,7 @@ class TinyCopy(Task):
     vocab_size: int = 8
     train_size: int = 10_000
     poison_index: int = -1  # train example whose loss is NaN (tests of non-finite handling)
+    poison_all: bool = False  # every train example's loss is NaN
 
     def validate(self) -> None:
         if self.half < 2:
@@ -79,7 +81,10 @@ class TinyCopy(Task):
     def source(self, split: str, seed: int) -> TaskSource:
         half = self.half + 3 if split == "long" else self.half
         poison = self.poison_index if split == "train" else -1
-        return CopySource(self.splits()[split], half, self.vocab_size, seed, split, poison=poison)
+        return CopySource(
+            self.splits()[split], half, self.vocab_size, seed, split, poison=poison,
+            poison_all=self.poison_all and split == "train",
+        )  # fmt: skip
 
 
 def tiny_config(position: str = "rope", **train: object) -> ml_collections.ConfigDict:

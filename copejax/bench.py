@@ -338,7 +338,14 @@ def side_by_side_arms(groups: tuple[str, ...], schemes: list[str]) -> list[tuple
     return arms
 
 
-def run_benchmark(mode: str, schemes: list[str] | None = None, partial: Path | None = None) -> dict:
+def run_benchmark(
+    mode: str,
+    schemes: list[str] | None = None,
+    partial: Path | None = None,
+    done: list[dict] | None = None,
+) -> dict:
+    """Runs ``mode``'s measurements, writing what has run to ``partial`` after each one;
+    ``done`` (rows of an earlier partial run) are kept and their measurements skipped."""
     from copejax.positions import registry
 
     settings = MODES[mode]
@@ -347,9 +354,13 @@ def run_benchmark(mode: str, schemes: list[str] | None = None, partial: Path | N
         first = ["nope", "dpa", "cope", "fox", "stickbreaking"]
         others = [name for name in registry.names() if name not in first]
         schemes = list(QUICK_SCHEMES) if mode == "quick" else first + others
-    rows: list[dict] = []
+    rows: list[dict] = list(done or [])
+    measured = {(r["kind"], r["scheme"], r["T"]) for r in rows}
+    measured |= {("side_by_side", "all", r["T"]) for r in rows if r["kind"] == "side_by_side"}
 
     def run(spec: dict) -> list[dict]:
+        if all((spec["kind"], spec["scheme"], t) in measured for t in spec["lengths"]):
+            return []
         spec = {"repeats": settings["repeats"], "cap_s": settings["cap_s"], "options": {}, **spec}
         series = _run_series(spec)
         for row in series:
@@ -370,13 +381,14 @@ def run_benchmark(mode: str, schemes: list[str] | None = None, partial: Path | N
     side(lengths[:1])
     for scheme in schemes:
         rows += run({"kind": "layer", "scheme": scheme, "lengths": settings["layer"]})
+    side(lengths[1:2])
     for length in settings["long"]:
         for scheme in (s for s in LONG_SCHEMES if s in schemes):
             rows += run({"kind": "layer", "scheme": scheme, "lengths": [length]})
+    side(lengths[2:])
     for length in settings["cli_step"]:
         for scheme in (s for s in schemes if s != "dpa"):
             rows += run({"kind": "cli_step", "scheme": scheme, "lengths": [length]})
-    side(lengths[1:])
     return {"meta": {**_meta(mode), "load_average_start": load_at_start}, "rows": rows}
 
 
@@ -752,6 +764,7 @@ def main() -> None:
     parser.add_argument("--out_dir", default="experiments/results")
     parser.add_argument("--schemes", default=None, help="comma-separated; default: all")
     parser.add_argument("--render", default=None, help="rewrite page and plots from a JSON")
+    parser.add_argument("--resume", default=None, help="a partial JSON whose rows are kept")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -767,7 +780,8 @@ def main() -> None:
 
     schemes = args.schemes.split(",") if args.schemes else None
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = run_benchmark(args.mode, schemes, partial=out_dir / "bench.partial.json")
+    done = json.loads(Path(args.resume).read_text())["rows"] if args.resume else None
+    result = run_benchmark(args.mode, schemes, partial=out_dir / "bench.partial.json", done=done)
     scan_shapes = ((2, 2, 64, 64),) if args.mode == "quick" else bench_scan.DEFAULT_SHAPES
     result["scan"] = bench_scan.bench(scan_shapes, MODES[args.mode]["repeats"])
     result["meta"]["load_average_end"] = os.getloadavg()

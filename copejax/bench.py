@@ -502,6 +502,8 @@ def _memory_targets(rows: list[dict]) -> list[str]:
     ]
     schemes = list(dict.fromkeys(r["scheme"] for r in rows if r["kind"] == "layer"))
     for scheme in schemes:
+        if scheme == "dpa":  # not a scheme: XLA's kernel builds (B, N, T, S) logits
+            continue
         ok = {t: r for t, r in _ok(rows, "layer", scheme).items() if t <= 16384}
         span = [t for t in sorted(ok) if 2048 <= t <= 16384]
         if 16384 not in ok:
@@ -651,9 +653,9 @@ def markdown(result: dict) -> str:
         f"Time: median of the timed runs after one warm-up (a warm-up over {LONG_RUN_S:.0f} s "
         "is itself the one timed run). Memory: XLA's buffer assignment "
         "(temporaries + arguments + outputs of the compiled program) and the worker's peak RSS "
-        "(includes the Python/JAX process, about 0.3-0.5 GiB; nope, dpa and cope: one process "
-        "per measurement; other schemes: one process per series of increasing T, so their RSS "
-        "is the peak up to that T). Schemes stop at their first failure, "
+        "(includes the Python/JAX process, about 0.3-0.5 GiB; one process per scheme over "
+        "increasing T, so the RSS is the peak up to that T; the 32K rows have a process each). "
+        "Schemes stop at their first failure, "
         f"{meta['time_cap_s']} s per subprocess or {meta['memory_cap_bytes'] / 2**30:.0f} GiB "
         "predicted memory.",
     ]

@@ -14,16 +14,7 @@ import portpicker
 import pytest
 
 from copejax.metrics import read_jsonl
-
-ROOT = Path(__file__).resolve().parents[2]
-FLAGS = [
-    "--config=configs/flipflop.py:smoke,steps=300",
-    "--config.train.log_every=10",
-    "--config.train.eval_every=150",
-    "--config.train.checkpoint_every=100",
-    "--config.eval.splits=('test',)",
-]
-TIMING = ("train/steps_per_sec", "train/tokens_per_sec")
+from tests.train.smoke_flags import FLAGS, ROOT, TIMING
 
 
 def _start_pair(workdir: Path) -> list[subprocess.Popen]:

@@ -71,9 +71,7 @@ def _tear_config_json(step_dir: Path) -> None:
     path.write_bytes(path.read_bytes()[:40])
 
 
-@pytest.mark.parametrize(
-    "corrupt", [_truncate_array_files, _remove_state_item, _tear_config_json]
-)
+@pytest.mark.parametrize("corrupt", [_truncate_array_files, _remove_state_item, _tear_config_json])
 def test_unreadable_latest_checkpoint_falls_back(
     corrupt: object, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

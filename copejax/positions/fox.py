@@ -360,13 +360,19 @@ class _FoXSite(AttentionSite):
             k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
         return q_BTNH, k_BSNH, v_BSNH
 
-    def _prefix_sums(self, ctx: AttentionContext) -> tuple[jax.Array, jax.Array]:
-        """(c of the queries (B, T, N), c of the keys (B, S, N)): D_ij = c_i - c_j."""
+    def _prefix_sums(
+        self, ctx: AttentionContext, logf_BTN: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """(c of the queries (B, T, N), c of the keys (B, S, N)): D_ij = c_i - c_j.
+
+        ``logf_BTN``: the layer's log forget gates when the caller has them already.
+        """
         if ctx.decode:  # query t is key cache_index + t
             c_BSN = ctx.key_state["fox_cumsum"]
             keys_T = ctx.cache_index + jnp.arange(ctx.x_BTD.shape[1])
             return jnp.take(c_BSN, keys_T, axis=1), c_BSN
-        logf_BTN = self._log_forget_gates(ctx.x_BTD)
+        if logf_BTN is None:
+            logf_BTN = self._log_forget_gates(ctx.x_BTD)
         starts_BT1 = ctx.segment_starts_BT()[:, :, None]
         c_BTN = scan.segment_cumsum(logf_BTN, starts_BT1, axis=1, impl=ctx.scan_impl)
         return c_BTN, c_BTN
@@ -388,11 +394,10 @@ class _FoXSite(AttentionSite):
     ) -> jax.Array | None:
         logf_BTN = self._log_forget_gates(ctx.x_BTD)
         self.sow("intermediates", "log_forget_gates", logf_BTN)
-        if ctx.decode:  # D_ts = c of query t (key cache_index + t) minus c of key s
-            c_BTN, c_BSN = self._prefix_sums(ctx)
-            bias_BNTS = _decay(c_BTN, c_BSN)
-            return jnp.where(ctx.mask_BTS[:, None], bias_BNTS, 0.0)
-        return fox_decay_bias(logf_BTN, ctx.mask_BTS, ctx.scan_impl)
+        # D_ts = c of query t (key cache_index + t when decoding) minus c of key s; the
+        # segment starts come from the context's ids, as on the blockwise engine.
+        c_BTN, c_BSN = self._prefix_sums(ctx, logf_BTN)
+        return jnp.where(ctx.mask_BTS[:, None], _decay(c_BTN, c_BSN), 0.0)
 
     def output(self, y_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
         s = self.scheme

@@ -232,7 +232,7 @@ class Attention(nn.Module):
             values_BSNW = jnp.concatenate(
                 [v_BSNH.astype(jnp.float32), extra_BSNC.astype(jnp.float32)], axis=-1
             )
-        q_ids_BT, k_ids_BS = ctx._ids()
+        q_ids_BT, k_ids_BS = ctx.ids()
         y_BTNW, _ = engine.blockwise_attention(
             q_BTNH,
             k_BSNH,

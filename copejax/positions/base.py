@@ -130,7 +130,8 @@ class AttentionContext:
             **fields,
         )
 
-    def _ids(self) -> tuple[jax.Array, jax.Array]:
+    def ids(self) -> tuple[jax.Array, jax.Array]:
+        """(query ids (B, T), key ids (B, S)), zeros where none were given."""
         batch, length_q = self.q_positions_BT.shape
         q_ids_BT = segments.default_segment_ids(self.q_segment_ids_BT, batch, length_q)
         length_k = self.k_positions_BS.shape[1]
@@ -143,17 +144,17 @@ class AttentionContext:
         and same segment; derived from the ids (or the explicit test mask)."""
         if self.explicit_mask_BTS is not None:
             return self.explicit_mask_BTS
-        q_ids_BT, k_ids_BS = self._ids()
+        q_ids_BT, k_ids_BS = self.ids()
         return segments.causal_mask_BTS(q_ids_BT, k_ids_BS, self.cache_index)
 
     @property
     def segment_ids_BT(self) -> jax.Array:
         """The queries' segment ids (zeros when none were given)."""
-        return self._ids()[0]
+        return self.ids()[0]
 
     def segment_starts_BT(self) -> jax.Array:
         """True where query t begins a segment (the key before it is in another segment)."""
-        q_ids_BT, k_ids_BS = self._ids()
+        q_ids_BT, k_ids_BS = self.ids()
         if self.decode:
             return segments.segment_starts_BT(q_ids_BT, k_ids_BS, self.cache_index)
         return segments.segment_starts_BT(q_ids_BT)

@@ -29,7 +29,7 @@ from copejax import input_pipeline, optim, shape_checks, sharding, workdir
 from copejax.checkpoint import Checkpointer
 from copejax.config_base import NONFINITE
 from copejax.data.base import Task, make_task
-from copejax.metrics import MetricsWriter, truncate_after, truncate_events_after
+from copejax.metrics import MetricsWriter, truncate_after
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig, upgrade_attention_options
 from copejax.preemption import Preempted, StopSignal
@@ -325,9 +325,9 @@ def _train(
         print(f"resumed from checkpoint {start} in {root / 'checkpoints'}", flush=True)
     if main_process:  # a resumed run re-does the steps after its checkpoint
         truncate_after(root / "metrics.jsonl", start)
-        truncate_events_after(root / "tb", start)
 
-    writer = MetricsWriter(root, enabled=main_process)  # after truncate_after: it appends
+    # After truncate_after (it appends); TensorBoard hides older events after ``start``.
+    writer = MetricsWriter(root, enabled=main_process, resumed_from=start)
     stack.callback(writer.close)
     tokens_per_step = train.batch_size * plan.task.seq_len
     progress = Progress(train.steps, start, tokens_per_step)

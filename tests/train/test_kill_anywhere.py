@@ -16,7 +16,7 @@ import pytest
 
 from copejax.checkpoint import Checkpointer
 from copejax.metrics import read_jsonl
-from tests.train.test_metrics import _fields, _records
+from tests.train.test_metrics import tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = {"steps": 40, "log_every": 1, "eval_every": 10, "checkpoint_every": 4}
@@ -41,9 +41,8 @@ def _last_step(workdir: Path) -> int:
 
 
 def _event_steps(workdir: Path) -> list[int]:
-    files = sorted((workdir / "tb").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
-    fields = [dict(_fields(r)) for path in files for r in _records(path)]
-    return [f.get(2, 0) for f in fields if 5 in f]
+    """The steps of train/loss as TensorBoard's own reader shows them (purges applied)."""
+    return [step for step, _ in tensorboard_scalars(workdir / "tb")["train/loss"]]
 
 
 def _finish(workdir: Path) -> str:

@@ -25,6 +25,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 from copejax.positions.tape import PAPER_OPTIONS as TAPE_PAPER_OPTIONS
 
@@ -49,13 +50,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ("test", "grid")
 
     if variant == "smoke":
+        smoke(c)
         c.task.options.update(max_digits=3, extra_digits=1, samples_per_pair=2)
-        c.model.update(d_model=32, num_heads=2, num_layers=2)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=32)
     elif variant == "cpu":
         c.task.options.update(max_digits=5, extra_digits=3, samples_per_pair=8)
         c.model.update(d_model=128, num_heads=4, num_layers=3)

@@ -24,6 +24,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 
 SHORTCUTS = {
@@ -57,13 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ("test", "ood_long", "ood_short")
 
     if variant == "smoke":
+        smoke(c)
         c.task.options.update(max_ops=8, max_len=32)
-        c.model.update(d_model=32)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=32)
     elif variant == "cpu":
         c.task.options.update(max_ops=32, max_len=96)
         c.train.update(

@@ -25,6 +25,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 
 SHORTCUTS = {
@@ -59,13 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ("test", "ood_sparse", "ood_dense", "long_test", "long_sparse")
 
     if variant == "smoke":
+        smoke(c)
         c.task.options.update(num_instructions=16, long_instructions=32)
-        c.model.update(d_model=32, num_heads=2, num_layers=2)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=32)
     elif variant == "cpu":
         c.task.options.update(num_instructions=32, long_instructions=128)
         c.model.update(d_model=64, num_heads=4, num_layers=2)

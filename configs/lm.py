@@ -34,6 +34,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 
 SHORTCUTS = {
@@ -60,13 +61,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ("valid",)  # the longer splits: python -m copejax.extrapolate
 
     if variant == "smoke":
+        smoke(c)
         c.task.options.length = 64
-        c.model.update(d_model=32, num_heads=2, num_layers=2)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=32)
     elif variant == "cpu":
         c.model.update(d_model=128, num_heads=4, num_layers=2)
         c.train.update(

@@ -24,6 +24,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 from copejax.positions.tape import PAPER_OPTIONS as TAPE_PAPER_OPTIONS
 
@@ -53,13 +54,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ()  # every len_<L> split
 
     if variant == "smoke":
+        smoke(c)
         c.task.options.update(train_len=72, eval_lengths=(72, 96), depths=(0.0, 1.0))
-        c.model.update(d_model=32, num_heads=2, num_layers=2)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=16)
+        c.eval.max_examples = 16
     elif variant == "cpu":
         c.task.options.update(train_len=128, eval_lengths=(128, 256, 512))
         c.model.update(d_model=64, num_heads=4, num_layers=2)

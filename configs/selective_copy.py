@@ -25,6 +25,7 @@ from copejax.config_base import (
     base_config,
     parse_arg,
     pop_variant,
+    smoke,
 )
 
 SHORTCUTS = {
@@ -63,12 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.splits = ("test", "ood_dense", "ood_sparse")
 
     if variant == "smoke":
-        c.model.update(d_model=32, num_heads=2, num_layers=2)
-        c.train.update(
-            steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
-            eval_every=10, checkpoint_every=10,
-        )  # fmt: skip
-        c.eval.update(batch_size=16, max_examples=32)
+        smoke(c)
     elif variant == "cpu":
         c.train.update(
             steps=2000, batch_size=32, learning_rate=3e-3, warmup_steps=100, log_every=50,

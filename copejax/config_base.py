@@ -151,6 +151,18 @@ def pop_variant(args: dict[str, bool | int | float | str], default: str = "cpu")
     return chosen[0] if chosen else default
 
 
+def smoke(config: ml_collections.ConfigDict) -> None:
+    """The one smoke switch every config shares (big_vision's ``runlocal``): a tiny model, 20
+    steps with an eval and a checkpoint at 10, small eval sets. Each config applies it for its
+    ``smoke`` variant and sets its task's own small sizes beside it."""
+    config.model.update(d_model=32, num_heads=2, num_layers=2)
+    config.train.update(
+        steps=20, batch_size=8, learning_rate=3e-3, warmup_steps=2, log_every=5,
+        eval_every=10, checkpoint_every=10,
+    )  # fmt: skip
+    config.eval.update(batch_size=16, max_examples=32)
+
+
 def apply_shortcuts(
     config: ml_collections.ConfigDict,
     args: dict[str, bool | int | float | str],

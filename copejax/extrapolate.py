@@ -10,32 +10,14 @@ Writes ``extrapolation.json`` and ``extrapolation.png`` into every workdir and, 
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from absl import app, flags
 
 from copejax import command_line
-
-
-def json_safe(tree: Any) -> Any:
-    """``tree`` with every non-finite float as None: JSON has no NaN, and strict parsers
-    reject the ``NaN`` literal Python's json writes by default."""
-    if isinstance(tree, dict):
-        return {key: json_safe(value) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [json_safe(value) for value in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
-
-
-def write_json(path: str | os.PathLike, data: Any) -> None:
-    Path(path).write_text(json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n")
+from copejax.results_json import write_json
 
 
 def can_write(directory: str | os.PathLike) -> bool:

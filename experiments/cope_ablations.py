@@ -147,18 +147,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             sweep.commands_block(STUDY, args.scale, result),
         ]
     )
-    data = {
-        "study": STUDY,
-        "scale": args.scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        "perplexity": {
-            k: {"mean": stats[k][0], "std": stats[k][1], "per_seed": ppl[k]} for k in stats
-        },
-        "paper": {row: {"val": v, "test": t} for row, (v, t) in PAPER.items()},
-        "commands": result.commands,
-    }
-    path = sweep.write_outputs(args.out, STUDY, args.scale, page, data)
+    path = sweep.write_outputs(
+        args.out,
+        STUDY,
+        args.scale,
+        page,
+        result,
+        perplexity={k: sweep.spread(*stats[k], ppl[k]) for k in stats},
+        paper={row: {"val": v, "test": t} for row, (v, t) in PAPER.items()},
+    )
     print(table)
     print(f"wrote {path}")
 

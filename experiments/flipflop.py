@@ -141,27 +141,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             sweep.commands_block(STUDY, args.scale, result),
         ]
     )
-    data = {
-        "study": STUDY,
-        "scale": args.scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        "metric": "error (fraction)",
-        "results": {
+    path = sweep.write_outputs(
+        args.out,
+        STUDY,
+        args.scale,
+        page,
+        result,
+        metric="error (fraction)",
+        results={
             label: {
-                s: {
-                    "mean": summary[label][s][0],
-                    "std": summary[label][s][1],
-                    "per_seed": result.final(label, f"{s}/error"),
-                }
+                s: sweep.spread(*summary[label][s], result.final(label, f"{s}/error"))
                 for s in splits
             }
             for label in labels
         },
-        "paper_percent": PAPER,
-        "commands": result.commands,
-    }
-    path = sweep.write_outputs(args.out, STUDY, args.scale, page, data)
+        paper_percent=PAPER,
+    )
     print(table)
     print(f"wrote {path}")
 

@@ -169,23 +169,22 @@ def write(
             f"--workdir=<run> --max_examples={EVAL_ROWS[args.scale]}`.",
         ]
     )
-    data = {
-        "study": STUDY,
-        "scale": args.scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        "train_length": train_length,
-        "perplexity": {
+    path = sweep.write_outputs(
+        args.out,
+        STUDY,
+        args.scale,
+        page,
+        result,
+        train_length=train_length,
+        perplexity={
             label: {
-                str(n): {"mean": m, "std": s, "per_seed": [r[n] for r in ppl[label]]}
+                str(n): sweep.spread(m, s, [r[n] for r in ppl[label]])
                 for n, (m, s) in stats[label].items()
             }
             for label in stats
         },
-        "paper": PAPER,
-        "commands": result.commands,
-    }
-    path = sweep.write_outputs(args.out, STUDY, args.scale, page, data)
+        paper=PAPER,
+    )
     print(table)
     print(f"wrote {path}")
     return path

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,7 @@ import numpy as np
 
 from copejax.demo import load_config
 from copejax.metrics import read_jsonl
+from copejax.results_json import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ("smoke", "cpu", "paper")
@@ -189,17 +189,34 @@ def write_outputs(
     study: str,
     scale: str,
     page: str,
-    data: Mapping[str, Any],
+    result: Sweep,
+    **fields: Any,
 ) -> Path:
-    """Writes ``<out>/<study>.md`` (``<study>_<scale>.md`` unless the scale is cpu) and the
-    JSON beside it; returns the markdown path."""
+    """The one results writer of the studies: ``<out>/<study>.md`` (``<study>_<scale>.md``
+    unless the scale is cpu) and the JSON beside it, ``{"study", "scale", "seeds",
+    "wall_time_s", **fields, "commands"}`` with non-finite numbers as null. Returns the
+    markdown path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = study if scale == "cpu" else f"{study}_{scale}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    data = {
+        "study": study,
+        "scale": scale,
+        "seeds": result.seeds,
+        "wall_time_s": result.wall_time_s,
+        **fields,
+        "commands": result.commands,
+    }
+    write_json(out / f"{stem}.json", data)
     path = out / f"{stem}.md"
     path.write_text(page.rstrip() + "\n")
     return path
+
+
+def spread(mean: float, std: float, per_seed: Sequence[float]) -> dict[str, Any]:
+    """One cell of a results JSON: the mean and standard deviation over seeds, and each
+    seed's value."""
+    return {"mean": mean, "std": std, "per_seed": list(per_seed)}
 
 
 def plot_path(out: str | Path, study: str, scale: str, name: str) -> Path:

@@ -99,22 +99,21 @@ def write_page(
             sweep.commands_block(study, args.scale, result),
         ]
     )
-    data = {
-        "study": study,
-        "scale": args.scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        "results": {
+    path = sweep.write_outputs(
+        args.out,
+        study,
+        args.scale,
+        page,
+        result,
+        results={
             label: {
-                c.key: {"mean": v[0], "std": v[1], "per_seed": v[2]}
+                c.key: sweep.spread(*v)
                 for c, v in zip(columns, summary[label].values(), strict=True)
             }
             for label in labels
         },
-        "paper": paper,
-        "commands": result.commands,
-    }
-    path = sweep.write_outputs(args.out, study, args.scale, page, data)
+        paper=paper,
+    )
     print(table)
     print(f"wrote {path}")
     return path

@@ -166,17 +166,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             sweep.commands_block(STUDY, args.scale, result),
         ]
     )
-    data = {
-        "study": STUDY,
-        "scale": args.scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        "addition": add_data,
-        "passkey": {s: {str(n): v for n, v in d.items()} for s, d in key_data.items()},
-        "paper_addition_average_percent": PAPER_ADDITION,
-        "commands": result.commands,
-    }
-    path = sweep.write_outputs(args.out, STUDY, args.scale, page, data)
+    path = sweep.write_outputs(
+        args.out,
+        STUDY,
+        args.scale,
+        page,
+        result,
+        addition=add_data,
+        passkey={s: {str(n): v for n, v in d.items()} for s, d in key_data.items()},
+        paper_addition_average_percent=PAPER_ADDITION,
+    )
     print(add_table)
     print(key_table)
     print(f"wrote {path}")

@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from copejax import command_line, extrapolate, train
+from copejax import command_line, results_json, train
 from copejax.workdir import run_labels
 from tests.train import unprivileged
 
@@ -193,7 +193,7 @@ def test_extrapolate_checks_writability_before_computing(flipflop_run: Path) -> 
 
 def test_extrapolation_json_has_no_nan_literals(tmp_path: Path) -> None:
     record = {"splits": {"x8": {"perplexity": float("nan"), "buckets": [1.0, float("inf")]}}}
-    extrapolate.write_json(tmp_path / "e.json", record)
+    results_json.write_json(tmp_path / "e.json", record)
     text = (tmp_path / "e.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text, parse_constant=pytest.fail) == {

@@ -71,7 +71,7 @@ def yarn_correction_dim(
 
 
 def yarn_ramp_index(
-    rot_dim: int, base: float, original_max_len: int, alpha: float, beta: float, truncate: bool
+    rot_dim: int, base: float, original_max_len: int, *, alpha: float, beta: float, truncate: bool
 ) -> jax.Array:
     """The reference code's ramp (jquesnelle/yarn; HF ``_compute_yarn_parameters``).
 
@@ -107,7 +107,9 @@ def yarn_inv_freq(
     if ramp == "wavelength":
         gamma_F = yarn_ramp_wavelength(inv_freq_F, original_max_len, alpha, beta)
     elif ramp == "index":
-        gamma_F = yarn_ramp_index(rot_dim, base, original_max_len, alpha, beta, truncate)
+        gamma_F = yarn_ramp_index(
+            rot_dim, base, original_max_len, alpha=alpha, beta=beta, truncate=truncate
+        )
     else:
         raise ValueError(f"rope: yarn_ramp must be one of {YARN_RAMPS}, got {ramp!r}")
     return (1.0 - gamma_F) * inv_freq_F / factor + gamma_F * inv_freq_F
@@ -118,6 +120,7 @@ def llama3_inv_freq(
     base: float,
     factor: float,
     original_max_len: int,
+    *,
     low_freq_factor: float,
     high_freq_factor: float,
 ) -> jax.Array:
@@ -139,6 +142,7 @@ def llama3_inv_freq(
 def longrope_inv_freq(
     rot_dim: int,
     base: float,
+    *,
     short_factor: Sequence[float],
     long_factor: Sequence[float],
     original_max_len: int,
@@ -233,8 +237,20 @@ def scaled_inv_freq(
         )
     if scaling == "llama3":
         return llama3_inv_freq(
-            rot_dim, base, factor, original_max_len, low_freq_factor, high_freq_factor
+            rot_dim,
+            base,
+            factor,
+            original_max_len,
+            low_freq_factor=low_freq_factor,
+            high_freq_factor=high_freq_factor,
         )
     if short_factor is None or long_factor is None:
         raise ValueError("rope: scaling='longrope' needs short_factor and long_factor")
-    return longrope_inv_freq(rot_dim, base, short_factor, long_factor, original_max_len, current)
+    return longrope_inv_freq(
+        rot_dim,
+        base,
+        short_factor=short_factor,
+        long_factor=long_factor,
+        original_max_len=original_max_len,
+        length=current,
+    )

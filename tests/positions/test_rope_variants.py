@@ -65,7 +65,7 @@ def p_rope_thetas(d: int, base: float, p: float) -> np.ndarray:
 def test_p_rope_rotates_the_highest_frequencies_and_leaves_the_rest(p: float) -> None:
     pos = np.array([[0, 3, 17, 250, 1000]])
     check_rotation({"p": p}, pos, p_rope_thetas(16, 10000.0, p), 1.0)
-    q, k, q_out, k_out = site_outputs({"p": p}, pos)
+    q, _, q_out, _ = site_outputs({"p": p}, pos)
     kept = math.floor(p * 8)
     for i in range(kept, 8):  # rotate-half pairs (i, i + 8) of the dropped frequencies
         np.testing.assert_array_equal(q_out[..., [i, i + 8]], q[..., [i, i + 8]])
@@ -88,7 +88,9 @@ def test_p_rope_composes_with_a_scaling() -> None:
 # ---------------------------------------------------------------- Llama 3.1
 
 
-def llama3_thetas(d: int, base: float, s: float, length: int, low: float, high: float):
+def llama3_thetas(
+    d: int, base: float, s: float, length: int, *, low: float = 1.0, high: float = 4.0
+) -> np.ndarray:
     """Meta's apply_scaling, one frequency at a time."""
     out = []
     for i in range(d // 2):
@@ -112,12 +114,14 @@ def llama3_thetas(d: int, base: float, s: float, length: int, low: float, high: 
         (32, 1e4, 4.0, 300, 1.5, 6.0),
     ],
 )
-def test_llama3_frequencies_match_apply_scaling(d, base, s, length, low, high) -> None:
+def test_llama3_frequencies_match_apply_scaling(  # noqa: PLR0917 (pytest parameters)
+    d: int, base: float, s: float, length: int, low: float, high: float
+) -> None:
     got = scaled_inv_freq(
         d, base, scaling="llama3", factor=s, original_max_len=length,
         low_freq_factor=low, high_freq_factor=high,
     )  # fmt: skip
-    want = llama3_thetas(d, base, s, length, low, high)
+    want = llama3_thetas(d, base, s, length, low=low, high=high)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-6)
     ratio = want / np.array([theta(i, d, base) for i in range(d // 2)])
     assert np.isclose(ratio[0], 1.0) and np.isclose(ratio[-1], 1 / s)  # kept, interpolated
@@ -127,7 +131,7 @@ def test_llama3_frequencies_match_apply_scaling(d, base, s, length, low, high) -
 def test_llama3_site_rotates_without_an_attention_factor() -> None:
     options = {"scaling": "llama3", "factor": 8.0, "original_max_len": 64}
     pos = np.array([[0, 5, 90, 400, 511]])
-    check_rotation(options, pos, llama3_thetas(16, 10000.0, 8.0, 64, 1.0, 4.0), 1.0)
+    check_rotation(options, pos, llama3_thetas(16, 10000.0, 8.0, 64), 1.0)
 
 
 # ---------------------------------------------------------------- dynamic NTK
@@ -263,9 +267,12 @@ def pair_index_where_rotations_equal(r: float, d: int, base: float, length: int)
     return (lo + hi) / 2
 
 
-def yarn_index_thetas(d, base, s, length, beta_fast=32.0, beta_slow=1.0, truncate=True):
+def yarn_index_thetas(
+    d: int, base: float, s: float, length: int, *, truncate: bool = True
+) -> np.ndarray:
     """jquesnelle/yarn (and transformers): a ramp linear in the pair index between the
     indices where r = beta_fast and r = beta_slow, rounded outwards, clipped to [0, d - 1]."""
+    beta_fast, beta_slow = 32.0, 1.0
     low = pair_index_where_rotations_equal(beta_fast, d, base, length)
     high = pair_index_where_rotations_equal(beta_slow, d, base, length)
     if truncate:

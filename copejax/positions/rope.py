@@ -15,8 +15,9 @@ LongRoPE also multiply q and k each by an attention factor, so the logits scale 
 otherwise, as HF recomputes per forward call, max(position) + 1 over the call's queries and
 keys: the (longest packed document of the) batch in training and full forwards, the prompt in
 a prefill and the new token's position + 1 in a decode step. Keys cached by earlier calls keep
-the frequencies of their call, so past L prefill + decode would differ from one full forward:
-:meth:`RoPE.check_decode` refuses a cache longer than L in that mode and names the fix.
+the frequencies of their call, so past L prefill + decode would differ from one full forward
+(and a token's output depends on how long its call is): :meth:`RoPE.check_decode` refuses a
+cache longer than L in that mode and names the fix.
 """
 
 from __future__ import annotations

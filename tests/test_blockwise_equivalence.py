@@ -38,6 +38,7 @@ EXTRA_VARIANTS = [
     ("t5", {"bidirectional": True}),
     ("relative_capped", {"max_distance": 3}),
     ("alibi+rope", {}),
+    ("rope", {"scaling": "dynamic", "factor": 2.0, "original_max_len": 4}),  # per-call N = 8
 ]
 FAST_EXTRAS = {"cope+rope", "stickbreaking+alibi"}
 VARIANTS = [(name, {}) for name in registry.names()] + EXTRA_VARIANTS

@@ -26,6 +26,26 @@ PREFILL = 4
 # Row 0 is one document; row 1 packs three (a boundary in the prompt and one in the steps).
 SEGMENTS_BT, POSITIONS_BT = PACKED_SEGMENTS_BT, PACKED_POSITIONS_BT
 
+# RoPE's frequency options (copejax/positions/rope_frequencies.py), each live at these sizes
+# (head_dim 16, max_len 16, 8 positions): L = 32 puts pair 1 in Llama 3.1's blended band;
+# dynamic and longrope fix current_len = 8 > L = 4 (per-call lengths: test_rope_variants.py).
+ROPE_VARIANTS = [
+    ("rope", {"p": 0.5}),
+    ("rope", {"scaling": "llama3", "factor": 4.0, "original_max_len": 32}),
+    ("rope", {"scaling": "dynamic", "factor": 2.0, "original_max_len": 4, "current_len": 8}),
+    (
+        "rope",
+        {
+            "scaling": "longrope",
+            "short_factor": (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0),
+            "long_factor": (1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0),
+            "factor": 4.0,
+            "original_max_len": 4,
+            "current_len": 8,
+        },
+    ),
+    ("rope", {"scaling": "yarn", "factor": 2.0, "yarn_ramp": "index"}),
+]
 VARIANTS = [
     ("cope+rope", {}),
     ("cope+relative", {}),
@@ -54,6 +74,7 @@ SLOW_VARIANTS = [
     ("tape", {"tensorial": False, "equivariant": False}),
     ("tape", {"psi_input": "head", "hidden": 6}),
     ("rope", {"scaling": "yarn", "factor": 2.0}),
+    *ROPE_VARIANTS,
     ("randomized", {"encoding": "learned"}),
     ("randomized", {"encoding": "rope"}),
     ("sinusoidal", {"mode": "concat"}),

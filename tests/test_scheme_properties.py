@@ -15,6 +15,7 @@ import pytest
 from copejax.model import Transformer
 from copejax.positions import registry
 from tests.conftest import tiny_config, tokens_and_positions
+from tests.test_decode import ROPE_VARIANTS
 
 SCHEMES = registry.names()
 
@@ -102,3 +103,38 @@ def test_every_parameter_has_logical_axis_names(position: str) -> None:
     )
     unnamed = [jax.tree_util.keystr(path) for path, spec in specs if spec is None]
     assert not unnamed, f"{position}: parameters without logical axis names: {unnamed}"
+
+
+# Options that change a scheme's computation (scheme, options): the properties above for each.
+# RoPE's per-call dynamic length (original_max_len 4 < 8 positions) is live here too.
+OPTION_VARIANTS = [
+    *ROPE_VARIANTS,
+    ("rope", {"scaling": "dynamic", "factor": 2.0, "original_max_len": 4}),
+]
+
+
+@pytest.mark.parametrize(("position", "options"), OPTION_VARIANTS, ids=str)
+def test_option_variants_are_causal_jittable_and_close_in_bfloat16(
+    position: str, options: dict
+) -> None:
+    model, params = _init(position, position_options=options, num_layers=1)
+    tokens_BT, positions_BT = tokens_and_positions()
+    emb = model.apply(params, tokens_BT[:1], positions_BT[:1], True, method=Transformer.embed)
+
+    def output_at(x_BTD: jax.Array, t: int) -> jax.Array:
+        logits_BTV = model.apply(
+            params, emb.replace(x_BTD=x_BTD), method=Transformer.forward_embedded
+        )
+        return logits_BTV[0, t].sum()
+
+    grad_BTD = jax.grad(output_at)(emb.x_BTD, 3)
+    assert np.all(np.asarray(grad_BTD[0, 4:]) == 0.0), f"{options}: leak into t=3"
+    assert np.any(np.asarray(grad_BTD[0, :4]) != 0.0), f"{options}: no signal at t=3"
+    eager = np.asarray(model.apply(params, tokens_BT, positions_BT))
+    jitted = np.asarray(jax.jit(model.apply)(params, tokens_BT, positions_BT))
+    np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-5)
+    model16 = Transformer(
+        tiny_config(position, position_options=options, num_layers=1, dtype="bfloat16")
+    )
+    out16 = np.asarray(model16.apply(params, tokens_BT, positions_BT))
+    np.testing.assert_allclose(out16, eager, atol=0.05, rtol=0.05)

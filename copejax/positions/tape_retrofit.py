@@ -48,6 +48,11 @@ def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelCo
         raise ValueError(
             f"retrofit needs rope fraction=1.0 (every feature rotated), got {rope.fraction!r}"
         )
+    if rope.p != 1.0:
+        raise ValueError(
+            f"retrofit needs rope p=1.0: p-RoPE's zero frequencies (p={rope.p!r}) are not "
+            "TAPE's RoPE initialisation with one base"
+        )
     base = rope.base
     if rope.scaling == "ntk":
         # NTK scaling is a change of base (rope.scaled_inv_freq): TAPE's RoPE initialisation

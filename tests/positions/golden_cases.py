@@ -26,6 +26,7 @@ from copejax.positions.learned import lookup_rows_BTD
 from copejax.positions.randomized import relabel_positions
 from copejax.positions.relative import relative_logits
 from copejax.positions.rope import apply_rope, rope_inv_freq
+from copejax.positions.rope_frequencies import scaled_inv_freq
 from copejax.positions.sinusoidal import sinusoidal_encoding
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.positions.t5 import t5_bias
@@ -191,6 +192,24 @@ def rope() -> Case:
     return {
         "t3_f0": (_f(x[0, 3, 0, 0]), q[0] * math.cos(3.0) - q[2] * math.sin(3.0)),
         "t3_f3": (_f(x[0, 3, 0, 3]), q[3] * math.cos(3 * theta1) + q[1] * math.sin(3 * theta1)),
+        **_rope_scalings(),
+    }
+
+
+def _rope_scalings() -> Case:
+    # d = 16, base 10^4, s = 8, L = 64; theta_i = 10^(-i/2), wavelength_i = 2 pi 10^(i/2).
+    # Llama 3.1 (low 1, high 4): pair 2 (wavelength 62.8 in (16, 64)) blends with
+    # g = (64 / wavelength_2 - 1) / 3. YaRN's index ramp: the pair indices where
+    # L / wavelength = 32 and 1 are -0.99 and 2.02, rounded out to 0 and 3, so pair 1 keeps
+    # 2/3 of theta_1 and takes 1/3 of theta_1 / 8 (the paper's ramp gives it 0.072 / 0.928).
+    kwargs = {"factor": 8.0, "original_max_len": 64}
+    llama3 = scaled_inv_freq(16, 1e4, scaling="llama3", **kwargs)
+    yarn = scaled_inv_freq(16, 1e4, scaling="yarn", yarn_ramp="index", **kwargs)
+    g = (64 / (2 * math.pi * 10.0) - 1) / 3
+    theta1 = 10.0**-0.5
+    return {
+        "llama3_theta2": (_f(llama3[2]), (1 - g) * 0.1 / 8 + g * 0.1),
+        "yarn_index_theta1": (_f(yarn[1]), 2 / 3 * theta1 + 1 / 3 * theta1 / 8),
     }
 
 

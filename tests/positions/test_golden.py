@@ -63,6 +63,10 @@ GOLDEN: dict[str, dict[str, float]] = {
     "rope": {
         "t3_f0": 0.1105256,
         "t3_f3": -0.49337,
+        # (1 - g) 0.1 / 8 + g 0.1, g = (64 / (20 pi) - 1) / 3 = 0.0061979: 0.0130423 by hand.
+        "llama3_theta2": 0.01304226,
+        # 2/3 theta_1 + 1/3 theta_1 / 8, theta_1 = 10^-0.5: 0.210819 + 0.013176 = 0.223995.
+        "yarn_index_theta1": 0.2239947,
     },
     "sinusoidal": {
         "pos3_d0": 0.14112,

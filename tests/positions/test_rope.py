@@ -231,7 +231,7 @@ def test_odd_head_dim_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"scaling": "dynamic"}, "scaling must be one of"),
+        ({"scaling": "su"}, "scaling must be one of"),
         ({"scaling": "linear", "factor": 0.5}, "factor must be >= 1"),
         ({"factor": 2.0}, "factor=2.0 needs a scaling"),
         ({"scaling": "yarn", "factor": 2.0, "yarn_alpha": 40.0}, "yarn_alpha < yarn_beta"),

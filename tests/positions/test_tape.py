@@ -512,6 +512,8 @@ def test_retrofit_rejects_non_rope_configs() -> None:
         tape_config_from_rope(tiny_config("nope"))
     with pytest.raises(ValueError, match=r"fraction=1\.0"):
         tape_config_from_rope(tiny_config("rope", position_options={"fraction": 0.5}))
+    with pytest.raises(ValueError, match=r"p=1\.0: p-RoPE"):
+        tape_config_from_rope(tiny_config("rope", position_options={"p": 0.5}))
     with pytest.raises(ValueError, match="fixes the TAPE option 'coords'"):
         tape_config_from_rope(tiny_config("rope"), coords=4)
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax.data.lm import LanguageModel
+from copejax.input_pipeline import eval_batches
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
@@ -70,8 +71,8 @@ def evaluate_split(
       left out, a range without tokens is NaN.
     """
     length = task.split_length(split)
-    source = task.source(split, seed=0)
-    rows = len(source) if max_examples <= 0 else min(max_examples, len(source))
+    size = task.splits()[split]
+    rows = size if max_examples <= 0 else min(max_examples, size)
     batch = max(1, batch_size * task.seq_len // length)
     buckets = -(-length // bucket_width)
     model = Transformer(model_config)
@@ -84,11 +85,8 @@ def evaluate_split(
 
     sums, counts = np.zeros(buckets), np.zeros(buckets)
     position_sums, position_counts = np.zeros(length), np.zeros(length)
-    for start in range(0, rows, batch):
-        examples = [source[i] for i in range(start, min(start + batch, rows))]
-        stacked = {k: np.stack([e[k] for e in examples]) for k in examples[0]}
-        pad = batch - len(examples)  # one compiled shape per split; padded rows are unscored
-        stacked = {k: np.pad(v, ((0, pad), (0, 0))) for k, v in stacked.items()}
+    # One compiled shape per split: the last batch is padded with unscored rows.
+    for stacked, _ in eval_batches(task, split, 0, batch, max_examples=rows):
         nll_BT = np.asarray(
             nll_fn(params, stacked["inputs"], stacked["positions"], stacked["segment_ids"],
                    stacked["targets"])

@@ -51,7 +51,7 @@ def ensure_venv() -> None:
 
 def main(argv: list[str]) -> None:
     commands = {
-        "demo": [[PY, "-m", "copejax.demo", *argv[1:]]],
+        "demo": [[PY, "-m", "experiments.demo", *argv[1:]]],
         "test": [
             [BIN / "ruff", "check", "."],
             [BIN / "ruff", "format", "--check", "."],

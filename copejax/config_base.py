@@ -9,7 +9,10 @@ Sizes that default from the task use 0 (``model.head_dim``, ``model.mlp_dim``,
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import re
+from pathlib import Path
 
 import ml_collections
 
@@ -149,6 +152,15 @@ def pop_variant(args: dict[str, bool | int | float | str], default: str = "cpu")
     if len(chosen) > 1:
         raise ValueError(f"choose at most one of {VARIANTS}, got {chosen}")
     return chosen[0] if chosen else default
+
+
+def load_config(path: str | os.PathLike, arg: str) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of a config file, as ``--config=path:arg`` would load it."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
 
 
 def smoke(config: ml_collections.ConfigDict) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from copejax.demo import load_config
+from copejax.config_base import load_config
 from copejax.metrics import read_jsonl
 from copejax.results_json import write_json
 

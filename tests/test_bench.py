@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark script (``python -m copejax.bench --mode quick``), not a timing.
+"""Smoke test of the benchmark script (``python -m experiments.bench --mode quick``), not a timing.
 
 Checks that every measurement ran in its subprocess and came back with a time, XLA's memory
 and a peak RSS, that the page, JSON and plots are written, and the log-log slope helper.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from copejax.bench import fastest_nope_ratios, loglog_slope, markdown, round_ratios, targets
+from experiments.bench import fastest_nope_ratios, loglog_slope, markdown, round_ratios, targets
 
 
 def rows_side(result: dict) -> list[dict]:
@@ -24,7 +24,7 @@ def rows_side(result: dict) -> list[dict]:
 @pytest.mark.slow  # about a minute of subprocess compiles on 2 cores; keeps CI under 10 min
 def test_quick_mode_writes_json_page_and_plots(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "copejax.bench", "--mode", "quick", "--out_dir", str(tmp_path)],
+        [sys.executable, "-m", "experiments.bench", "--mode", "quick", "--out_dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

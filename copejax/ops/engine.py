@@ -27,7 +27,7 @@ Backward passes (``backward``):
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
   the backward keeps carries only. Needed by carries (CoPE, stick-breaking); timed against
-  "flash" by ``python -m copejax.bench`` (the "fox remat" arm).
+  "flash" by ``python -m experiments.bench`` (the "fox remat" arm).
 
 Shape letters: B batch, T queries, S keys, N heads, H head dim (values may be wider: TAPE mixes
 its position tensors as extra value features), Q / K query / key block length, G blocks.

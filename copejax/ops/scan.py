@@ -9,7 +9,7 @@ is what the blockwise attention path builds on.
 
 Accumulation is float32 whatever the input dtype. ``impl="cumsum"`` switches to
 ``lax.cumsum`` (measured about 1.7-2x faster on CPU for (16, 4, 512, 512), forward and
-backward; see ``python -m copejax.ops.bench_scan``); ``impl="auto"`` picks ``cumsum`` on CPU
+backward; see ``python -m experiments.bench_scan``); ``impl="auto"`` picks ``cumsum`` on CPU
 and ``associative_scan`` elsewhere.
 """
 

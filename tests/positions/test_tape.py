@@ -27,7 +27,7 @@ from copejax.positions.tape import (
     tape_qk,
     tape_update,
 )
-from copejax.positions.tape_retrofit import (
+from copejax.tape_retrofit import (
     retrofit_rope_params,
     tape_config_from_rope,
     tape_param_mask,

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from copejax import demo
 from copejax.metrics import read_jsonl
+from experiments import demo
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,10 +8,10 @@ process, ratios within rounds) of each scheme's default path against its naive p
 fastest nope path. ``dpa`` is nope on ``jax.nn.dot_product_attention``. Measurements run in
 subprocesses (an out-of-memory death does not stop the script); a series stops at its first
 failure, time over the cap, or predicted memory over the cap (XLA's buffer assignment, read
-before running). Also runs ``copejax.ops.bench_scan``.
+before running). Also runs ``experiments.bench_scan``.
 
-    .venv/bin/python -m copejax.bench --mode full     # writes experiments/results/bench.*
-    .venv/bin/python -m copejax.bench --mode quick --out_dir /tmp/bench   # smoke run
+    .venv/bin/python -m experiments.bench --mode full     # writes experiments/results/bench.*
+    .venv/bin/python -m experiments.bench --mode quick --out_dir /tmp/bench   # smoke run
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The repository: workers run ``-m experiments.bench`` and ``-m copejax.main`` from it.
+ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     # layer: one attention layer's forward+backward for every scheme, one subprocess per scheme
     # with lengths ascending; long: the 32K run of LONG_SCHEMES, one subprocess each;
@@ -171,8 +173,7 @@ def cli_step(scheme: str, length: int) -> dict:
             "--config.train.warmup_steps=0",
         ]
         start = time.perf_counter()
-        root = Path(__file__).resolve().parents[1]
-        done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
         row["time_s"] = time.perf_counter() - start
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     row["command"] = "python -m copejax.main " + " ".join(command[3:4]) + " (batch 1)"
@@ -287,11 +288,13 @@ def _worker(spec: dict) -> None:
 def _run_series(spec: dict) -> list[dict]:
     """Runs spec's lengths in one subprocess; a death or a timeout becomes a failed row for
     the first length without a result."""
-    command = [sys.executable, "-m", "copejax.bench", "--worker", json.dumps(spec)]
+    command = [sys.executable, "-m", "experiments.bench", "--worker", json.dumps(spec)]
     timeout = spec["cap_s"] * len(spec["lengths"])
     rows: list[dict] = []
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+        )
         stdout, stderr, returncode = done.stdout, done.stderr, done.returncode
         failure = "error"
         if returncode < 0 or "RESOURCE_EXHAUSTED" in stderr or "MemoryError" in stderr:
@@ -407,7 +410,7 @@ def _meta(mode: str) -> dict:
 
     return {
         "mode": mode,
-        "command": f"python -m copejax.bench --mode {mode}",
+        "command": f"python -m experiments.bench --mode {mode}",
         "batch": BATCH,
         "heads": HEADS,
         "head_dim": HEAD_DIM,
@@ -723,7 +726,7 @@ def markdown(result: dict) -> str:
             ]
             lines.append(f"| {scheme} | " + " | ".join(cells) + " |")
     if "scan" in result:
-        from copejax.ops.bench_scan import markdown_table
+        from experiments.bench_scan import markdown_table
 
         lines += ["", "## Scan micro-benchmark (associative_scan vs lax.cumsum)", ""]
         lines.append(markdown_table(result["scan"]))
@@ -778,7 +781,7 @@ def main() -> None:
         (out_dir / "bench.md").write_text(markdown(result))
         plots(result, out_dir)
         return
-    from copejax.ops import bench_scan
+    from experiments import bench_scan
 
     schemes = args.schemes.split(",") if args.schemes else None
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 language modelling (Liu et al. 2023, arXiv 2306.00946) with token-position schemes against CoPE
 (Golovneva et al. 2024, arXiv 2405.18719, Table 2), trained on CPU in a few minutes.
 
-    python -m copejax.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo]
+    python -m experiments.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo]
 
 Trains ``configs/flipflop.py:cpu`` (a small model on 63-token sequences, seed 0) once per
 scheme, printing the loss as it falls, then a table of every scheme's test,
@@ -14,13 +14,12 @@ study, with 3 seeds and the paper's numbers: ``python -m experiments.flipflop``.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
-import ml_collections
 from absl import app, flags, logging
 
+from copejax.config_base import load_config
 from copejax.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,15 +28,6 @@ _POSITIONS = flags.DEFINE_list(
 )
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/demo", "Parent of the runs' workdirs.")
 _ARG = flags.DEFINE_string("variant", "cpu", "Argument of configs/flipflop.py (smoke, cpu).")
-
-
-def load_config(path: Path, arg: str) -> ml_collections.ConfigDict:
-    """``get_config(arg)`` of a config file, as ``--config=path:arg`` would load it."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
 
 def results_table(records: list[dict[str, float]]) -> str:

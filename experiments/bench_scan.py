@@ -5,8 +5,8 @@ cumulative sum over the last axis of a (B, N, T, S) float32 array. This script t
 implementations of ``copejax.ops.scan.cumsum(..., reverse=True)``, forward and forward+backward,
 interleaved in one run so that both see the same machine load, and reports the ratio.
 
-    .venv/bin/python -m copejax.ops.bench_scan                       # default sizes
-    .venv/bin/python -m copejax.ops.bench_scan --out /tmp/b.json --repeats 5
+    .venv/bin/python -m experiments.bench_scan                       # default sizes
+    .venv/bin/python -m experiments.bench_scan --out /tmp/b.json --repeats 5
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
-        "command": "python -m copejax.ops.bench_scan",
+        "command": "python -m experiments.bench_scan",
     }
     print(f"backend {meta['backend']} ({meta['device']}), jax {meta['jax']}")
     print(markdown_table(rows))

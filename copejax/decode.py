@@ -49,8 +49,9 @@ def generate(
     temperature: float = 0.0,
     key: jax.Array | None = None,
     max_len: int | None = None,
+    context: int | None = None,
 ) -> jax.Array:
-    """Continues each prompt by ``steps`` tokens with the KV cache.
+    """Continues each prompt by ``steps`` tokens, with the KV cache.
 
     Args:
       cfg: the model configuration.
@@ -61,6 +62,11 @@ def generate(
       key: the sampling key (needed when temperature > 0); step i samples with the i-th key
         of the chain ``key, step_key = jax.random.split(key)``.
       max_len: cache slots; default T + steps - 1 (the last token is never fed back).
+      context: the longest sequence the model may see (None: no limit). When T + steps - 1
+        exceeds it, the cache is not used: every new token re-runs the model on the last
+        ``context`` tokens at positions 0 .. context - 1 (a sliding window re-encoded each
+        step, padded on the right to one compiled shape). Within it, the cache decodes; both
+        give the same tokens with the same key chain.
 
     Returns:
       new tokens, int32 (B, steps).
@@ -71,18 +77,20 @@ def generate(
         raise ValueError("generate: temperature > 0 needs a key")
     if steps < 1:
         raise ValueError(f"generate: steps must be >= 1, got {steps}")
+    if context is not None and context < 1:
+        raise ValueError(f"generate: context must be >= 1 or None, got {context}")
     batch, length = prompt_BT.shape
     needed = length + steps - 1
+    key = jax.random.key(0) if key is None else key
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    if context is not None and needed > context:
+        return _generate_by_window(
+            cfg, params, prompt_BT, steps, temperature=temperature, key=key, context=context
+        )
     max_len = needed if max_len is None else max_len
     if max_len < needed:
         raise ValueError(f"generate: max_len={max_len} is too short; allowed: >= {needed}")
     model = Transformer(cfg)
-    key = jax.random.key(0) if key is None else key
-
-    def pick(logits_BV: jax.Array, step_key: jax.Array) -> jax.Array:
-        if temperature == 0:
-            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        return jax.random.categorical(step_key, logits_BV / temperature).astype(jnp.int32)
 
     @jax.jit
     def run(prompt_BT: jax.Array, key: jax.Array) -> jax.Array:
@@ -96,7 +104,7 @@ def generate(
             mutable=["cache"],
         )
         key, step_key = jax.random.split(key)
-        first_B = pick(logits_BTV[:, -1], step_key)
+        first_B = _pick(logits_BTV[:, -1], step_key, temperature)
 
         def step(carry: tuple, position: jax.Array) -> tuple[tuple, jax.Array]:
             cache, token_B, key = carry
@@ -109,11 +117,51 @@ def generate(
                 mutable=["cache"],
             )
             key, step_key = jax.random.split(key)
-            new_B = pick(logits_B1V[:, 0], step_key)
+            new_B = _pick(logits_B1V[:, 0], step_key, temperature)
             return (variables["cache"], new_B, key), new_B
 
         carry = (variables["cache"], first_B, key)
         _, rest_LB = jax.lax.scan(step, carry, length + jnp.arange(steps - 1, dtype=jnp.int32))
         return jnp.concatenate([first_B[:, None], rest_LB.T], axis=1)
 
-    return run(jnp.asarray(prompt_BT, jnp.int32), key)
+    return run(prompt_BT, key)
+
+
+def _pick(logits_BV: jax.Array, step_key: jax.Array, temperature: float) -> jax.Array:
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(step_key, logits_BV / temperature).astype(jnp.int32)
+
+
+def _generate_by_window(
+    cfg: ModelConfig,
+    params: Any,
+    prompt_BT: jax.Array,
+    steps: int,
+    *,
+    temperature: float,
+    key: jax.Array,
+    context: int,
+) -> jax.Array:
+    """``generate`` past ``context``: each token from a full forward over the last
+    ``context`` tokens (C = context)."""
+    model = Transformer(cfg)
+    batch = prompt_BT.shape[0]
+
+    @jax.jit
+    def next_token(ids_BC: jax.Array, used: jax.Array, step_key: jax.Array) -> jax.Array:
+        positions_BC = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (batch, context))
+        segments_BC = (positions_BC < used).astype(jnp.int32)
+        logits_BCV = model.apply({"params": params}, ids_BC, positions_BC, segments_BC)
+        return _pick(logits_BCV[:, used - 1], step_key, temperature)
+
+    ids_BL, new = prompt_BT, []
+    for _ in range(steps):
+        window_BW = ids_BL[:, -context:]
+        used = window_BW.shape[1]
+        padded_BC = jnp.pad(window_BW, ((0, 0), (0, context - used)))
+        key, step_key = jax.random.split(key)
+        token_B = next_token(padded_BC, jnp.int32(used), step_key)
+        ids_BL = jnp.concatenate([ids_BL, token_B[:, None]], axis=1)
+        new.append(token_B)
+    return jnp.stack(new, axis=1)

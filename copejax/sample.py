@@ -3,11 +3,10 @@
     python -m copejax.sample --workdir=workdirs/lm_cope --prompt="ROMEO." \
         [--max_new_tokens=300] [--temperature=0.8] [--seed=0] [--context=0]
 
-Greedy at ``--temperature=0``, else sampling from softmax(logits / temperature). When the
-prompt and the new tokens fit in ``--context`` tokens (default: the training length T), the
-text comes from incremental decoding with the KV cache (``copejax.decode.generate``). Past
-that, every new token re-runs the model on the last ``--context`` tokens (a sliding window,
-padded on the right to that fixed length so that one compiled function serves every step).
+Greedy at ``--temperature=0``, else sampling from softmax(logits / temperature), through
+``copejax.decode.generate``: the KV cache while the prompt and the new tokens fit in
+``--context`` tokens (default: the training length T), past that a sliding window of the last
+``--context`` tokens re-run for every new token.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from absl import app, flags
 
 from copejax import command_line, decode
 from copejax.data import _tokenizers as tok
-from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
 
-def generate(
+def continue_text(
     model_config: ModelConfig,
     params: Any,
     prompt_ids: np.ndarray,
@@ -34,60 +32,26 @@ def generate(
     temperature: float,
     seed: int,
     context: int,
-    use_cache: bool = True,
 ) -> np.ndarray:
-    """Continues ``prompt_ids`` (starting with ``<bos>``); stops after ``<eos>``.
-
-    With ``use_cache`` (and prompt + new tokens within ``context``) the KV cache decodes;
-    otherwise each token re-runs the model on the window. Both give the same tokens: token i
-    is drawn with the i-th key of the chain ``key, step_key = split(key)`` from ``seed``.
+    """``decode.generate`` of one prompt (starting with ``<bos>``), cut after ``<eos>``.
 
     Returns the new token ids, int32 [<= max_new_tokens].
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if context < 1:
-        raise ValueError(f"context must be >= 1, got {context}")
     if max_new_tokens < 1:
         return np.zeros((0,), np.int32)
-    if use_cache and len(prompt_ids) + max_new_tokens - 1 <= context:
-        new = np.asarray(
-            decode.generate(
-                model_config,
-                params,
-                jnp.asarray(prompt_ids, jnp.int32)[None],
-                max_new_tokens,
-                temperature=temperature,
-                key=jax.random.key(seed),
-            )[0]
-        )
-        eos = np.flatnonzero(new == tok.EOS_ID)
-        return (new[: eos[0] + 1] if eos.size else new).astype(np.int32)
-    model = Transformer(model_config)
-
-    @jax.jit
-    def next_token(ids_1C: jax.Array, used: jax.Array, key: jax.Array) -> jax.Array:
-        positions_1C = jnp.arange(context)[None]
-        segments_1C = (positions_1C < used).astype(jnp.int32)
-        logits_1CV = model.apply({"params": params}, ids_1C, positions_1C, segments_1C)
-        logits_V = logits_1CV[0, used - 1]
-        if temperature == 0:
-            return jnp.argmax(logits_V)
-        return jax.random.categorical(key, logits_V / temperature)
-
-    ids, new = list(int(i) for i in prompt_ids), []
-    key = jax.random.key(seed)
-    for _ in range(max_new_tokens):
-        window = ids[-context:]
-        padded = np.zeros((1, context), np.int32)
-        padded[0, : len(window)] = window
-        key, step_key = jax.random.split(key)
-        token = int(next_token(padded, jnp.int32(len(window)), step_key))
-        ids.append(token)
-        new.append(token)
-        if token == tok.EOS_ID:
-            break
-    return np.asarray(new, np.int32)
+    new = np.asarray(
+        decode.generate(
+            model_config,
+            params,
+            jnp.asarray(prompt_ids, jnp.int32)[None],
+            max_new_tokens,
+            temperature=temperature,
+            key=jax.random.key(seed),
+            context=context,
+        )[0]
+    )
+    eos = np.flatnonzero(new == tok.EOS_ID)
+    return (new[: eos[0] + 1] if eos.size else new).astype(np.int32)
 
 
 def main(argv: list[str]) -> None:
@@ -105,7 +69,7 @@ def main(argv: list[str]) -> None:
     prompt_ids = np.concatenate([[tok.BOS_ID], tokenizer.encode(flags.FLAGS.prompt)]).astype(
         np.int32
     )
-    new = generate(
+    new = continue_text(
         run.model_config,
         run.params,
         prompt_ids,

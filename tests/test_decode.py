@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, sample
+from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
 from copejax.positions.fox import PRO_OPTIONS, fox_cached_cumsum
@@ -299,11 +299,18 @@ def test_cached_greedy_generation_equals_reforward(position: str) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sample_generate_with_cache_equals_reforward(temperature: float) -> None:
+def test_generate_with_cache_equals_the_window_reforward(temperature: float) -> None:
+    """Within the context the window path re-runs the whole sequence each step: it must give
+    the cache's tokens with the same key chain. Past it, the window slides."""
     _, params, cfg = _model_and_params("cope+rope", {})
-    prompt = np.array([1, 5, 7], np.int32)
-    kwargs = dict(max_new_tokens=6, temperature=temperature, seed=4, context=LENGTH)
-    cached = sample.generate(cfg, params, prompt, **kwargs)
-    reforward = sample.generate(cfg, params, prompt, use_cache=False, **kwargs)
-    assert cached.shape[0] >= 1
-    np.testing.assert_array_equal(cached, reforward)
+    prompt_BT = jnp.array([[1, 5, 7], [2, 3, 4]], jnp.int32)
+    key = jax.random.key(4)
+    cached = decode.generate(cfg, params, prompt_BT, 6, temperature=temperature, key=key)
+    window = decode._generate_by_window(
+        cfg, params, prompt_BT, 6, temperature=temperature, key=key, context=LENGTH
+    )
+    np.testing.assert_array_equal(np.asarray(cached), np.asarray(window))
+    sliding = decode.generate(cfg, params, prompt_BT, 6, temperature=temperature, key=key,
+                              context=4)  # fmt: skip
+    assert sliding.shape == (2, 6)
+    np.testing.assert_array_equal(np.asarray(sliding[:, :2]), np.asarray(cached[:, :2]))

@@ -17,7 +17,7 @@ from copejax.data import _tokenizers as tok
 from copejax.data.base import make_task
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
-from copejax.sample import generate
+from copejax.sample import continue_text
 from tests.conftest import tiny_config
 
 
@@ -111,7 +111,7 @@ def test_greedy_generation_is_the_argmax_of_a_full_forward(toy: tuple) -> None:
     # A prompt of 8 tokens: every step's window is the last 8 (one compiled shape).
     text = "abcdefg"
     prompt = np.concatenate([[tok.BOS_ID], task.text_tokenizer().encode(text)]).astype(np.int32)
-    new = generate(cfg, params, prompt, max_new_tokens=4, temperature=0.0, seed=0, context=8)
+    new = continue_text(cfg, params, prompt, max_new_tokens=4, temperature=0.0, seed=0, context=8)
     ids = list(prompt)
     apply = jax.jit(Transformer(cfg).apply)
     for token in new:
@@ -121,4 +121,4 @@ def test_greedy_generation_is_the_argmax_of_a_full_forward(toy: tuple) -> None:
         ids.append(int(token))
     assert 1 <= len(new) <= 4
     with pytest.raises(ValueError, match="temperature"):
-        generate(cfg, params, prompt, max_new_tokens=1, temperature=-1.0, seed=0, context=8)
+        continue_text(cfg, params, prompt, max_new_tokens=1, temperature=-1.0, seed=0, context=8)

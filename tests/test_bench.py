@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import fastest_nope_ratios, loglog_slope, markdown, round_ratios, targets
+from experiments.bench_page import (
+    fastest_nope_ratios,
+    loglog_slope,
+    markdown,
+    round_ratios,
+    targets,
+)
 
 
 def rows_side(result: dict) -> list[dict]:

@@ -1,0 +1,200 @@
+"""What the benchmark measures, inside its worker subprocesses: one attention layer's
+forward+backward (time, XLA's buffer bytes, peak RSS), one training step through the command
+line, and side-by-side rounds of several paths in one process (``experiments.bench``).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from experiments.bench import (
+    BATCH,
+    HEAD_DIM,
+    HEADS,
+    LONG_RUN_S,
+    MEMORY_CAP_BYTES,
+    MODEL_KEYS,
+    ROOT,
+    STEP_MODEL,
+)
+
+
+def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields of a benchmarked name: ``dpa`` is ``nope`` on the
+    ``jax.nn.dot_product_attention`` kernel (the same layer, projections and mask); the
+    ``MODEL_KEYS`` of ``options`` are model-level attention options."""
+    if scheme == "dpa":
+        return {"position": "nope", "attention_impl": "dot_product_attention"}
+    model = {k: v for k, v in options.items() if k in MODEL_KEYS}
+    own = {k: v for k, v in options.items() if k not in MODEL_KEYS}
+    return {"position": scheme, "position_options": own, **model}
+
+
+def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
+    """(jitted fwd+bwd fn, its args) for one attention layer of ``scheme`` at ``length``."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from copejax.attention import Attention
+    from copejax.model_config import ModelConfig
+    from copejax.positions.base import AttentionContext, EmbedOutput
+
+    d_model = HEADS * HEAD_DIM
+    key_x, key_p, key_c = jax.random.split(jax.random.key(0), 3)
+    x_BTD = jax.random.normal(key_x, (BATCH, length, d_model), jnp.float32)
+    cot_BTD = jax.random.normal(key_c, (BATCH, length, d_model), jnp.float32)
+    positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (BATCH, length))
+
+    cfg = ModelConfig(
+        vocab_size=16,
+        d_model=d_model,
+        num_heads=HEADS,
+        num_layers=1,
+        head_dim=HEAD_DIM,
+        max_len=length,
+        **_position_fields(scheme, options),
+    ).validate()
+    scheme_spec = cfg.scheme()
+
+    class Layer(nn.Module):
+        def setup(self) -> None:
+            self.embed = scheme_spec.embed_module(cfg.dims)
+            self.shared = scheme_spec.shared_attention_module(cfg.dims)
+            self.attention = Attention(cfg, shared=self.shared)
+
+        def __call__(self, x_BTD: jax.Array) -> jax.Array:
+            emb = EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
+            if self.embed is not None:
+                emb = self.embed(x_BTD, positions_BT, True)
+            ctx = AttentionContext.create(emb.x_BTD, emb.positions_BT, carry=emb.carry)
+            return self.attention(emb.x_BTD, ctx)[0]
+
+    module = Layer()
+    params = module.init(key_p, x_BTD)
+
+    def fwd_bwd(params: Any, x_BTD: jax.Array) -> Any:
+        def loss(p: Any, x: jax.Array) -> jax.Array:
+            return jnp.sum(module.apply(p, x) * cot_BTD)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x_BTD)
+
+    return jax.jit(fwd_bwd), (params, x_BTD)
+
+
+def cli_step(scheme: str, length: int) -> dict:
+    """One training step of the bench's small model (STEP_MODEL) at ``length`` through the
+    command line (``python -m copejax.main``, configs/lm.py, batch 1, one eval example): its
+    wall time and the peak RSS of that process (this worker's only child)."""
+    import tempfile
+
+    m = STEP_MODEL
+    arg = (
+        f"cpu,position={scheme},length={length},steps=1,batch_size=1,d_model={m['d_model']},"
+        f"heads={m['num_heads']},layers={m['num_layers']}"
+    )
+    row: dict[str, Any] = {"kind": "cli_step", "scheme": scheme, "T": length}
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [
+            sys.executable,
+            "-m",
+            "copejax.main",
+            f"--config=configs/lm.py:{arg}",
+            f"--workdir={workdir}/run",
+            "--config.eval.batch_size=1",
+            "--config.eval.max_examples=1",
+            "--config.train.warmup_steps=0",
+        ]
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+        row["time_s"] = time.perf_counter() - start
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    row["command"] = "python -m copejax.main " + " ".join(command[3:4]) + " (batch 1)"
+    row["status"] = "ok" if done.returncode == 0 else "error"
+    if done.returncode != 0:
+        row["stderr_tail"] = done.stderr[-800:]
+    return row
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+
+
+def measure(kind: str, scheme: str, length: int, repeats: int, options: dict[str, Any]) -> dict:
+    """One measurement (run inside a worker subprocess): compile, predict memory, time."""
+    import jax
+
+    fn, args = _layer_program(scheme, length, options)
+    start = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    row: dict[str, Any] = {"kind": kind, "scheme": scheme, "T": length, "compile_s": compile_s}
+    analysis = compiled.memory_analysis()
+    if analysis is not None:
+        row["xla_bytes"] = int(
+            analysis.temp_size_in_bytes
+            + analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+        )
+        row["xla_temp_bytes"] = int(analysis.temp_size_in_bytes)
+    if row.get("xla_bytes", 0) > MEMORY_CAP_BYTES:
+        row["status"] = "over_memory_cap"
+        return row
+    row["rss_before_run_bytes"] = _rss_bytes()
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))  # warm-up (compilation is already done)
+    times = [time.perf_counter() - start]
+    if times[0] < LONG_RUN_S:  # long runs are timed once: the warm-up is the measurement
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+    row["timed_runs"] = len(times)
+    row.update(status="ok", time_s=statistics.median(times), peak_rss_bytes=_rss_bytes())
+    return row
+
+
+def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
+    """Times every arm at ``length`` in this process, interleaved (see SIDE_BY_SIDE_ARMS)."""
+    import jax
+
+    compiled, rows = {}, []
+    for label, scheme, options in arms:
+        fn, args = _layer_program(scheme, length, options)
+        program = fn.lower(*args).compile()
+        analysis = program.memory_analysis()
+        xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)
+        if xla > MEMORY_CAP_BYTES:
+            rows.append({"label": label, "status": "over_memory_cap", "xla_temp_bytes": xla})
+            continue
+        jax.block_until_ready(program(*args))  # warm-up
+        compiled[label] = (program, args)
+        rows.append({"label": label, "status": "ok", "xla_temp_bytes": xla, "times_s": []})
+    by_label = {row["label"]: row for row in rows if row["status"] == "ok"}
+    order = list(by_label)
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for label in order[shift:] + order[:shift]:
+            program, args = compiled[label]
+            start = time.perf_counter()
+            jax.block_until_ready(program(*args))
+            by_label[label]["times_s"].append(time.perf_counter() - start)
+    out = []
+    for row in rows:
+        times = row.get("times_s", [])
+        out.append(
+            {
+                "kind": "side_by_side",
+                "scheme": row["label"],
+                "T": length,
+                **row,
+                **({"time_s": statistics.median(times)} if times else {}),
+            }
+        )
+    return out

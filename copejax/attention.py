@@ -159,7 +159,7 @@ class Attention(nn.Module):
             init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
             name="out",
         )
-        own = cfg.scheme().layer_attention_module(cfg.dims, self.shared)
+        own = cfg.scheme.layer_attention_module(cfg.dims, self.shared)
         if own is None and self.shared is None:
             own = AttentionSite(cfg.dims)  # a scheme without attention sites (nope)
         self.own_site = own

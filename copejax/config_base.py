@@ -38,15 +38,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.d_model = 128
     c.model.num_heads = 4
     c.model.num_layers = 2
-    c.model.head_dim = 0  # 0: d_model // num_heads
-    c.model.mlp_dim = 0  # 0: the block's default width
+    c.model.head_dim = ml_collections.config_dict.placeholder(int)  # None: d_model // num_heads
+    c.model.mlp_dim = ml_collections.config_dict.placeholder(int)  # None: the block's default
     c.model.block = "llama"
     c.model.tie_embeddings = True
     c.model.dropout = 0.0
     c.model.dtype = "float32"
     c.model.position = "rope"
     c.model.position_options = ml_collections.ConfigDict()
-    c.model.max_len = 0  # 0: the task's training sequence length
+    c.model.max_len = ml_collections.config_dict.placeholder(int)  # None: the task's length
     c.model.init_std = 0.02
     # auto | naive | blockwise | dot_product_attention (copejax.model_config.ModelConfig).
     c.model.attention_impl = "auto"

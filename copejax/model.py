@@ -104,7 +104,7 @@ class Transformer(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        scheme = cfg.scheme()
+        scheme = cfg.scheme
         self.token_embed = nn.Embed(
             cfg.vocab_size,
             scheme.token_dim(cfg.d_model),
@@ -179,7 +179,7 @@ class Transformer(nn.Module):
         )
         if decode:
             view = self.decode_cursor(emb.positions_BT, ctx.q_segment_ids_BT)
-            cfg.scheme().check_decode(cfg.dims, view.positions_BS.shape[1])
+            cfg.scheme.check_decode(cfg.dims, view.positions_BS.shape[1])
             ctx = ctx.replace(
                 k_positions_BS=view.positions_BS,
                 k_segment_ids_BS=view.segment_ids_BS,

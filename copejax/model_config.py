@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +19,9 @@ SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
 # 256 from there (side-by-side probes on a 2-core CPU: at T = 1024 blocks of 128 were faster
 # for nope and CoPE, at T = 4096 blocks of 256 for nope and FoX; experiments/results/bench.md).
 SMALL_BLOCK, LARGE_BLOCK, LARGE_BLOCK_FROM = 128, 256, 4096
+# Sizes configs saved before ModelConfig.from_config wrote as 0 for "unset" (now None); the
+# same keys as copejax.workdir.UNSET_AS_ZERO, which lets such a run resume.
+UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len")
 # Sites a scheme may use with attention_impl="dot_product_attention": the kernel takes the
 # queries, keys and values the qk site returns, an additive bias, and computes the masked
 # softmax itself; a bias site is allowed when its bias reads positions only.
@@ -89,9 +91,44 @@ class ModelConfig:
     attention_block: int | None = None
     attention_backward: str = "auto"
     scan_impl: str = "auto"
+    # The resolved scheme of ``position`` and ``position_options``, built once per config (in
+    # __post_init__, so ``dataclasses.replace`` rebuilds it); not compared or hashed.
+    scheme: PositionScheme = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "position_options", _freeze(self.position_options))
+        from copejax.positions.registry import make_scheme
+
+        object.__setattr__(self, "scheme", make_scheme(self.position, dict(self.position_options)))
+
+    @classmethod
+    def from_config(
+        cls, model: Mapping[str, Any], *, vocab_size: int, default_max_len: int
+    ) -> ModelConfig:
+        """The ModelConfig of a config's ``model`` block: the one conversion from configs.
+
+        The block's keys are this dataclass's fields (``vocab_size`` comes from the task).
+        ``None`` means unset; configs saved before that wrote 0 for the unset sizes
+        (``UNSET_AS_ZERO``), which still load, as do the per-scheme attention options of
+        older configs (:func:`upgrade_attention_options`). An unset ``max_len`` is
+        ``default_max_len`` (the task's training length). Unknown keys are refused by name.
+        """
+        fields = dict(model)
+        attention, fields["position_options"] = upgrade_attention_options(fields)
+        fields.pop("attention_kernel", None)
+        fields.update(attention)
+        for key in UNSET_AS_ZERO:
+            if fields.get(key) == 0:
+                fields[key] = None
+        if fields.get("max_len") is None:
+            fields["max_len"] = default_max_len
+        allowed = sorted(
+            f.name for f in dataclasses.fields(cls) if f.init and f.name != "vocab_size"
+        )
+        unknown = sorted(set(fields) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown model keys {unknown}; allowed: {allowed}")
+        return cls(vocab_size=vocab_size, **fields)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -109,7 +146,7 @@ class ModelConfig:
         """Whether ``jax.nn.dot_product_attention`` can compute this scheme's attention: sites
         embed and qk only, plus a bias site whose bias reads positions only (ALiBi, T5,
         Kerple, FIRE; ``PositionScheme.position_only_bias``)."""
-        scheme = self.scheme()
+        scheme = self.scheme
         extra = set(scheme.sites) - KERNEL_SITES
         return not extra or (extra == {"bias"} and scheme.position_only_bias)
 
@@ -132,12 +169,6 @@ class ModelConfig:
             num_layers=self.num_layers,
             max_len=self.max_len,
         )
-
-    def scheme(self) -> PositionScheme:
-        # The cache key carries each value's type: 1 == True would otherwise return a scheme
-        # built (and validated) from the other value.
-        typed = tuple((k, type(v).__name__, v) for k, v in self.position_options)
-        return _make_scheme(self.position, typed)
 
     def validate(self) -> ModelConfig:
         """Raises ValueError naming the first bad value and what is allowed; returns self."""
@@ -176,7 +207,7 @@ class ModelConfig:
             raise ValueError(
                 f"model.attention_block must be a positive integer or None, got {block!r}"
             )
-        scheme = self.scheme()
+        scheme = self.scheme
         scheme.validate(self.dims)
         extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)
         if (
@@ -227,10 +258,3 @@ def upgrade_attention_options(model: Mapping[str, Any]) -> tuple[dict[str, Any],
         if model.get(key) is not None:
             upgraded[key] = model[key]
     return upgraded, options
-
-
-@functools.cache
-def _make_scheme(name: str, typed_options: tuple[tuple[str, str, Any], ...]) -> PositionScheme:
-    from copejax.positions.registry import make_scheme
-
-    return make_scheme(name, {key: value for key, _, value in typed_options})

@@ -43,7 +43,7 @@ def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelCo
     """
     if rope_cfg.position != "rope":
         raise ValueError(f"retrofit needs position='rope', got {rope_cfg.position!r}")
-    rope = rope_cfg.scheme()
+    rope = rope_cfg.scheme
     if rope.fraction != 1.0:
         raise ValueError(
             f"retrofit needs rope fraction=1.0 (every feature rotated), got {rope.fraction!r}"

@@ -31,7 +31,7 @@ from copejax.config_base import NONFINITE
 from copejax.data.base import Task, make_task
 from copejax.metrics import MetricsWriter, truncate_after
 from copejax.model import Transformer
-from copejax.model_config import ModelConfig, upgrade_attention_options
+from copejax.model_config import ModelConfig
 from copejax.preemption import Preempted, StopSignal
 from copejax.progress import Progress
 from copejax.train_step import Steps, make_steps
@@ -64,25 +64,10 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
-    """The ModelConfig of ``config.model``: vocab from the task, 0 sizes resolved."""
-    m = config.model
-    attention, position_options = upgrade_attention_options(m.to_dict())
-    return ModelConfig(
-        vocab_size=len(task.vocab),
-        d_model=m.d_model,
-        num_heads=m.num_heads,
-        num_layers=m.num_layers,
-        head_dim=m.head_dim or None,
-        mlp_dim=m.mlp_dim or None,
-        block=m.block,
-        tie_embeddings=m.tie_embeddings,
-        dropout=m.dropout,
-        dtype=m.dtype,
-        position=m.position,
-        position_options=position_options,
-        max_len=m.max_len or task.seq_len,
-        init_std=m.init_std,
-        **attention,
+    """The ModelConfig of ``config.model`` (``ModelConfig.from_config``): the vocabulary and
+    the default ``max_len`` come from the task."""
+    return ModelConfig.from_config(
+        config.model.to_dict(), vocab_size=len(task.vocab), default_max_len=task.seq_len
     )
 
 

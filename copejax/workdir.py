@@ -41,9 +41,19 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
+# Sizes that configs saved before copejax.model_config.ModelConfig.from_config wrote as 0 for
+# "unset" (now null): a saved 0 equals a new null.
+UNSET_AS_ZERO = ("model.head_dim", "model.mlp_dim", "model.max_len")
+
+
+def _unset_zero_as_none(flat: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if k in UNSET_AS_ZERO and v == 0 else v) for k, v in flat.items()}
+
+
 def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """'key: old -> new' for every dotted key whose value differs (RESUMABLE keys included)."""
-    flat_old, flat_new = _flatten(old), _flatten(new)
+    flat_old = _unset_zero_as_none(_flatten(old))
+    flat_new = _unset_zero_as_none(_flatten(new))
     missing = "<absent>"
     return [
         f"{key}: {flat_old.get(key, missing)!r} -> {flat_new.get(key, missing)!r}"

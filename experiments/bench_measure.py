@@ -60,7 +60,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
         max_len=length,
         **_position_fields(scheme, options),
     ).validate()
-    scheme_spec = cfg.scheme()
+    scheme_spec = cfg.scheme
 
     class Layer(nn.Module):
         def setup(self) -> None:

@@ -96,7 +96,7 @@ def test_paper_tape_uses_the_appendix_sizes(name: str) -> None:
 
     config = load(name).get_config("paper,position=tape")
     plan = validate(config, device_count=1)
-    scheme = plan.model_config.scheme()
+    scheme = plan.model_config.scheme
     assert {key: getattr(scheme, key) for key in PAPER_OPTIONS} == PAPER_OPTIONS
     assert plan.model_config.resolved_head_dim == 64  # B = 64
     assert scheme.hidden == 48 and scheme.psi_input == "head"

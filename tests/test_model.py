@@ -125,5 +125,5 @@ def test_scheme_cache_does_not_confuse_equal_values_of_other_types() -> None:
     """{"qk_norm": 1} must be validated on its own, not served from {"qk_norm": True}."""
     good = ModelConfig(vocab_size=13, position="rope", position_options={"fraction": 1.0})
     other = ModelConfig(vocab_size=13, position="rope", position_options={"fraction": 1})
-    assert type(good.scheme().fraction) is float
-    assert type(other.scheme().fraction) is int
+    assert type(good.scheme.fraction) is float
+    assert type(other.scheme.fraction) is int

@@ -448,7 +448,7 @@ def test_parameter_counts_per_layer_and_shared(
         model = Transformer(tiny_config("cope", position_options=dict(opts, share_layers=share)))
         params = model.init(jax.random.key(0), tokens_BT, positions_BT)
         counts.append(_count(params, name))
-        assert model.cfg.scheme().share_across_layers is share
+        assert model.cfg.scheme.share_across_layers is share
     assert counts == [2 * per_layer, per_layer]  # tiny_config has 2 layers
 
 

@@ -384,7 +384,7 @@ def _random_orthogonal(rng: np.random.Generator, size: int) -> np.ndarray:
 
 def _block_setup(rng: np.random.Generator, **options: object):
     cfg = tiny_config("tape", position_options=dict(init="random", coords=4, **options))
-    scheme = cfg.scheme()
+    scheme = cfg.scheme
     b, t = 2, 6
     x = jnp.asarray(rng.normal(size=(b, t, cfg.d_model)), jnp.float32)
     m = scheme.num_blocks(cfg.dims)
@@ -474,7 +474,7 @@ def test_retrofit_is_identical_and_the_mask_trains_only_tape() -> None:
     rope = Transformer(rope_cfg)
     rope_params = rope.init(jax.random.key(0), tokens, positions)
     tape_cfg = tape_config_from_rope(rope_cfg, hidden=8)
-    assert tape_cfg.scheme().layout == "interleaved"
+    assert tape_cfg.scheme.layout == "interleaved"
     tape = Transformer(tape_cfg)
     tape_params = retrofit_rope_params(rope_params, tape_cfg, jax.random.key(1))
     np.testing.assert_allclose(
@@ -528,7 +528,7 @@ def test_retrofit_carries_ntk_scaling_and_refuses_linear_and_yarn() -> None:
     rope_params = rope.init(jax.random.key(0), tokens, positions)
     tape_cfg = tape_config_from_rope(rope_cfg)
     h = rope_cfg.resolved_head_dim
-    assert tape_cfg.scheme().base == pytest.approx(10000.0 * 4.0 ** (h / (h - 2)))
+    assert tape_cfg.scheme.base == pytest.approx(10000.0 * 4.0 ** (h / (h - 2)))
     tape_params = retrofit_rope_params(rope_params, tape_cfg, jax.random.key(1))
     np.testing.assert_allclose(
         Transformer(tape_cfg).apply(tape_params, tokens, positions),

@@ -62,3 +62,43 @@ def test_upgrade_keeps_model_level_keys_and_drops_defaults(model: dict, expected
     upgraded, options = upgrade_attention_options(model)
     assert upgraded == expected
     assert options == {}
+
+
+def test_a_saved_config_with_zero_for_unset_sizes_loads_and_resumes() -> None:
+    """Configs saved before ModelConfig.from_config wrote 0 for an unset head_dim, mlp_dim
+    and max_len: they load as None / the task's length, and compare equal to today's."""
+    from copejax import workdir
+    from copejax.model_config import ModelConfig
+
+    old = {"d_model": 32, "num_heads": 2, "head_dim": 0, "mlp_dim": 0, "max_len": 0}
+    cfg = ModelConfig.from_config(old, vocab_size=7, default_max_len=24)
+    assert (cfg.head_dim, cfg.mlp_dim, cfg.max_len) == (None, None, 24)
+    assert cfg.resolved_head_dim == 16
+    new = {"model": {**old, "head_dim": None, "mlp_dim": None, "max_len": None}}
+    assert workdir.config_differences({"model": old}, new) == []
+    assert workdir.config_differences({"model": {**old, "max_len": 8}}, new) == [
+        "model.max_len: 8 -> None"
+    ]
+
+
+def test_unknown_model_keys_are_refused_by_name() -> None:
+    from copejax.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"unknown model keys \['num_head'\]; allowed: \["):
+        ModelConfig.from_config({"num_head": 2}, vocab_size=7, default_max_len=8)
+
+
+def test_the_scheme_is_resolved_once_and_rebuilt_by_replace() -> None:
+    import dataclasses
+
+    from copejax.model_config import ModelConfig
+    from copejax.positions.cope import CoPE
+
+    cfg = ModelConfig(vocab_size=7, position="cope", position_options={"p_max": 8})
+    assert isinstance(cfg.scheme, CoPE) and cfg.scheme.p_max == 8
+    assert cfg.scheme is cfg.scheme  # built in __post_init__, not per access
+    other = dataclasses.replace(cfg, position_options={"p_max": 4})
+    assert other.scheme.p_max == 4 and other != cfg
+    assert hash(cfg) == hash(
+        ModelConfig(vocab_size=7, position="cope", position_options={"p_max": 8})
+    )

@@ -25,6 +25,10 @@ GOLDEN: dict[str, dict[str, float]] = {
         "term_h0_i3_j2": 1.489634,
         "term_h0_i3_j0": 1.029841,
     },
+    "dape": {
+        "h0_i3_j1": 0.6752092,
+        "h1_i3_j1": 0.710968,
+    },
     "fire": {
         "h0_i3_j1": 1.373822,
         "h1_i3_j1": -1.341175,
@@ -63,6 +67,12 @@ GOLDEN: dict[str, dict[str, float]] = {
     "rope": {
         "t3_f0": 0.1105256,
         "t3_f3": -0.49337,
+    },
+    "selective": {
+        "relu_i4_j1": 1.77,
+        "relu_i4_j0": 0.0,
+        "sigmoid_i4_j2": 0.4255575,
+        "pruned_i4_j1": -1e30,
     },
     "sinusoidal": {
         "pos3_d0": 0.14112,

@@ -20,6 +20,7 @@ from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 from copejax.positions.alibi import alibi_slopes
 from copejax.positions.base import AttentionContext
+from tests import test_blockwise_equivalence as equivalence
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
@@ -213,3 +214,9 @@ def test_dot_product_attention_is_refused() -> None:
 def test_bad_options_raise(options: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         tiny_config("dape", position_options=options)
+
+
+@pytest.mark.slow
+def test_engine_values_and_gradients_equal_naive_with_alibi() -> None:
+    """The registry-wide equivalence check (packed rows, blocks of 3) for DAPE-ALiBi."""
+    equivalence.test_blockwise_values_and_gradients_equal_naive(("dape", {"static_bias": "alibi"}))

@@ -23,6 +23,8 @@ from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext
 from copejax.positions.registry import make_scheme
 from copejax.positions.selective import accumulated_penalty_BTS, selection_BTS
+from tests import test_blockwise_equivalence as equivalence
+from tests import test_decode as decode_tests
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
@@ -175,7 +177,7 @@ def test_zero_selecting_head_is_plain_causal_attention() -> None:
     ), "with a live selecting head the penalty must change the output"
 
 
-@pytest.mark.parametrize("impl", ["naive", "blockwise"])
+@pytest.mark.parametrize("impl", ["naive", pytest.param("blockwise", marks=pytest.mark.slow)])
 def test_gradient_wrt_future_inputs_is_exactly_zero(impl: str) -> None:
     model, params = _model({"prune_threshold": 1.0}, impl)
     tokens_BT = _tokens()[:1]
@@ -218,7 +220,12 @@ def _decoded(model: Transformer, params: dict, chunks: list[int]) -> tuple[np.nd
     [
         ({}, "blockwise", [5, 1, 1, 1]),
         ({"prune_threshold": 0.3}, "naive", [4, 1, 1, 1, 1]),
-        ({"prune_threshold": 0.3, "nonlinearity": "sigmoid"}, "blockwise", [1, 3, 2, 2]),
+        pytest.param(
+            {"prune_threshold": 0.3, "nonlinearity": "sigmoid"},
+            "blockwise",
+            [1, 3, 2, 2],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=str,
 )
@@ -325,3 +332,20 @@ def test_scheme_is_parameter_free() -> None:
     _, params = _model({})
     assert "own_site" not in params["block_0"]["attention"]
     assert make_scheme("selective").paper.endswith("2410.02703")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [("selective+rope", {}), ("selective", {"prune_threshold": 0.5, "nonlinearity": "sigmoid"})],
+    ids=str,
+)
+def test_engine_values_and_gradients_equal_naive_for_variants(variant: tuple) -> None:
+    """The registry-wide equivalence check (packed rows, blocks of 3) on the paper's pairing
+    with RoPE and on the pruning and sigmoid options."""
+    equivalence.test_blockwise_values_and_gradients_equal_naive(variant)
+
+
+@pytest.mark.slow
+def test_selective_plus_rope_decodes_like_the_full_forward() -> None:
+    decode_tests._check_prefill_then_steps("selective+rope", {}, decode_tests.STEPS)

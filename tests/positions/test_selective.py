@@ -60,13 +60,22 @@ def _ref_attention(p: dict, x_BTD: np.ndarray, segments_BT: np.ndarray, options:
     batch, length, heads, head_dim = q.shape
     head = options.get("head", 0)
     threshold = options.get("prune_threshold")
+    budget = options.get("prune_budget")
     y = np.zeros_like(q)
     pruned = 0
     for b in range(batch):
         logits_NTS = np.einsum("TNH,SNH->NTS", q[b], k[b]) / math.sqrt(head_dim)
         f_TS = _ref_penalty(logits_NTS[head], segments_BT[b], options.get("nonlinearity", "relu"))
+        evicted: set[int] = set()
         for i in range(length):
             keys = [j for j in range(i + 1) if segments_BT[b, j] == segments_BT[b, i]]
+            if budget is not None:  # evict the buffered key with the largest F, oldest first
+                buffer = [j for j in keys if j not in evicted]
+                if len(buffer) > budget:
+                    evicted.add(max(buffer, key=lambda j: (f_TS[i, j], -j)))
+                kept = [j for j in keys if j not in evicted]
+                pruned += len(keys) - len(kept)
+                keys = kept
             if threshold is not None:
                 kept = [j for j in keys if f_TS[i, j] <= threshold]
                 pruned += len(keys) - len(kept)
@@ -107,6 +116,8 @@ LAYER_CASES = [
     ({"nonlinearity": "sigmoid", "head": 1}, "blockwise"),
     ({"prune_threshold": 0.5}, "naive"),
     ({"prune_threshold": 0.5, "head": 1}, "blockwise"),
+    ({"prune_budget": 3}, "naive"),
+    ({"prune_budget": 2, "nonlinearity": "sigmoid"}, "blockwise"),
 ]
 
 
@@ -117,7 +128,7 @@ def test_layer_matches_numpy_reference(options: dict, impl: str) -> None:
     )
     y_BTD, _ = jax.jit(attention.apply)(variables, jnp.asarray(x_BTD), _ctx(jnp.asarray(x_BTD)))
     expected, pruned = _ref_attention(flat, x_BTD.astype(np.float64), SEGMENTS_BT, options)
-    if "prune_threshold" in options:
+    if "prune_threshold" in options or "prune_budget" in options:
         assert pruned > 0, "the case must prune some keys"
     np.testing.assert_allclose(np.asarray(y_BTD), expected, rtol=1e-4, atol=1e-5)
 
@@ -220,6 +231,8 @@ def _decoded(model: Transformer, params: dict, chunks: list[int]) -> tuple[np.nd
     [
         ({}, "blockwise", [5, 1, 1, 1]),
         ({"prune_threshold": 0.3}, "naive", [4, 1, 1, 1, 1]),
+        ({"prune_budget": 2}, "naive", [3, 1, 2, 1, 1]),
+        pytest.param({"prune_budget": 3}, "blockwise", [5, 1, 1, 1], marks=pytest.mark.slow),
         pytest.param(
             {"prune_threshold": 0.3, "nonlinearity": "sigmoid"},
             "blockwise",
@@ -320,6 +333,8 @@ def test_dot_product_attention_is_refused() -> None:
         ({"nonlinearity": "tanh"}, "nonlinearity"),
         ({"prune_threshold": 0.0}, "prune_threshold"),
         ({"prune_threshold": float("inf")}, "prune_threshold"),
+        ({"prune_budget": 0}, "prune_budget"),
+        ({"prune_budget": 2.5}, "prune_budget"),
     ],
     ids=str,
 )
@@ -337,7 +352,11 @@ def test_scheme_is_parameter_free() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "variant",
-    [("selective+rope", {}), ("selective", {"prune_threshold": 0.5, "nonlinearity": "sigmoid"})],
+    [
+        ("selective+rope", {}),
+        ("selective", {"prune_threshold": 0.5, "nonlinearity": "sigmoid"}),
+        ("selective", {"prune_budget": 3}),
+    ],
     ids=str,
 )
 def test_engine_values_and_gradients_equal_naive_for_variants(variant: tuple) -> None:

@@ -15,7 +15,10 @@ key block) pair, the within-block exclusive cumulative sum of S over the block's
 per-(query block, key) prefix ``P_gj = sum_{k < first query of block g} S_kj`` computed before
 the walk (one pass over query blocks against all keys, (B, S, G) floats: O(T^2 / Q) memory,
 e.g. 4 MiB per row at T = 16K, Q = 256). The engine walks query blocks independently, so an
-O(T) form would need a carry across query blocks in the engine itself. Decoding keeps the
+O(T) form would need a carry across query blocks in the engine itself. Measured (XLA's memory
+analysis of the layer's gradient on CPU, B = 1, D = 128, N = 4, blocks of 256): 38.5 MiB of
+temporaries at T = 4096 and 78 MiB at 8192 on the engine, 1.56 GiB on the naive path at 4096.
+Decoding keeps the
 accumulated ``F`` of every cache slot in the "cache" collection (:class:`PenaltyCache`): each
 call adds the new queries' rows of S, so prefill + steps equal the full forward (with
 ``prune_budget``, :class:`EvictionCache` keeps each slot's evicted flag as well).

@@ -1,15 +1,16 @@
 """DAPE: data-adaptive positional encoding (Zheng et al. 2024, arXiv 2405.14722).
 
-Section 3 of the paper: the attention logits become ``A + B + f(A, B)``, where ``A`` are the
-content logits ``q . k / sqrt(H)`` of the N heads, ``B`` a static relative bias (Kerple or
-ALiBi) and ``f`` a small MLP applied to every (query, key) pair separately: its input is the
-concatenation ``[A_ij (N heads), B_ij (N heads)]`` (2N values), one hidden layer of width
-``D_DAPE`` (32 in the paper) with a LeakyReLU, and N outputs, one per head. The authors'
-GPT-NeoX code (``ParallelKerpleLog_C``, ``AliBi_C``) orders the input as content then bias,
-uses PyTorch's ``nn.Linear`` layers with biases and ``nn.LeakyReLU()`` (slope 0.01), and reads
-the unmasked scaled logits; the causal mask is applied afterwards, so a pair's term never
-depends on another pair. This module does the same; its initialisation follows PyTorch's
-``nn.Linear`` (uniform in +-1/sqrt(fan_in) for weights and biases).
+The attention logits become ``A + B + f(A, B)``, where ``A`` are the content logits
+``q . k / sqrt(H)`` of the N heads, ``B`` a static relative bias (Kerple or ALiBi) and ``f`` a
+small MLP applied to every (query, key) pair separately (the paper's section 3): its input is
+the concatenation ``[A_ij (N heads), B_ij (N heads)]`` (2N values), one hidden layer of width
+``D_DAPE`` (32 by default) with a LeakyReLU, and N outputs, one per head. The exact form was
+read from the authors' GPT-NeoX code (``ParallelKerpleLog_C``, ``AliBi_C`` in
+chuanyang-Zheng/DAPE): the residual ``A + B`` beside ``f``, the input order (content, then
+bias), ``nn.Linear`` layers with biases, ``nn.LeakyReLU()`` (slope 0.01), and the unmasked
+scaled logits as input (the causal mask comes afterwards, so a pair's term never depends on
+another pair). This module does the same; its initialisation follows PyTorch's ``nn.Linear``
+(uniform in +-1/sqrt(fan_in) for weights and biases).
 
 Because ``f`` reads the content logits, no fused kernel can take the bias precomputed
 (``jax.nn.dot_product_attention`` is refused by ``ModelConfig.validate``); the blockwise engine

@@ -220,3 +220,12 @@ def test_bad_options_raise(options: dict, word: str) -> None:
 def test_engine_values_and_gradients_equal_naive_with_alibi() -> None:
     """The registry-wide equivalence check (packed rows, blocks of 3) for DAPE-ALiBi."""
     equivalence.test_blockwise_values_and_gradients_equal_naive(("dape", {"static_bias": "alibi"}))
+
+
+@pytest.mark.slow
+def test_engine_jit_equals_eager() -> None:
+    attention, variables, _, x_BTD = _layer({}, attention_impl="blockwise", attention_block=3)
+    ctx = _ctx(jnp.asarray(x_BTD))
+    eager, _ = attention.apply(variables, jnp.asarray(x_BTD), ctx)
+    jitted, _ = jax.jit(attention.apply)(variables, jnp.asarray(x_BTD), ctx)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)

@@ -368,3 +368,13 @@ def test_engine_values_and_gradients_equal_naive_for_variants(variant: tuple) ->
 @pytest.mark.slow
 def test_selective_plus_rope_decodes_like_the_full_forward() -> None:
     decode_tests._check_prefill_then_steps("selective+rope", {}, decode_tests.STEPS)
+
+
+@pytest.mark.slow
+def test_engine_jit_equals_eager_with_every_option() -> None:
+    options = {"prune_budget": 2, "prune_threshold": 1.0, "nonlinearity": "sigmoid", "head": 1}
+    attention, variables, _, x_BTD = _layer(options, attention_impl="blockwise", attention_block=3)
+    ctx = _ctx(jnp.asarray(x_BTD))
+    eager, _ = attention.apply(variables, jnp.asarray(x_BTD), ctx)
+    jitted, _ = jax.jit(attention.apply)(variables, jnp.asarray(x_BTD), ctx)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)

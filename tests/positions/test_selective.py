@@ -26,6 +26,7 @@ from copejax.positions.selective import accumulated_penalty_BTS, selection_BTS
 from tests import test_blockwise_equivalence as equivalence
 from tests import test_decode as decode_tests
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
+from tests.ops import test_engine as engine_tests
 
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])
 
@@ -378,3 +379,27 @@ def test_engine_jit_equals_eager_with_every_option() -> None:
     eager, _ = attention.apply(variables, jnp.asarray(x_BTD), ctx)
     jitted, _ = jax.jit(attention.apply)(variables, jnp.asarray(x_BTD), ctx)
     np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-6)
+
+
+def test_engine_gradient_with_budget_holds_no_length_squared_array() -> None:
+    """The eviction scan and the (B, S, G) prefix keep one axis >= T per array."""
+    length = 96
+    cfg = tiny_config(
+        "selective",
+        position_options={"prune_budget": 8},
+        num_layers=1,
+        max_len=length,
+        attention_impl="blockwise",
+        attention_block=16,
+    )
+    model = Transformer(cfg)
+    tokens_BT = jnp.zeros((1, length), jnp.int32)
+    positions_BT = jnp.arange(length)[None]
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens_BT, positions_BT))
+
+    def loss(p: object) -> jax.Array:
+        return jnp.sum(model.apply(p, tokens_BT, positions_BT))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    shapes = [tuple(getattr(a, "shape", ())) for a in engine_tests._avals(jaxpr)]
+    assert not [s for s in shapes if sum(d >= length for d in s) >= 2]

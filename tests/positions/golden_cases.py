@@ -27,7 +27,13 @@ from copejax.positions.learned import lookup_rows_BTD
 from copejax.positions.randomized import relabel_positions
 from copejax.positions.relative import relative_logits
 from copejax.positions.rope import apply_rope, rope_inv_freq
-from copejax.positions.selective import accumulated_penalty_BTS, penalty_bias, selection_BTS
+from copejax.positions.selective import (
+    NEVER,
+    accumulated_penalty_BTS,
+    budget_eviction_times,
+    penalty_bias,
+    selection_BTS,
+)
 from copejax.positions.sinusoidal import sinusoidal_encoding
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.positions.t5 import t5_bias
@@ -232,6 +238,16 @@ def selective() -> Case:
     f_relu = accumulated_penalty_BTS(s_relu)
     bias_pruned = penalty_bias(f_relu, 0.5)
     z = logits[0]
+    times, _ = budget_eviction_times(
+        jnp.ones((1, length, 4)),
+        jnp.full((1, length, 4), 0.5),
+        q_ids_BT=jnp.zeros((1, length), jnp.int32),
+        k_ids_BS=jnp.zeros((1, length), jnp.int32),
+        first_BS=first,
+        offset=0,
+        budget=2,
+        nonlinearity="relu",
+    )
     return {
         "relu_i4_j1": (_f(f_relu[0, 4, 1]), max(z[2, 1], 0.0) + max(z[3, 1], 0.0)),
         "relu_i4_j0": (_f(f_relu[0, 4, 0]), 0.0),
@@ -240,6 +256,13 @@ def selective() -> Case:
             1.0 / (1.0 + math.exp(-z[3, 2])),
         ),
         "pruned_i4_j1": (_f(bias_pruned[0, 4, 1]), -1e30),
+        # Budget 2 with every selection logit 1 (q = 1, k = 1/2, H = 4): F_ij = i - j - 1 off
+        # the first key; query 2 overfills {0, 1, 2}, all F = 0, evicts the oldest (0); query
+        # 3 evicts key 1 (F_31 = 1), query 4 key 2 (F_42 = 1); keys 3, 4 stay.
+        "budget_evicts_j0_at": (_f(times[0, 0]), 2.0),
+        "budget_evicts_j1_at": (_f(times[0, 1]), 3.0),
+        "budget_evicts_j2_at": (_f(times[0, 2]), 4.0),
+        "budget_keeps_j3": (_f(times[0, 3]), NEVER),
     }
 
 

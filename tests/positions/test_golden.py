@@ -73,6 +73,10 @@ GOLDEN: dict[str, dict[str, float]] = {
         "relu_i4_j0": 0.0,
         "sigmoid_i4_j2": 0.4255575,
         "pruned_i4_j1": -1e30,
+        "budget_evicts_j0_at": 2.0,
+        "budget_evicts_j1_at": 3.0,
+        "budget_evicts_j2_at": 4.0,
+        "budget_keeps_j3": 2.0**30,
     },
     "sinusoidal": {
         "pos3_d0": 0.14112,

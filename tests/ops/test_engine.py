@@ -32,6 +32,8 @@ SCHEMES = [
     "fox",
     "stickbreaking",
     "tape",
+    "selective",
+    "dape",
 ]
 
 

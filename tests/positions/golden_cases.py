@@ -19,6 +19,7 @@ import numpy as np
 from copejax.ops import cope as cope_ops
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import masked_softmax_BNTS
+from copejax.positions.dape import dape_mlp
 from copejax.positions.fire import fire_bias
 from copejax.positions.fox import fox_decay_bias
 from copejax.positions.kerple import kerple_bias
@@ -27,6 +28,13 @@ from copejax.positions.randomized import relabel_positions
 from copejax.positions.relative import relative_logits
 from copejax.positions.rope import apply_rope, rope_inv_freq
 from copejax.positions.rope_frequencies import scaled_inv_freq
+from copejax.positions.selective import (
+    NEVER,
+    accumulated_penalty_BTS,
+    budget_eviction_times,
+    penalty_bias,
+    selection_BTS,
+)
 from copejax.positions.sinusoidal import sinusoidal_encoding
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.positions.t5 import t5_bias
@@ -104,6 +112,29 @@ def fire() -> Case:
     return {
         "h0_i3_j1": (_f(bias[0, 0, 3, 1]), want[0]),
         "h1_i3_j1": (_f(bias[0, 1, 3, 1]), want[1]),
+    }
+
+
+def dape() -> Case:
+    # A + B + f(A, B), f(x) = leaky_relu(x W_in + b_in) W_out + b_out over x = [A_h, B_h]
+    # (section 3; the authors' ParallelKerpleLog_C); here the term B + f(A, B) with ALiBi's B.
+    logits = jnp.asarray(_fixed((1, N, T, T), 0.4))
+    static = alibi_bias(POS_BT, POS_BT, jnp.asarray(alibi_slopes(N)))
+    w_in = _fixed((2 * N, 3), 0.9)
+    b_in = np.array([0.1, -0.2, 0.05])
+    w_out = _fixed((3, N), 1.7)
+    b_out = np.array([0.3, -0.1])
+    mlp = {"w_in": w_in, "b_in": b_in, "w_out": w_out, "b_out": b_out}
+    mlp = {k: jnp.asarray(v, jnp.float32) for k, v in mlp.items()}
+    term = dape_mlp(logits, static, mlp, 0.01) + static
+    a = np.asarray(logits, np.float64)[0, :, 3, 1]  # query 3, key 1, both heads
+    b = np.array([-(2.0**-4) * 2, -(2.0**-8) * 2])
+    hidden = np.array([w_in[:, u] @ np.concatenate([a, b]) + b_in[u] for u in range(3)])
+    hidden = np.where(hidden > 0, hidden, 0.01 * hidden)
+    want = b + np.array([hidden @ w_out[:, n] + b_out[n] for n in range(N)])
+    return {
+        "h0_i3_j1": (_f(term[0, 0, 3, 1]), want[0]),
+        "h1_i3_j1": (_f(term[0, 1, 3, 1]), want[1]),
     }
 
 
@@ -213,6 +244,47 @@ def _rope_scalings() -> Case:
     }
 
 
+def selective() -> Case:
+    # S_kj = relu(l_kj) of head 0 off the diagonal, the first key and the future (Figure 2);
+    # F_ij = sum_{k < i} S_kj, subtracted; T = 5 so that F_41 = S_21 + S_31 has two terms.
+    length = 5
+    logits = _fixed((1, length, length), 0.2)
+    allowed = jnp.tril(jnp.ones((length, length), bool))[None]
+    index = jnp.arange(length)
+    first = index[None] == 0
+    s_relu = selection_BTS(jnp.asarray(logits), allowed, first, index, index)
+    s_sig = selection_BTS(jnp.asarray(logits), allowed, first, index, index, nonlinearity="sigmoid")
+    f_relu = accumulated_penalty_BTS(s_relu)
+    bias_pruned = penalty_bias(f_relu, 0.5)
+    z = logits[0]
+    times, _ = budget_eviction_times(
+        jnp.ones((1, length, 4)),
+        jnp.full((1, length, 4), 0.5),
+        q_ids_BT=jnp.zeros((1, length), jnp.int32),
+        k_ids_BS=jnp.zeros((1, length), jnp.int32),
+        first_BS=first,
+        offset=0,
+        budget=2,
+        nonlinearity="relu",
+    )
+    return {
+        "relu_i4_j1": (_f(f_relu[0, 4, 1]), max(z[2, 1], 0.0) + max(z[3, 1], 0.0)),
+        "relu_i4_j0": (_f(f_relu[0, 4, 0]), 0.0),
+        "sigmoid_i4_j2": (
+            _f(accumulated_penalty_BTS(s_sig)[0, 4, 2]),
+            1.0 / (1.0 + math.exp(-z[3, 2])),
+        ),
+        "pruned_i4_j1": (_f(bias_pruned[0, 4, 1]), -1e30),
+        # Budget 2 with every selection logit 1 (q = 1, k = 1/2, H = 4): F_ij = i - j - 1 off
+        # the first key; query 2 overfills {0, 1, 2}, all F = 0, evicts the oldest (0); query
+        # 3 evicts key 1 (F_31 = 1), query 4 key 2 (F_42 = 1); keys 3, 4 stay.
+        "budget_evicts_j0_at": (_f(times[0, 0]), 2.0),
+        "budget_evicts_j1_at": (_f(times[0, 1]), 3.0),
+        "budget_evicts_j2_at": (_f(times[0, 2]), 4.0),
+        "budget_keeps_j3": (_f(times[0, 3]), NEVER),
+    }
+
+
 def sinusoidal() -> Case:
     # PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), d = 4.
     pe = sinusoidal_encoding(POS_BT, 4)
@@ -315,6 +387,7 @@ def xpos() -> Case:
 CASES: dict[str, Callable[[], Case]] = {
     "alibi": alibi,
     "cope": cope,
+    "dape": dape,
     "fire": fire,
     "fox": fox,
     "kerple": kerple,
@@ -324,6 +397,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "relative": relative,
     "relative_capped": relative_capped,
     "rope": rope,
+    "selective": selective,
     "sinusoidal": sinusoidal,
     "stickbreaking": stickbreaking,
     "t5": t5,

@@ -25,6 +25,10 @@ GOLDEN: dict[str, dict[str, float]] = {
         "term_h0_i3_j2": 1.489634,
         "term_h0_i3_j0": 1.029841,
     },
+    "dape": {
+        "h0_i3_j1": 0.6752092,
+        "h1_i3_j1": 0.710968,
+    },
     "fire": {
         "h0_i3_j1": 1.373822,
         "h1_i3_j1": -1.341175,
@@ -67,6 +71,16 @@ GOLDEN: dict[str, dict[str, float]] = {
         "llama3_theta2": 0.01304226,
         # 2/3 theta_1 + 1/3 theta_1 / 8, theta_1 = 10^-0.5: 0.210819 + 0.013176 = 0.223995.
         "yarn_index_theta1": 0.2239947,
+    },
+    "selective": {
+        "relu_i4_j1": 1.77,
+        "relu_i4_j0": 0.0,
+        "sigmoid_i4_j2": 0.4255575,
+        "pruned_i4_j1": -1e30,
+        "budget_evicts_j0_at": 2.0,
+        "budget_evicts_j1_at": 3.0,
+        "budget_evicts_j2_at": 4.0,
+        "budget_keeps_j3": 2.0**30,
     },
     "sinusoidal": {
         "pos3_d0": 0.14112,

@@ -1,0 +1,502 @@
+"""Selective attention (Leviathan, Kalman & Matias 2024, arXiv 2410.02703): tokens mask later
+tokens' view of earlier ones.
+
+Section 3 and Figure 2 of the paper: one existing head's scaled logits, passed through a ReLU,
+form the selection matrix ``S_kj = relu(l^h_kj)`` ("token k decides that token j is no longer
+needed"), with three constraints: causal (``S_kj = 0`` for j > k), the first token is never
+masked (``S_k0 = 0``, the paper's <BOS>), and no token masks itself (``S_kk = 0``). The
+accumulated mask ``F_ij = sum_{k < i} S_kj`` (the sketch's roll by one query, then a cumulative
+sum over queries) is subtracted from the logits of every head before the softmax. Nothing is
+learned. Here "the first token" is the first token of each packed segment, and the sums run
+within a segment (S is zero across segments), so packed documents are independent.
+
+Paths: the naive bias reads the content logits; the blockwise engine adds, per (query block,
+key block) pair, the within-block exclusive cumulative sum of S over the block's queries to a
+per-(query block, key) prefix ``P_gj = sum_{k < first query of block g} S_kj`` computed before
+the walk (one pass over query blocks against all keys, (B, S, G) floats: O(T^2 / Q) memory,
+e.g. 4 MiB per row at T = 16K, Q = 256). The engine walks query blocks independently, so an
+O(T) form would need a carry across query blocks in the engine itself. Measured (XLA's memory
+analysis of the layer's gradient on CPU, B = 1, D = 128, N = 4, blocks of 256): 38.5 MiB of
+temporaries at T = 4096 and 78 MiB at 8192 on the engine, 1.56 GiB on the naive path at 4096.
+Decoding keeps the
+accumulated ``F`` of every cache slot in the "cache" collection (:class:`PenaltyCache`): each
+call adds the new queries' rows of S, so prefill + steps equal the full forward (with
+``prune_budget``, :class:`EvictionCache` keeps each slot's evicted flag as well).
+
+Context pruning (Section 4 of the paper): because S >= 0, ``F_ij`` never decreases in i, so a
+key whose F exceeds a threshold stays masked for every later query and can be evicted from the
+cache. ``prune_threshold`` masks those keys exactly (zero weight) on every path, so cached and
+uncached evaluation agree. ``prune_budget`` is the paper's memory-budget rule: a context
+buffer of at most that many keys per segment; when query i's key joins a full buffer, the
+buffered key with the largest ``F_ij`` is evicted (ties: the oldest) before query i attends, and
+never returns. The evictions are sequential in the queries: a scan over the queries with a
+(B, S) state (:func:`budget_eviction_times`, O(S) memory per step, O(T S H) work) gives each
+key its eviction time, which every path (naive, engine, decode) reads as a per-key array. The
+fixed-slot cache keeps evicted slots (the masking is exact, the memory is not reclaimed).
+Sources checked for these rules: the paper's Figure 2 sketch (ReLU, <BOS>, self, roll and
+cumsum, as transcribed in public reimplementations) and the budget-eviction loop of one public
+reimplementation; the per-segment buffer and the tie rule are this module's choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from copejax import segments
+from copejax.kv_cache import CACHE
+from copejax.ops.engine import BlockTerm, PairBlock, num_blocks, to_blocks
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Dims,
+    PositionScheme,
+    check_choice,
+)
+from copejax.positions.registry import register
+
+NONLINEARITIES = ("relu", "sigmoid")
+# Added to the logit of a pruned key: its weight is exactly zero (the query's own key and the
+# segment's first key are never pruned, so every row keeps a finite maximum).
+PRUNED_LOGIT = -1e30
+
+
+def selection_BTS(
+    logits_BTS: jax.Array,
+    allowed_BTS: jax.Array,
+    first_BS: jax.Array,
+    q_index_T: jax.Array,
+    k_index_S: jax.Array,
+    *,
+    nonlinearity: str = "relu",
+) -> jax.Array:
+    """The selection matrix S of one head, zero where the paper's constraints forbid it.
+
+    Args:
+      logits_BTS: the selecting head's scaled content logits (float32).
+      allowed_BTS: causal, same-segment mask.
+      first_BS: True where key s is the first token of its segment (never masked).
+      q_index_T: key index of each query (``cache_index + t``); k_index_S: index of each key.
+      nonlinearity: "relu" (the paper's Figure 2) or "sigmoid".
+
+    Returns:
+      S_BTS, float32, >= 0; exactly zero off ``allowed``, on first tokens and on the diagonal.
+    """
+    logits_BTS = logits_BTS.astype(jnp.float32)
+    if nonlinearity == "relu":
+        s_BTS = jax.nn.relu(logits_BTS)
+    elif nonlinearity == "sigmoid":
+        s_BTS = jax.nn.sigmoid(logits_BTS)
+    else:
+        raise ValueError(
+            f"selective: nonlinearity must be one of {NONLINEARITIES}, got {nonlinearity!r}"
+        )
+    self_TS = q_index_T[:, None] == k_index_S[None, :]
+    keep_BTS = allowed_BTS & ~first_BS[:, None, :] & ~self_TS[None]
+    return jnp.where(keep_BTS, s_BTS, 0.0)
+
+
+def accumulated_penalty_BTS(s_BTS: jax.Array, previous_BS: jax.Array | None = None) -> jax.Array:
+    """F_ts = previous_s + sum_{t' < t} S_t's: the exclusive cumulative sum over queries.
+
+    ``previous_BS`` is the penalty accumulated by earlier queries (the cache's, when decoding).
+    """
+    f_BTS = jnp.cumsum(s_BTS, axis=1) - s_BTS
+    if previous_BS is not None:
+        f_BTS = f_BTS + previous_BS[:, None, :].astype(jnp.float32)
+    return f_BTS
+
+
+def penalty_bias(f_BTS: jax.Array, prune_threshold: float | None) -> jax.Array:
+    """-F, or PRUNED_LOGIT where F exceeds the pruning threshold."""
+    bias_BTS = -f_BTS
+    if prune_threshold is not None:
+        bias_BTS = jnp.where(f_BTS > prune_threshold, PRUNED_LOGIT, bias_BTS)
+    return bias_BTS
+
+
+NEVER = 2.0**30  # eviction time of a key that is never evicted
+
+
+def budget_eviction_times(
+    q_BTH: jax.Array,
+    k_BSH: jax.Array,
+    *,
+    q_ids_BT: jax.Array,
+    k_ids_BS: jax.Array,
+    first_BS: jax.Array,
+    offset: jax.Array | int,
+    budget: int,
+    nonlinearity: str,
+    previous_f_BS: jax.Array | None = None,
+    previous_evicted_BS: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The paper's fixed-budget context pruning, query by query.
+
+    Query t (key ``offset + t``) first adds its own key to its segment's buffer; if the buffer
+    then holds more than ``budget`` keys, the one with the largest ``F_tj`` (ties: the oldest)
+    is evicted; then t attends. ``F`` is accumulated along the way from the selecting head's
+    queries and keys (the same S as :func:`selection_BTS`).
+
+    Args:
+      q_BTH, k_BSH: the selecting head's queries and keys (after the qk site).
+      q_ids_BT, k_ids_BS: segment ids; first_BS: first keys of segments.
+      offset: key index of query 0 (the cache index when decoding).
+      budget: buffer size per segment, >= 1.
+      previous_f_BS, previous_evicted_BS: the cache's F and eviction flags before the call.
+
+    Returns:
+      (eviction time (B, S) float32: the key index of the query that evicted the key, -1 when
+      evicted before this call, NEVER otherwise; evicted flags after the call (B, S) bool).
+    No gradient flows through the (discrete) evictions.
+    """
+    q_BTH = jax.lax.stop_gradient(q_BTH)
+    k_BSH = jax.lax.stop_gradient(k_BSH)
+    batch, length_k = k_BSH.shape[:2]
+    scale = 1.0 / math.sqrt(q_BTH.shape[-1])
+    k_index_S = jnp.arange(length_k)
+    f_BS = jnp.zeros((batch, length_k), jnp.float32)
+    if previous_f_BS is not None:
+        f_BS = jax.lax.stop_gradient(previous_f_BS.astype(jnp.float32))
+    evicted_BS = jnp.zeros((batch, length_k), bool)
+    if previous_evicted_BS is not None:
+        evicted_BS = previous_evicted_BS.astype(bool)
+    times_BS = jnp.where(evicted_BS, -1.0, NEVER)
+
+    def step(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
+        f_BS, evicted_BS, times_BS = carry
+        t, q_BH, ids_B = inputs
+        q_index = offset + t
+        allowed_BS = (k_index_S[None] <= q_index) & (k_ids_BS == ids_B[:, None])
+        live_BS = allowed_BS & ~evicted_BS
+        over_B = jnp.sum(live_BS, axis=-1) > budget
+        victim_B = jnp.argmax(jnp.where(live_BS, f_BS, -jnp.inf), axis=-1)
+        evict_BS = over_B[:, None] & (k_index_S[None] == victim_B[:, None])
+        logits_BS = jnp.einsum("BH,BSH->BS", q_BH, k_BSH, preferred_element_type=jnp.float32)
+        s_BS = selection_BTS(
+            logits_BS[:, None] * scale,
+            allowed_BS[:, None],
+            first_BS,
+            jnp.reshape(q_index, (1,)),
+            k_index_S,
+            nonlinearity=nonlinearity,
+        )[:, 0]
+        times_BS = jnp.where(evict_BS, q_index.astype(jnp.float32), times_BS)
+        return (f_BS + s_BS, evicted_BS | evict_BS, times_BS), None
+
+    length_q = q_BTH.shape[1]
+    xs = (jnp.arange(length_q), jnp.moveaxis(q_BTH, 1, 0), jnp.moveaxis(q_ids_BT, 1, 0))
+    offset = jnp.asarray(offset, jnp.int32)
+    (_, evicted_BS, times_BS), _ = jax.lax.scan(step, (f_BS, evicted_BS, times_BS), xs)
+    return times_BS, evicted_BS
+
+
+def evicted_bias(bias_BTS: jax.Array, q_index_T: jax.Array, times_BS: jax.Array) -> jax.Array:
+    """PRUNED_LOGIT where key s was evicted at or before query t's turn."""
+    gone_BTS = q_index_T[None, :, None].astype(jnp.float32) >= times_BS[:, None, :]
+    return jnp.where(gone_BTS, PRUNED_LOGIT, bias_BTS)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Selective(PositionScheme):
+    """Selective attention: one head's ReLU'd logits, accumulated over earlier queries,
+    subtracted from every head's logits. Parameter-free.
+
+    Options:
+      head: the head whose logits select (the paper reuses an existing head; default 0).
+      nonlinearity: "relu" (default, the paper's Figure 2) or "sigmoid" (not the paper's sketch;
+        offered as the bounded alternative the issue names: every allowed pair then adds a
+        positive amount, so F grows with the distance even for uninformative logits).
+      prune_threshold: None (default), or t > 0: a key whose accumulated F exceeds t gets zero
+        weight for the query and every later one (the paper's context pruning, Section 4, as a
+        threshold rule). Applied on every path; meant for evaluation of a model trained without.
+      prune_budget: None (default), or an integer >= 1: the paper's memory budget, at most
+        that many keys per segment in the buffer; when a new key overfills it, the buffered
+        key with the largest F (ties: the oldest) is evicted for good
+        (:func:`budget_eviction_times`). Applied on every path, like ``prune_threshold``.
+
+    Used alone it is also the model's only position signal besides causality (like NoPE); the
+    paper combines it with the baseline's own encoding (``selective+rope``).
+    """
+
+    name = "selective"
+    sites = ("bias",)
+    paper = "Leviathan et al. 2024, arXiv 2410.02703"
+
+    head: int = 0
+    nonlinearity: str = "relu"
+    prune_threshold: float | None = None
+    prune_budget: int | None = None
+
+    def validate(self, dims: Dims) -> None:
+        check_choice(self.name, "nonlinearity", self.nonlinearity, NONLINEARITIES)
+        head = self.head
+        if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < dims.num_heads:
+            raise ValueError(
+                f"{self.name}: head must be an integer in [0, {dims.num_heads}), got {head!r}"
+            )
+        threshold = self.prune_threshold
+        if threshold is not None and (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, int | float)
+            or not math.isfinite(threshold)
+            or threshold <= 0
+        ):
+            raise ValueError(
+                f"{self.name}: prune_threshold must be None or a finite number > 0, "
+                f"got {threshold!r}"
+            )
+
+        budget = self.prune_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < 1
+        ):
+            raise ValueError(
+                f"{self.name}: prune_budget must be None or an integer >= 1, got {budget!r}"
+            )
+
+    def attention_module(self, dims: Dims) -> AttentionSite:
+        return _SelectiveSite(dims=dims, scheme=self)
+
+
+class PenaltyCache(nn.Module):
+    """Decode mode: the accumulated penalty F of every cache slot, (B, S) float32.
+
+    Unlike the key cache, whose slots are written once, every call adds the new queries' rows
+    of S to every slot; returns the total before this call.
+    """
+
+    @nn.compact
+    def __call__(self, added_BS: jax.Array) -> jax.Array:
+        total = self.variable(CACHE, "selective_penalty", jnp.zeros, added_BS.shape, jnp.float32)
+        previous_BS = total.value
+        total.value = previous_BS + added_BS.astype(jnp.float32)
+        return previous_BS
+
+
+class EvictionCache(nn.Module):
+    """Decode mode with ``prune_budget``: 1.0 where a cache slot was evicted, (B, S)."""
+
+    @nn.compact
+    def __call__(self, evicted_BS: jax.Array) -> jax.Array:
+        flags = self.variable(CACHE, "selective_evicted", jnp.zeros, evicted_BS.shape, jnp.float32)
+        previous_BS = flags.value
+        flags.value = evicted_BS.astype(jnp.float32)
+        return previous_BS
+
+
+def _kv_head(head: int, q_heads: int, k_heads: int) -> int:
+    """The key head that query head ``head`` reads (grouped-query attention shares keys)."""
+    return head // (q_heads // k_heads)
+
+
+class _SelectiveSite(AttentionSite):
+    scheme: Selective = Selective()
+
+    def setup(self) -> None:
+        self.penalty_cache = PenaltyCache(name="penalty")  # decode mode only
+        self.eviction_cache = EvictionCache(name="evictions")  # decode with prune_budget
+
+    def _eviction_times(
+        self,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        ctx: AttentionContext,
+        first_BS: jax.Array,
+        previous_f_BS: jax.Array | None,
+    ) -> jax.Array:
+        """Each key's eviction time under ``prune_budget`` (updating the decode cache)."""
+        s = self.scheme
+        q_ids_BT, k_ids_BS = ctx.ids()
+        k_head = _kv_head(s.head, q_BTNH.shape[2], k_BSNH.shape[2])
+        previous_evicted_BS = None
+        if ctx.decode:  # read the flags, then store the ones after this call
+            previous_evicted_BS = self.eviction_cache.variables.get(CACHE, {}).get(
+                "selective_evicted"
+            )
+        times_BS, evicted_BS = budget_eviction_times(
+            q_BTNH[:, :, s.head],
+            k_BSNH[:, :, k_head],
+            q_ids_BT=q_ids_BT,
+            k_ids_BS=k_ids_BS,
+            first_BS=first_BS,
+            offset=ctx.cache_index,
+            budget=s.prune_budget,
+            nonlinearity=s.nonlinearity,
+            previous_f_BS=previous_f_BS,
+            previous_evicted_BS=previous_evicted_BS,
+        )
+        if ctx.decode:
+            self.eviction_cache(evicted_BS)
+        return times_BS
+
+    def _first_keys(self, ctx: AttentionContext) -> jax.Array:
+        """(B, S) True where key s is the first of its segment."""
+        _, k_ids_BS = ctx.ids()
+        return segments.segment_starts_BT(k_ids_BS)
+
+    def bias(
+        self,
+        q_BTNH: jax.Array,
+        k_BSNH: jax.Array,
+        v_BSNH: jax.Array,
+        logits_BNTS: jax.Array,
+        ctx: AttentionContext,
+    ) -> jax.Array:
+        s = self.scheme
+        length_q, length_k = logits_BNTS.shape[2], logits_BNTS.shape[3]
+        s_BTS = selection_BTS(
+            logits_BNTS[:, s.head],
+            ctx.mask_BTS,
+            self._first_keys(ctx),
+            ctx.cache_index + jnp.arange(length_q),
+            jnp.arange(length_k),
+            nonlinearity=s.nonlinearity,
+        )
+        previous_BS = self.penalty_cache(jnp.sum(s_BTS, axis=1)) if ctx.decode else None
+        f_BTS = accumulated_penalty_BTS(s_BTS, previous_BS)
+        self.sow("intermediates", "penalty_BTS", f_BTS)
+        bias_BTS = penalty_bias(f_BTS, s.prune_threshold)
+        if s.prune_budget is not None:
+            first_BS = self._first_keys(ctx)
+            times_BS = self._eviction_times(q_BTNH, k_BSNH, ctx, first_BS, previous_BS)
+            bias_BTS = evicted_bias(bias_BTS, ctx.cache_index + jnp.arange(length_q), times_BS)
+        return jnp.where(ctx.mask_BTS, bias_BTS, 0.0)[:, None]
+
+    def block_terms(
+        self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
+    ) -> tuple[BlockTerm, ...]:
+        """The within-block sums per pair plus the per-(query block, key) prefix P (B, S, G)."""
+        s = self.scheme
+        length_q = q_BTNH.shape[1]
+        size_q = min(ctx.block, length_q)  # the engine's query block length
+        first_BS = self._first_keys(ctx)
+        k_head = _kv_head(s.head, q_BTNH.shape[2], k_BSNH.shape[2])
+        colsums_GBS = _block_column_sums(
+            q_BTNH[:, :, s.head],
+            k_BSNH[:, :, k_head],
+            ctx,
+            first_BS,
+            size_q=size_q,
+            nonlinearity=s.nonlinearity,
+        )
+        prefix_GBS = jnp.cumsum(colsums_GBS, axis=0) - colsums_GBS
+        previous_BS = None
+        if ctx.decode:
+            previous_BS = self.penalty_cache(jnp.sum(colsums_GBS, axis=0))
+            prefix_GBS = prefix_GBS + previous_BS[None]
+        k_arrays = {"prefix": jnp.moveaxis(prefix_GBS, 0, 2), "first": first_BS.astype(jnp.float32)}
+        if s.prune_budget is not None:
+            k_arrays["evicted_at"] = self._eviction_times(
+                q_BTNH, k_BSNH, ctx, first_BS, previous_BS
+            )
+        batch = q_BTNH.shape[0]
+        group_BT = jnp.broadcast_to(
+            (jnp.arange(length_q) // size_q).astype(jnp.float32), (batch, length_q)
+        )
+        pair = functools.partial(
+            _selective_pair,
+            head=s.head,
+            nonlinearity=s.nonlinearity,
+            size_q=size_q,
+            prune_threshold=s.prune_threshold,
+        )
+        return (
+            BlockTerm(
+                pair,
+                q_arrays={"group": group_BT},
+                k_arrays=k_arrays,
+            ),
+        )
+
+
+def _block_column_sums(
+    q_BTH: jax.Array,
+    k_BSH: jax.Array,
+    ctx: AttentionContext,
+    first_BS: jax.Array,
+    *,
+    size_q: int,
+    nonlinearity: str,
+) -> jax.Array:
+    """sum over each query block's queries of S, against every key: (G, B, S) float32.
+
+    One query block at a time (a (B, Q, S) slice), each rematerialised in the backward pass,
+    so nothing of size (T, S) is kept.
+    """
+    length_q = q_BTH.shape[1]
+    q_ids_BT, k_ids_BS = ctx.ids()
+    q_GBQH = to_blocks(q_BTH, size_q)
+    ids_GBQ = to_blocks(q_ids_BT, size_q)
+    scale = 1.0 / math.sqrt(q_BTH.shape[-1])
+    offset = jnp.asarray(ctx.cache_index, jnp.int32)
+    k_index_S = jnp.arange(k_BSH.shape[1])
+
+    @jax.checkpoint
+    def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        g, q_BQH, ids_BQ = args
+        logits_BQS = (
+            jnp.einsum("BQH,BSH->BQS", q_BQH, k_BSH, preferred_element_type=jnp.float32) * scale
+        )
+        start = g * size_q
+        allowed_BQS = segments.pair_allowed_BQK(ids_BQ, k_ids_BS, offset + start, 0)
+        real_Q = start + jnp.arange(size_q) < length_q  # padded queries select nothing
+        allowed_BQS = allowed_BQS & real_Q[None, :, None]
+        s_BQS = selection_BTS(
+            logits_BQS,
+            allowed_BQS,
+            first_BS,
+            offset + start + jnp.arange(size_q),
+            k_index_S,
+            nonlinearity=nonlinearity,
+        )
+        return jnp.sum(s_BQS, axis=1)
+
+    count = num_blocks(length_q, size_q)
+    return jax.lax.map(one_block, (jnp.arange(count), q_GBQH, ids_GBQ))
+
+
+def _selective_pair(
+    params: None,
+    pair: PairBlock,
+    prepared: None,
+    carry: Any,
+    *,
+    head: int,
+    nonlinearity: str,
+    size_q: int,
+    prune_threshold: float | None,
+) -> tuple[jax.Array, Any]:
+    """-(P of this query block + the within-block exclusive sum over queries), all heads."""
+    size_q_pair, size_k = pair.q_BQNH.shape[1], pair.k_BKNH.shape[1]
+    if size_q_pair != size_q:
+        raise ValueError(
+            f"selective: the engine's query block has {size_q_pair} queries but the prefix was "
+            f"computed for blocks of {size_q}; the block length rule changed"
+        )
+    group_B = pair.q_arrays["group"][:, 0].astype(jnp.int32)
+    prefix_BK = jnp.take_along_axis(pair.k_arrays["prefix"], group_B[:, None, None], axis=2)[..., 0]
+    s_BQK = selection_BTS(
+        pair.logits_BNQK[:, head],
+        pair.allowed_BQK,
+        pair.k_arrays["first"] > 0.5,
+        pair.q_start + jnp.arange(size_q),
+        pair.k_start + jnp.arange(size_k),
+        nonlinearity=nonlinearity,
+    )
+    f_BQK = accumulated_penalty_BTS(s_BQK, prefix_BK)
+    bias_BQK = penalty_bias(f_BQK, prune_threshold)
+    if "evicted_at" in pair.k_arrays:
+        q_index_Q = pair.q_start + jnp.arange(size_q)
+        bias_BQK = evicted_bias(bias_BQK, q_index_Q, pair.k_arrays["evicted_at"])
+    heads = pair.q_BQNH.shape[2]
+    return jnp.broadcast_to(
+        bias_BQK[:, None], (bias_BQK.shape[0], heads, *bias_BQK.shape[1:])
+    ), carry

@@ -12,7 +12,6 @@ step and stops (copejax.preemption).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -25,13 +24,11 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from copejax import input_pipeline, optim, shape_checks, sharding, workdir
+from copejax import input_pipeline, sharding, workdir
 from copejax.checkpoint import Checkpointer
-from copejax.config_base import NONFINITE
-from copejax.data.base import Task, make_task
 from copejax.metrics import MetricsWriter, truncate_after
 from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.plan import Plan, validate
 from copejax.preemption import Preempted, StopSignal
 from copejax.progress import Progress
 from copejax.train_step import Steps, make_steps
@@ -40,16 +37,6 @@ from copejax.workdir_lock import WorkdirLock, WorkdirUnusableError, prepare
 
 class NonFiniteLossError(RuntimeError):
     """Training stopped at a step whose loss or gradient norm was not finite."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What a validated config resolves to."""
-
-    task: Task
-    model_config: ModelConfig
-    mesh_shape: tuple[int, int, int]
-    eval_splits: tuple[str, ...]
 
 
 @jax.jit
@@ -61,67 +48,6 @@ def _all_finite(tree: Any) -> jax.Array:
         if jnp.isdtype(x.dtype, "real floating")
     ]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
-    """The ModelConfig of ``config.model`` (``ModelConfig.from_config``): the vocabulary and
-    the default ``max_len`` come from the task."""
-    return ModelConfig.from_config(
-        config.model.to_dict(), vocab_size=len(task.vocab), default_max_len=task.seq_len
-    )
-
-
-def validate(
-    config: ml_collections.ConfigDict, device_count: int | None = None, process_count: int = 1
-) -> Plan:
-    """Checks every part of a config before any compute; raises ValueError on the first problem.
-
-    Checks the seed, the task and its options, the model (ModelConfig.validate, which checks
-    the position scheme), the optimizer, the mesh against the device count, that batch
-    sizes divide over the batch-sharded mesh axes and the processes, and (tracing the model,
-    no compute) that the mesh axes divide every sharded parameter dimension and that the
-    position scheme takes every evaluation split's sequence length.
-    """
-    device_count = jax.device_count() if device_count is None else device_count
-    if not isinstance(config.seed, int) or not 0 <= config.seed < 2**31:
-        raise ValueError(f"seed must be an integer in [0, 2**31), got {config.seed!r}")
-    task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = model_config(config, task).validate()
-    optim.validate(config.train)
-    if config.train.nonfinite not in NONFINITE:
-        raise ValueError(
-            f"train.nonfinite must be one of {NONFINITE}, got {config.train.nonfinite!r}"
-        )
-    shape = sharding.mesh_shape(
-        config.mesh.data, config.mesh.fsdp, config.mesh.tensor, device_count
-    )
-    rules = sharding.rules_tuple(config.axis_rules)
-    batch_axes = nn.logical_to_mesh_axes((sharding.BATCH,), rules)[0] or ()
-    batch_axes = batch_axes if isinstance(batch_axes, tuple) else (batch_axes,)
-    ways = int(np.prod([dict(zip(sharding.MESH_AXES, shape, strict=True))[a] for a in batch_axes]))
-    ways = int(np.lcm(ways, process_count))
-    for key in ("train.batch_size", "eval.batch_size"):
-        size = config.train.batch_size if key.startswith("train") else config.eval.batch_size
-        if not isinstance(size, int) or size <= 0 or size % ways:
-            raise ValueError(
-                f"{key}={size!r} must be a positive multiple of {ways} (the mesh axes "
-                f"{batch_axes} that shard the batch, and the {process_count} processes)"
-            )
-    splits = task.splits()
-    eval_splits = tuple(config.eval.splits) or tuple(s for s in splits if s != "train")
-    unknown = [s for s in eval_splits if s not in splits]
-    if unknown:
-        raise ValueError(f"eval.splits {unknown} unknown to task {task.name!r}: {sorted(splits)}")
-    if not isinstance(config.eval.max_examples, int) or config.eval.max_examples < 0:
-        raise ValueError(f"eval.max_examples must be >= 0, got {config.eval.max_examples!r}")
-    if not isinstance(config.data.worker_count, int) or config.data.worker_count < 0:
-        raise ValueError(f"data.worker_count must be >= 0, got {config.data.worker_count!r}")
-    # Last, as they trace the model: shapes against the mesh, split lengths against tables.
-    params = shape_checks.abstract_params(cfg, task.seq_len)
-    shape_checks.check_divisible(params, dict(zip(sharding.MESH_AXES, shape, strict=True)), rules)
-    lengths = {s: shape_checks.split_length(task, s, config.seed) for s in eval_splits}
-    shape_checks.check_lengths(cfg, {**lengths, "train": task.seq_len}, params)
-    return Plan(task=task, model_config=cfg, mesh_shape=shape, eval_splits=eval_splits)
 
 
 def evaluate(

@@ -16,10 +16,11 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from copejax import train, workdir
+from copejax import workdir
 from copejax.checkpoint import Checkpointer
 from copejax.data.base import Task
 from copejax.model_config import ModelConfig
+from copejax.plan import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
     if saved is None:
         raise ValueError(f"{root} has no {workdir.CONFIG_FILE}: not a copejax workdir")
     config = ml_collections.ConfigDict(saved)
-    plan = train.validate(config)
+    plan = validate(config)
     ckpt = Checkpointer(root / "checkpoints", config.train.keep_checkpoints, asynchronous=False)
     try:
         steps = ckpt.all_steps()

@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "training and inference",
         (
             "train_step",
-            "shape_checks",
+            "plan",
             "train",
             "trained_run",
             "decode",

@@ -9,10 +9,10 @@ from __future__ import annotations
 import ml_collections
 import pytest
 
-from copejax import train
 from copejax.config_base import base_config
 from copejax.data.base import make_task
 from copejax.model_config import upgrade_attention_options
+from copejax.plan import model_config
 
 
 def _saved_config(
@@ -35,7 +35,7 @@ def test_a_cope_run_saved_with_per_scheme_options_loads_with_model_level_ones() 
     options["blockwise_min_len"] = 512
     config = _saved_config("cope", options)
     task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = train.model_config(config, task).validate()
+    cfg = model_config(config, task).validate()
     assert (cfg.attention_impl, cfg.attention_block, cfg.scan_impl) == ("blockwise", 64, "cumsum")
     assert dict(cfg.position_options) == {"p_max": 8}
 
@@ -43,7 +43,7 @@ def test_a_cope_run_saved_with_per_scheme_options_loads_with_model_level_ones() 
 def test_a_saved_dot_product_attention_kernel_becomes_the_attention_impl() -> None:
     config = _saved_config("rope", {}, kernel="dot_product_attention")
     task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = train.model_config(config, task).validate()
+    cfg = model_config(config, task).validate()
     assert cfg.attention_impl == "dot_product_attention"
 
 

@@ -11,6 +11,7 @@ from copejax import sharding, train, workdir
 from copejax.checkpoint import Checkpointer, CheckpointMismatchError
 from copejax.metrics import read_jsonl
 from copejax.model import Transformer
+from copejax.plan import validate
 from copejax.train_step import make_steps
 from tests.train.tiny_task import tiny_config
 
@@ -81,7 +82,7 @@ def test_different_config_is_refused_unless_restart(uninterrupted: tuple, tmp_pa
 def test_checkpoint_of_other_shapes_fails_clearly(uninterrupted: tuple) -> None:
     config = tiny_config()
     config.model.d_model = 32
-    plan = train.validate(config)
+    plan = validate(config)
     mesh = sharding.make_mesh()
     steps = make_steps(
         Transformer(plan.model_config), config.train, 0, (1, 11), mesh=mesh,
@@ -128,4 +129,4 @@ def test_bad_configs_fail_before_compute(key: str, value: object, message: str) 
     with config.unlocked():
         config[parent][leaf] = value
     with pytest.raises(ValueError, match=message):
-        train.validate(config, device_count=4)
+        validate(config, device_count=4)

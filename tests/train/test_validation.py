@@ -1,4 +1,4 @@
-"""Bad configs fail in train.validate, before any compute, with a ValueError naming the problem.
+"""Bad configs fail in plan.validate, before any compute, with a ValueError naming the problem.
 
 A hypothesis property test breaks a working config in one to three random ways (unknown
 names, sizes that do not divide, mesh / device mismatches, tables too short, negative rates)
@@ -17,8 +17,8 @@ import ml_collections
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from copejax import train
 from copejax.data.base import task_names
+from copejax.plan import validate
 from copejax.positions import registry
 from tests.train.tiny_task import tiny_config
 
@@ -165,7 +165,7 @@ _KINDS: dict[str, Callable[[st.DrawFn], Mutation]] = {
 
 
 def test_the_unbroken_config_validates() -> None:
-    plan = train.validate(tiny_config(), device_count=DEVICES)
+    plan = validate(tiny_config(), device_count=DEVICES)
     assert plan.mesh_shape == (DEVICES, 1, 1)
     assert plan.eval_splits == ("test", "long")
 
@@ -187,7 +187,7 @@ def test_random_broken_configs_get_clear_errors(broken: list[Mutation]) -> None:
     for apply, _ in broken:
         apply(config)
     with pytest.raises(ValueError) as caught:
-        train.validate(config, device_count=DEVICES)
+        validate(config, device_count=DEVICES)
     message = str(caught.value)
     patterns = [pattern for _, pattern in broken]
     assert any(re.search(p, message, re.S) for p in patterns), (message, patterns)
@@ -205,7 +205,7 @@ def _check(data: st.SearchStrategy, kinds: list[str]) -> None:
         config = tiny_config()
         apply(config)
         with pytest.raises(ValueError, match=pattern) as caught:
-            train.validate(config, device_count=DEVICES)
+            validate(config, device_count=DEVICES)
         assert "copejax" in Path(str(caught.traceback[-1].path)).parts
 
     inner()

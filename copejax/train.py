@@ -226,7 +226,7 @@ def _train(
                 "Pass --restart to discard it and start over."
             )
 
-    host: dict[str, float] = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
+    host = _empty_window()
     restored = ckpt.restore_latest(steps.abstract_state, data, check_config)
     if restored is None:
         state, start = steps.init(), 0
@@ -250,10 +250,9 @@ def _train(
     def save(step: int) -> None:
         if not bool(_all_finite((state.params, state.opt_state))):
             ckpt.wait()
-            where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
             raise NonFiniteLossError(
                 f"the train state at step {step} holds non-finite values, so it was not "
-                f"saved; last good checkpoint: {where} in {root / 'checkpoints'}"
+                f"saved; last good checkpoint: {_last_good(last_saved, root)}"
             )
         ckpt.save(step, state, data, resolved, host)
 
@@ -263,37 +262,21 @@ def _train(
         if not out["finite"]:
             if train.nonfinite == "stop":
                 ckpt.wait()
-                where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
                 raise NonFiniteLossError(
                     f"non-finite loss ({float(out['loss'])}) or gradient norm "
                     f"({float(out['grad_norm'])}) at step {step}; the state was not updated "
-                    f"and nothing was saved; last good checkpoint: {where} in "
-                    f"{root / 'checkpoints'} (re-run with --config.train.nonfinite=skip to resume "
-                    "from it skipping such batches)"
+                    f"and nothing was saved; last good checkpoint: {_last_good(last_saved, root)}"
+                    " (re-run with --config.train.nonfinite=skip to resume from it skipping "
+                    "such batches)"
                 )
             window_skipped += 1
         else:
-            host["loss_sum"] += float(out["loss"])
-            host["grad_norm_sum"] += float(out["grad_norm"])
-            host["count"] += 1
+            host = _add_to_window(host, out)
         record: dict[str, float] = {}
         if train.log_every and (step % train.log_every == 0 or step == train.steps):
-            speed = progress.update(step)
-            # A window whose steps were all skipped has no loss: NaN, written as JSON null and
-            # left out of TensorBoard (never 0, which would look like a perfect fit).
-            count = host["count"] or float("nan")
-            record.update(
-                {
-                    "train/loss": host["loss_sum"] / count,
-                    "train/grad_norm": host["grad_norm_sum"] / count,
-                    "train/learning_rate": float(out["learning_rate"]),
-                    "train/nonfinite_steps": float(state.nonfinite_count),
-                    **speed,
-                }
-            )
+            record.update(_window_record(host, out, state, progress.update(step)))
             progress.print(step, record, skipped=window_skipped)
-            host = {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
-            window_skipped = 0
+            host, window_skipped = _empty_window(), 0
         if (train.eval_every and step % train.eval_every == 0) or step == train.steps:
             with progress.paused():
                 record.update(evaluate(steps, state.params, plan, config, mesh))
@@ -322,6 +305,40 @@ def _train(
         step = start
     _report_skipped(int(state.nonfinite_count), step, root)
     return last
+
+
+def _empty_window() -> dict[str, float]:
+    """The host-side sums of one logging window (saved with each checkpoint)."""
+    return {"loss_sum": 0.0, "grad_norm_sum": 0.0, "count": 0.0}
+
+
+def _add_to_window(host: dict[str, float], out: dict[str, Any]) -> dict[str, float]:
+    return {
+        "loss_sum": host["loss_sum"] + float(out["loss"]),
+        "grad_norm_sum": host["grad_norm_sum"] + float(out["grad_norm"]),
+        "count": host["count"] + 1,
+    }
+
+
+def _window_record(
+    host: dict[str, float], out: dict[str, Any], state: Any, speed: dict[str, float]
+) -> dict[str, float]:
+    """The train/* scalars of a logging window. A window whose steps were all skipped has no
+    loss: NaN, written as JSON null and left out of TensorBoard (never 0, which would look
+    like a perfect fit)."""
+    count = host["count"] or float("nan")
+    return {
+        "train/loss": host["loss_sum"] / count,
+        "train/grad_norm": host["grad_norm_sum"] / count,
+        "train/learning_rate": float(out["learning_rate"]),
+        "train/nonfinite_steps": float(state.nonfinite_count),
+        **speed,
+    }
+
+
+def _last_good(last_saved: int | None, root: Path) -> str:
+    where = f"checkpoint {last_saved}" if last_saved else "none saved yet"
+    return f"{where} in {root / 'checkpoints'}"
 
 
 def _report_skipped(skipped: int, steps_done: int, root: Path) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -51,7 +50,16 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax.kv_cache import CACHE
-from copejax.ops.engine import BlockTerm, PairBlock, num_blocks, to_blocks
+from copejax.ops.engine import BlockTerm
+from copejax.ops.selective import (
+    NONLINEARITIES,
+    accumulated_penalty_BTS,
+    budget_eviction_times,
+    evicted_bias,
+    penalty_bias,
+    selection_BTS,
+)
+from copejax.ops.selective_block import block_column_sums, selective_pair
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -60,147 +68,6 @@ from copejax.positions.base import (
     check_choice,
 )
 from copejax.positions.registry import register
-
-NONLINEARITIES = ("relu", "sigmoid")
-# Added to the logit of a pruned key: its weight is exactly zero (the query's own key and the
-# segment's first key are never pruned, so every row keeps a finite maximum).
-PRUNED_LOGIT = -1e30
-
-
-def selection_BTS(
-    logits_BTS: jax.Array,
-    allowed_BTS: jax.Array,
-    first_BS: jax.Array,
-    q_index_T: jax.Array,
-    k_index_S: jax.Array,
-    *,
-    nonlinearity: str = "relu",
-) -> jax.Array:
-    """The selection matrix S of one head, zero where the paper's constraints forbid it.
-
-    Args:
-      logits_BTS: the selecting head's scaled content logits (float32).
-      allowed_BTS: causal, same-segment mask.
-      first_BS: True where key s is the first token of its segment (never masked).
-      q_index_T: key index of each query (``cache_index + t``); k_index_S: index of each key.
-      nonlinearity: "relu" (the paper's Figure 2) or "sigmoid".
-
-    Returns:
-      S_BTS, float32, >= 0; exactly zero off ``allowed``, on first tokens and on the diagonal.
-    """
-    logits_BTS = logits_BTS.astype(jnp.float32)
-    if nonlinearity == "relu":
-        s_BTS = jax.nn.relu(logits_BTS)
-    elif nonlinearity == "sigmoid":
-        s_BTS = jax.nn.sigmoid(logits_BTS)
-    else:
-        raise ValueError(
-            f"selective: nonlinearity must be one of {NONLINEARITIES}, got {nonlinearity!r}"
-        )
-    self_TS = q_index_T[:, None] == k_index_S[None, :]
-    keep_BTS = allowed_BTS & ~first_BS[:, None, :] & ~self_TS[None]
-    return jnp.where(keep_BTS, s_BTS, 0.0)
-
-
-def accumulated_penalty_BTS(s_BTS: jax.Array, previous_BS: jax.Array | None = None) -> jax.Array:
-    """F_ts = previous_s + sum_{t' < t} S_t's: the exclusive cumulative sum over queries.
-
-    ``previous_BS`` is the penalty accumulated by earlier queries (the cache's, when decoding).
-    """
-    f_BTS = jnp.cumsum(s_BTS, axis=1) - s_BTS
-    if previous_BS is not None:
-        f_BTS = f_BTS + previous_BS[:, None, :].astype(jnp.float32)
-    return f_BTS
-
-
-def penalty_bias(f_BTS: jax.Array, prune_threshold: float | None) -> jax.Array:
-    """-F, or PRUNED_LOGIT where F exceeds the pruning threshold."""
-    bias_BTS = -f_BTS
-    if prune_threshold is not None:
-        bias_BTS = jnp.where(f_BTS > prune_threshold, PRUNED_LOGIT, bias_BTS)
-    return bias_BTS
-
-
-NEVER = 2.0**30  # eviction time of a key that is never evicted
-
-
-def budget_eviction_times(
-    q_BTH: jax.Array,
-    k_BSH: jax.Array,
-    *,
-    q_ids_BT: jax.Array,
-    k_ids_BS: jax.Array,
-    first_BS: jax.Array,
-    offset: jax.Array | int,
-    budget: int,
-    nonlinearity: str,
-    previous_f_BS: jax.Array | None = None,
-    previous_evicted_BS: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The paper's fixed-budget context pruning, query by query.
-
-    Query t (key ``offset + t``) first adds its own key to its segment's buffer; if the buffer
-    then holds more than ``budget`` keys, the one with the largest ``F_tj`` (ties: the oldest)
-    is evicted; then t attends. ``F`` is accumulated along the way from the selecting head's
-    queries and keys (the same S as :func:`selection_BTS`).
-
-    Args:
-      q_BTH, k_BSH: the selecting head's queries and keys (after the qk site).
-      q_ids_BT, k_ids_BS: segment ids; first_BS: first keys of segments.
-      offset: key index of query 0 (the cache index when decoding).
-      budget: buffer size per segment, >= 1.
-      previous_f_BS, previous_evicted_BS: the cache's F and eviction flags before the call.
-
-    Returns:
-      (eviction time (B, S) float32: the key index of the query that evicted the key, -1 when
-      evicted before this call, NEVER otherwise; evicted flags after the call (B, S) bool).
-    No gradient flows through the (discrete) evictions.
-    """
-    q_BTH = jax.lax.stop_gradient(q_BTH)
-    k_BSH = jax.lax.stop_gradient(k_BSH)
-    batch, length_k = k_BSH.shape[:2]
-    scale = 1.0 / math.sqrt(q_BTH.shape[-1])
-    k_index_S = jnp.arange(length_k)
-    f_BS = jnp.zeros((batch, length_k), jnp.float32)
-    if previous_f_BS is not None:
-        f_BS = jax.lax.stop_gradient(previous_f_BS.astype(jnp.float32))
-    evicted_BS = jnp.zeros((batch, length_k), bool)
-    if previous_evicted_BS is not None:
-        evicted_BS = previous_evicted_BS.astype(bool)
-    times_BS = jnp.where(evicted_BS, -1.0, NEVER)
-
-    def step(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
-        f_BS, evicted_BS, times_BS = carry
-        t, q_BH, ids_B = inputs
-        q_index = offset + t
-        allowed_BS = (k_index_S[None] <= q_index) & (k_ids_BS == ids_B[:, None])
-        live_BS = allowed_BS & ~evicted_BS
-        over_B = jnp.sum(live_BS, axis=-1) > budget
-        victim_B = jnp.argmax(jnp.where(live_BS, f_BS, -jnp.inf), axis=-1)
-        evict_BS = over_B[:, None] & (k_index_S[None] == victim_B[:, None])
-        logits_BS = jnp.einsum("BH,BSH->BS", q_BH, k_BSH, preferred_element_type=jnp.float32)
-        s_BS = selection_BTS(
-            logits_BS[:, None] * scale,
-            allowed_BS[:, None],
-            first_BS,
-            jnp.reshape(q_index, (1,)),
-            k_index_S,
-            nonlinearity=nonlinearity,
-        )[:, 0]
-        times_BS = jnp.where(evict_BS, q_index.astype(jnp.float32), times_BS)
-        return (f_BS + s_BS, evicted_BS | evict_BS, times_BS), None
-
-    length_q = q_BTH.shape[1]
-    xs = (jnp.arange(length_q), jnp.moveaxis(q_BTH, 1, 0), jnp.moveaxis(q_ids_BT, 1, 0))
-    offset = jnp.asarray(offset, jnp.int32)
-    (_, evicted_BS, times_BS), _ = jax.lax.scan(step, (f_BS, evicted_BS, times_BS), xs)
-    return times_BS, evicted_BS
-
-
-def evicted_bias(bias_BTS: jax.Array, q_index_T: jax.Array, times_BS: jax.Array) -> jax.Array:
-    """PRUNED_LOGIT where key s was evicted at or before query t's turn."""
-    gone_BTS = q_index_T[None, :, None].astype(jnp.float32) >= times_BS[:, None, :]
-    return jnp.where(gone_BTS, PRUNED_LOGIT, bias_BTS)
 
 
 @register
@@ -379,11 +246,12 @@ class _SelectiveSite(AttentionSite):
         size_q = min(ctx.block, length_q)  # the engine's query block length
         first_BS = self._first_keys(ctx)
         k_head = _kv_head(s.head, q_BTNH.shape[2], k_BSNH.shape[2])
-        colsums_GBS = _block_column_sums(
+        colsums_GBS = block_column_sums(
             q_BTNH[:, :, s.head],
             k_BSNH[:, :, k_head],
-            ctx,
+            *ctx.ids(),
             first_BS,
+            offset=ctx.cache_index,
             size_q=size_q,
             nonlinearity=s.nonlinearity,
         )
@@ -402,7 +270,7 @@ class _SelectiveSite(AttentionSite):
             (jnp.arange(length_q) // size_q).astype(jnp.float32), (batch, length_q)
         )
         pair = functools.partial(
-            _selective_pair,
+            selective_pair,
             head=s.head,
             nonlinearity=s.nonlinearity,
             size_q=size_q,
@@ -415,88 +283,3 @@ class _SelectiveSite(AttentionSite):
                 k_arrays=k_arrays,
             ),
         )
-
-
-def _block_column_sums(
-    q_BTH: jax.Array,
-    k_BSH: jax.Array,
-    ctx: AttentionContext,
-    first_BS: jax.Array,
-    *,
-    size_q: int,
-    nonlinearity: str,
-) -> jax.Array:
-    """sum over each query block's queries of S, against every key: (G, B, S) float32.
-
-    One query block at a time (a (B, Q, S) slice), each rematerialised in the backward pass,
-    so nothing of size (T, S) is kept.
-    """
-    length_q = q_BTH.shape[1]
-    q_ids_BT, k_ids_BS = ctx.ids()
-    q_GBQH = to_blocks(q_BTH, size_q)
-    ids_GBQ = to_blocks(q_ids_BT, size_q)
-    scale = 1.0 / math.sqrt(q_BTH.shape[-1])
-    offset = jnp.asarray(ctx.cache_index, jnp.int32)
-    k_index_S = jnp.arange(k_BSH.shape[1])
-
-    @jax.checkpoint
-    def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        g, q_BQH, ids_BQ = args
-        logits_BQS = (
-            jnp.einsum("BQH,BSH->BQS", q_BQH, k_BSH, preferred_element_type=jnp.float32) * scale
-        )
-        start = g * size_q
-        allowed_BQS = segments.pair_allowed_BQK(ids_BQ, k_ids_BS, offset + start, 0)
-        real_Q = start + jnp.arange(size_q) < length_q  # padded queries select nothing
-        allowed_BQS = allowed_BQS & real_Q[None, :, None]
-        s_BQS = selection_BTS(
-            logits_BQS,
-            allowed_BQS,
-            first_BS,
-            offset + start + jnp.arange(size_q),
-            k_index_S,
-            nonlinearity=nonlinearity,
-        )
-        return jnp.sum(s_BQS, axis=1)
-
-    count = num_blocks(length_q, size_q)
-    return jax.lax.map(one_block, (jnp.arange(count), q_GBQH, ids_GBQ))
-
-
-def _selective_pair(
-    params: None,
-    pair: PairBlock,
-    prepared: None,
-    carry: Any,
-    *,
-    head: int,
-    nonlinearity: str,
-    size_q: int,
-    prune_threshold: float | None,
-) -> tuple[jax.Array, Any]:
-    """-(P of this query block + the within-block exclusive sum over queries), all heads."""
-    size_q_pair, size_k = pair.q_BQNH.shape[1], pair.k_BKNH.shape[1]
-    if size_q_pair != size_q:
-        raise ValueError(
-            f"selective: the engine's query block has {size_q_pair} queries but the prefix was "
-            f"computed for blocks of {size_q}; the block length rule changed"
-        )
-    group_B = pair.q_arrays["group"][:, 0].astype(jnp.int32)
-    prefix_BK = jnp.take_along_axis(pair.k_arrays["prefix"], group_B[:, None, None], axis=2)[..., 0]
-    s_BQK = selection_BTS(
-        pair.logits_BNQK[:, head],
-        pair.allowed_BQK,
-        pair.k_arrays["first"] > 0.5,
-        pair.q_start + jnp.arange(size_q),
-        pair.k_start + jnp.arange(size_k),
-        nonlinearity=nonlinearity,
-    )
-    f_BQK = accumulated_penalty_BTS(s_BQK, prefix_BK)
-    bias_BQK = penalty_bias(f_BQK, prune_threshold)
-    if "evicted_at" in pair.k_arrays:
-        q_index_Q = pair.q_start + jnp.arange(size_q)
-        bias_BQK = evicted_bias(bias_BQK, q_index_Q, pair.k_arrays["evicted_at"])
-    heads = pair.q_BQNH.shape[2]
-    return jnp.broadcast_to(
-        bias_BQK[:, None], (bias_BQK.shape[0], heads, *bias_BQK.shape[1:])
-    ), carry

@@ -17,6 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax.ops import cope as cope_ops
+from copejax.ops.selective import (
+    NEVER,
+    accumulated_penalty_BTS,
+    budget_eviction_times,
+    penalty_bias,
+    selection_BTS,
+)
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import masked_softmax_BNTS
 from copejax.positions.dape import dape_mlp
@@ -28,13 +35,6 @@ from copejax.positions.randomized import relabel_positions
 from copejax.positions.relative import relative_logits
 from copejax.positions.rope import apply_rope, rope_inv_freq
 from copejax.positions.rope_frequencies import scaled_inv_freq
-from copejax.positions.selective import (
-    NEVER,
-    accumulated_penalty_BTS,
-    budget_eviction_times,
-    penalty_bias,
-    selection_BTS,
-)
 from copejax.positions.sinusoidal import sinusoidal_encoding
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.positions.t5 import t5_bias

@@ -20,9 +20,9 @@ from copejax import decode
 from copejax.attention import Attention
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
+from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
 from copejax.positions.base import AttentionContext
 from copejax.positions.registry import make_scheme
-from copejax.positions.selective import accumulated_penalty_BTS, selection_BTS
 from tests import test_blockwise_equivalence as equivalence
 from tests import test_decode as decode_tests
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config

@@ -195,7 +195,7 @@ def validate_pattern(cfg: ModelConfig) -> None:
         for site in ("embed", "carry"):
             if site in scheme.sites:
                 raise ValueError(
-                    f"model.layer_pattern kind {kind!r}: {scheme_name!r} has a {site} site, "
+                    f"model.layer_pattern kind {kind!r}: {scheme_name!r} uses the {site} site, "
                     "which acts once per model, not per layer; set model.position to it "
                     "(its embed site is applied once at the input) and use attention-site "
                     "schemes in the pattern"

@@ -26,7 +26,10 @@ Presets (``model.layout``; ``model.window`` replaces the preset's local window):
 - ``gemma3``: five local layers (RoPE base 10k, window 1024) per global layer (RoPE base
   1M) (Gemma 3 technical report, arXiv 2503.19786).
 - ``swan``: SWAN-GPT (arXiv 2504.08719): sliding-window RoPE layers interleaved with NoPE
-  global layers, three SWA-RoPE layers (window 512) per NoPE layer.
+  global layers. The abstract states the interleaving only; the ratio (three SWA-RoPE layers
+  per NoPE layer) and the window (512) are taken from memory of the paper's main
+  configuration and were not re-checked against its text here: set ``layer_pattern`` for
+  another ratio.
 - ``rnope``: Cohere's RNoPE (arXiv 2501.18795): three RoPE sliding-window layers (window
   4096) per full-attention NoPE layer.
 """

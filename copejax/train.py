@@ -82,6 +82,10 @@ def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
         position_options=position_options,
         max_len=m.max_len or task.seq_len,
         init_std=m.init_std,
+        window=m.get("window", 0) or None,
+        window_sink_tokens=m.get("window_sink_tokens", 0),
+        layer_pattern=tuple(m.get("layer_pattern", ())),
+        layout=m.get("layout", "") or None,
         **attention,
     )
 

@@ -325,7 +325,7 @@ class Attention(nn.Module):
             "segment_ids": q_ids_BT.astype(jnp.int32),
         }
         old = self.ring_cache(new, index_T, rank_BT)
-        cat = lambda name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], 1)  # noqa: E731
+        cat = lambda name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], 1)
         ctx = ctx.replace(
             k_positions_BS=cat("positions"),
             k_segment_ids_BS=cat("segment_ids"),

@@ -88,8 +88,7 @@ def pattern_of(cfg: ModelConfig) -> tuple[str, ...]:
     pattern = cfg.layer_pattern
     if isinstance(pattern, str) or not all(isinstance(kind, str) for kind in pattern):
         raise ValueError(
-            f"model.layer_pattern must be a list of kinds 'scheme[:key=value,...]', "
-            f"got {pattern!r}"
+            f"model.layer_pattern must be a list of kinds 'scheme[:key=value,...]', got {pattern!r}"
         )
     return tuple(pattern)
 

@@ -213,7 +213,9 @@ class ModelConfig:
                 f"model.attention_block must be a positive integer or None, got {block!r}"
             )
         window = self.window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
             raise ValueError(f"model.window must be a positive integer or None, got {window!r}")
         sinks = self.window_sink_tokens
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:

@@ -141,7 +141,12 @@ def test_patterned_model_with_windows_decodes_like_its_full_forward() -> None:
         "rope",
         num_layers=4,
         max_len=32,
-        layer_pattern=("rope:window=3,window_sink_tokens=1", "alibi:window=2", "nope", "fox:window=3"),
+        layer_pattern=(
+            "rope:window=3,window_sink_tokens=1",
+            "alibi:window=2",
+            "nope",
+            "fox:window=3",
+        ),
     )
     model = Transformer(cfg)
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)

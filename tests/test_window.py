@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,9 +97,7 @@ def test_blockwise_with_window_and_sinks_equals_naive(position: str) -> None:
         return jnp.mean(jnp.sin(logits_BTV)), logits_BTV
 
     (_, logits_n), grads_n = jax.value_and_grad(lambda p: loss(naive, p), has_aux=True)(params)
-    (_, logits_b), grads_b = jax.value_and_grad(lambda p: loss(blockwise, p), has_aux=True)(
-        params
-    )
+    (_, logits_b), grads_b = jax.value_and_grad(lambda p: loss(blockwise, p), has_aux=True)(params)
     assert np.all(np.isfinite(np.asarray(logits_n)))
     np.testing.assert_allclose(logits_b, logits_n, rtol=2e-5, atol=2e-5)
     flat_b = dict(jax.tree_util.tree_leaves_with_path(grads_b))
@@ -132,7 +132,9 @@ def _decoded(model: Transformer, params: object, chunks: tuple[int, ...]) -> np.
 def test_decoding_far_beyond_the_window_equals_the_full_forward(position: str, sinks: int) -> None:
     model = _model(position, "naive", window=3, sinks=sinks)
     tokens_BT = _tokens()
-    params = perturbed(model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"])
+    params = perturbed(
+        model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
+    )
     full = model.apply(
         {"params": params}, tokens_BT, jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     )
@@ -143,7 +145,9 @@ def test_decoding_far_beyond_the_window_equals_the_full_forward(position: str, s
 def test_decoding_through_the_engine_with_a_ring_buffer(position: str) -> None:
     model = _model(position, "blockwise", window=4, sinks=1)
     tokens_BT = _tokens()
-    params = perturbed(model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"])
+    params = perturbed(
+        model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
+    )
     full = model.apply(
         {"params": params}, tokens_BT, jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     )
@@ -207,9 +211,9 @@ def test_engine_walks_only_the_band() -> None:
 
 
 def test_bad_window_values_are_refused() -> None:
-    with pytest.raises(ValueError, match="model.window must be a positive integer"):
+    with pytest.raises(ValueError, match=re.escape("model.window must be a positive integer")):
         tiny_config("rope", window=0)
-    with pytest.raises(ValueError, match="set model.window too"):
+    with pytest.raises(ValueError, match=re.escape("set model.window too")):
         tiny_config("rope", window_sink_tokens=2)
-    with pytest.raises(ValueError, match="window_sink_tokens must be an integer >= 0"):
+    with pytest.raises(ValueError, match=re.escape("window_sink_tokens must be an integer >= 0")):
         tiny_config("rope", window=4, window_sink_tokens=-1)

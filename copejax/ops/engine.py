@@ -443,9 +443,7 @@ def _remat_walk(layout: _Layout, data: dict) -> tuple[jax.Array, jax.Array]:
             kj, live = k_in
             kj = jnp.clip(kj, 0, layout.count_k - 1)
             kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
-            state = jax.lax.cond(
-                live, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state
-            )
+            state = jax.lax.cond(live, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state)
             return state, None
 
         init = (init_acc, init_carries)
@@ -485,33 +483,7 @@ def _flash_backward(
         qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
         prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
 
-        def pair_grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
-            allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
-
-            def score_fn(p: list, q_side: dict, k_side: dict, prep: list) -> jax.Array:
-                carries = [None] * len(layout.terms)
-                return layout.scores(
-                    p,
-                    prep,
-                    carries,
-                    qf=q_side,
-                    qn=qn_i,
-                    kf=k_side,
-                    kn=kn_j,
-                    allowed_BQK=allowed_BQK,
-                    offset=offset,
-                    qi=qi,
-                    kj=kj,
-                )[0]
-
-            scores_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
-            p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
-            d_v_j = jnp.einsum(
-                "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
-            ).astype(v_j.dtype)
-            d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
-            d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
-            return (*score_vjp(d_s_BNQK), d_v_j)
+        pair_grads = pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))
 
         def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
             d_params_i, d_qf_i, d_prep_i = inner
@@ -558,7 +530,7 @@ def _flash_backward(
             kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
             dp, dq, dk, dprep, dv = jax.lax.cond(
                 live,
-                lambda _: pair_grads(qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared)(
+                lambda _: pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))(
                     kj, kf_j, kn_j, v_j
                 ),
                 lambda _: (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j)),
@@ -582,8 +554,10 @@ def _flash_backward(
         d_qf_i = _add(d_qf_i, d_qf_prep)
         return (_add(d_params, _add(d_params_i, d_params_prep)), d_kf, d_v), d_qf_i
 
-    def pair_grads(qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared) -> Callable:  # noqa: ANN001
-        """The gradients of one (query block, key block) pair, as in ``per_query_block``."""
+    def pair_grads_of(q_side: tuple) -> Callable:
+        """The gradients of one (query block, key block) pair for query block ``q_side``:
+        (qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared)."""
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared = q_side
 
         def grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
             allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
@@ -718,7 +692,9 @@ def blockwise_attention(
         raise ValueError(f"engine: backward must be one of {BACKWARDS}, got {backward!r}")
     if normalizer.kind not in NORMALIZERS:
         raise ValueError(f"engine: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
         raise ValueError(f"engine: window must be a positive integer or None, got {window!r}")
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
         raise ValueError(f"engine: sink_tokens must be an integer >= 0, got {sink_tokens!r}")

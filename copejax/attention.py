@@ -15,8 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from copejax import segments
 from copejax import sharding as ax
-from copejax.kv_cache import KeyCache
+from copejax.kv_cache import KeyCache, RingCache
 from copejax.model_config import ModelConfig
 from copejax.ops import engine
 from copejax.positions.base import AttentionContext, AttentionSite, Carry, check_block_terms
@@ -47,6 +48,22 @@ def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | No
     if backend == "gpu" and cfg.dtype == "bfloat16" and cfg.dot_product_attention_allowed():
         return "dot_product_attention"
     return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
+
+
+def ring_cache_applies(cfg: ModelConfig, site: AttentionSite) -> bool:
+    """Whether the decode cache of ``cfg``'s layer (with attention site ``site``) is a ring
+    buffer of ``window`` slots plus the sink slots: a window layer whose scheme keeps no
+    per-key state in the cache and has no normalizer site. FoX's and CoPE's cached prefix
+    sums and gate keys, TAPE's position tensors and stick-breaking's exclusion of the query's
+    own slot read the cache in key order; their window layers decode with a full cache and
+    the window mask (exact, but memory grows with the length)."""
+    if cfg.window is None:
+        return False
+    scheme = cfg.scheme
+    if any("normalizer" in part.sites for part in getattr(scheme, "parts", None) or (scheme,)):
+        return False
+    sites = getattr(site, "sites_", None) or [site]
+    return all(type(s).cache_state is AttentionSite.cache_state for s in sites)
 
 
 def dot_product_attention(
@@ -164,6 +181,8 @@ class Attention(nn.Module):
             own = AttentionSite(cfg.dims)  # a scheme without attention sites (nope)
         self.own_site = own
         self.key_cache = KeyCache(name="key_cache")  # used only in decode mode
+        if cfg.window is not None:  # a window layer's decode cache (``ring_cache_applies``)
+            self.ring_cache = RingCache(cfg.window, cfg.window_sink_tokens, name="ring_cache")
 
     def _site(self) -> AttentionSite:
         return self.own_site if self.own_site is not None else self.shared
@@ -174,15 +193,19 @@ class Attention(nn.Module):
         Returns: the output y_BTD (compute dtype) and the updated carry.
         """
         site = self._site()
+        cfg = self.cfg
+        sinks = cfg.window_sink_tokens if cfg.window is not None else 0
+        ctx = ctx.replace(window=cfg.window, sink_tokens=sinks)
         q_BTNH = self.query(x_BTD)
         k_BSNH = self.key(x_BTD)
         v_BSNH = self.value(x_BTD)
-        if ctx.decode:
+        if ctx.decode and ring_cache_applies(cfg, site):
+            q_BTNH, k_BSNH, v_BSNH, ctx = self._decode_ring(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+        elif ctx.decode:
             q_BTNH, k_BSNH, v_BSNH, ctx = self._decode_qkv(site, q_BTNH, k_BSNH, v_BSNH, ctx)
         else:
             q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        cfg = self.cfg
         impl = choose_impl(cfg, k_BSNH.shape[1], self.is_mutable_collection("intermediates"))
         block = cfg.attention_block_for(k_BSNH.shape[1])
         ctx = ctx.replace(impl=impl, block=block, scan_impl=cfg.scan_impl)
@@ -247,6 +270,10 @@ class Attention(nn.Module):
             block=ctx.block,
             scan_impl=ctx.scan_impl,
             backward=self.cfg.attention_backward,
+            window=ctx.window,
+            sink_tokens=ctx.sink_tokens,
+            k_index_BS=ctx.k_index_BS,
+            k_rank_BS=ctx.key_ranks(),
         )
         y_BTNH = y_BTNW[..., :width].astype(v_BSNH.dtype)
         return y_BTNH, (None if extra_BSNC is None else y_BTNW[..., width:])
@@ -271,6 +298,44 @@ class Attention(nn.Module):
         q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
         kv = self.key_cache({"key": k_BTNH, "value": v_BTNH}, ctx.cache_index)
         return q_BTNH, kv["key"], kv["value"], ctx
+
+    def _decode_ring(
+        self,
+        site: AttentionSite,
+        q_BTNH: jax.Array,
+        k_BTNH: jax.Array,
+        v_BTNH: jax.Array,
+        ctx: AttentionContext,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionContext]:
+        """Decode mode of a window layer (``ring_cache_applies``): the keys are the ring's
+        slots as they were before this call, then the T new keys; the context carries each
+        key's index and rank, since ring slots are not in key order."""
+        batch, length = q_BTNH.shape[:2]
+        q_ids_BT, cursor_ids_BS = ctx.ids()
+        rank_BT = jax.lax.dynamic_slice_in_dim(
+            segments.segment_rank_BS(cursor_ids_BS), ctx.cache_index, length, axis=1
+        )
+        qk_ctx = ctx.replace(k_positions_BS=ctx.q_positions_BT)  # qk sees the new keys only
+        q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
+        index_T = ctx.cache_index + jnp.arange(length, dtype=jnp.int32)
+        new = {
+            "key": k_BTNH,
+            "value": v_BTNH,
+            "positions": ctx.q_positions_BT.astype(jnp.int32),
+            "segment_ids": q_ids_BT.astype(jnp.int32),
+        }
+        old = self.ring_cache(new, index_T, rank_BT)
+        cat = lambda name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], 1)
+        ctx = ctx.replace(
+            k_positions_BS=cat("positions"),
+            k_segment_ids_BS=cat("segment_ids"),
+            k_index_BS=jnp.concatenate(
+                [old["key_index"], jnp.broadcast_to(index_T, (batch, length))], axis=1
+            ),
+            k_rank_BS=jnp.concatenate([old["rank"], rank_BT.astype(jnp.int32)], axis=1),
+            key_state=None,
+        )
+        return q_BTNH, cat("key"), cat("value"), ctx
 
     def _weights(
         self,

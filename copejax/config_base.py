@@ -53,6 +53,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention_block = ml_collections.config_dict.placeholder(int)  # None: default
     c.model.attention_backward = "auto"  # auto | flash | remat
     c.model.scan_impl = "auto"  # auto | associative_scan | cumsum
+    c.model.window = ml_collections.config_dict.placeholder(int)  # sliding window W; None: full
+    c.model.window_sink_tokens = 0  # StreamingLLM sinks kept beside the window
+    c.model.layer_pattern = ()  # per-layer kinds "scheme[:key=value,...]" (copejax/layouts.py)
+    c.model.layout = ml_collections.config_dict.placeholder(str)  # copejax.layouts.PRESETS
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

@@ -30,7 +30,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Any:
     """
     if batch < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
-    cfg.scheme.check_decode(cfg.dims, max_len)
+    for layer_cfg in {cfg.for_layer(i) for i in range(cfg.num_layers)} | {cfg}:
+        layer_cfg.scheme.check_decode(layer_cfg.dims, max_len)
     tokens_BS = jnp.zeros((batch, max_len), jnp.int32)
     positions_BS = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
     model = Transformer(cfg)

@@ -97,3 +97,72 @@ class KeyCache(nn.Module):
     def read(self) -> dict[str, jax.Array]:
         """The arrays cached so far (before this call's writes); empty before the first call."""
         return dict(self.variables.get(CACHE, {}))
+
+
+class RingCache(nn.Module):
+    """A window layer's cache: ``sink_tokens`` sink slots and a ring of ``window`` slots.
+
+    Sliding-window attention (query i sees keys ``i - W < j <= i``) never reads a key older
+    than W, so key j (not a sink) lives in ring slot ``n + j mod W``, overwriting key j - W;
+    the cache's memory does not grow with the generated length. StreamingLLM's kept sinks
+    (arXiv 2309.17453): sink slot r holds the latest key whose index within its segment is r
+    (r < n); a new segment's first keys replace the old segment's, which no later query of
+    the new segment may see. Each slot also keeps its key's position, segment id, index
+    (``key_plus1``: index + 1, 0 for an empty slot) and rank within its segment.
+
+    A call reads the slots as they were before its writes, the caller attends to them and to
+    the call's own T keys, and the call's keys are then written (the last W of them into the
+    ring, those with rank < n into the sink slots).
+    """
+
+    window: int
+    sink_tokens: int = 0
+
+    @nn.compact
+    def __call__(
+        self, new: dict[str, jax.Array], key_index_T: jax.Array, rank_BT: jax.Array
+    ) -> dict[str, jax.Array]:
+        """Args: ``new`` (B, T, ...) arrays of the new keys (their key, value, positions,
+        segment ids); ``key_index_T`` their key indices; ``rank_BT`` their index within their
+        segment. Returns the slots before this call's writes, (B, n + W, ...), with
+        ``key_index`` (B, n + W) (``EMPTY`` for an empty slot) and ``rank``."""
+        from copejax.ops.engine import EMPTY_KEY_INDEX
+
+        window, sinks = self.window, self.sink_tokens
+        batch, length = rank_BT.shape
+        arrays = {
+            **new,
+            "key_plus1": jnp.broadcast_to(key_index_T[None] + 1, (batch, length)).astype(jnp.int32),
+            "rank": rank_BT.astype(jnp.int32),
+        }
+        slots = {
+            name: self.variable(
+                CACHE, name, jnp.zeros, (batch, sinks + window, *a.shape[2:]), a.dtype
+            )
+            for name, a in arrays.items()
+        }
+        old = {name: slot.value for name, slot in slots.items()}
+        # The ring: the last min(T, W) new keys, at distinct slots n + j mod W; sinks stay out.
+        tail = min(length, window)
+        ring_slot_T = sinks + key_index_T[length - tail :] % window
+        keep_BT = rank_BT[:, length - tail :] >= sinks
+        for name, slot in slots.items():
+            new_BT = arrays[name][:, length - tail :]
+            if name == "key_plus1":
+                new_BT = jnp.where(keep_BT, new_BT, 0)
+            slot.value = slot.value.at[:, ring_slot_T].set(new_BT.astype(slot.value.dtype))
+        if sinks:  # sink slot r: the last new key of rank r, if any
+            match_BRT = rank_BT[:, None, :] == jnp.arange(sinks)[None, :, None]
+            has_BR = jnp.any(match_BRT, axis=-1)
+            last_BR = length - 1 - jnp.argmax(match_BRT[..., ::-1], axis=-1)
+            for name, slot in slots.items():
+                a_BT = arrays[name]
+                picked = jnp.take_along_axis(
+                    a_BT, last_BR.reshape(batch, sinks, *([1] * (a_BT.ndim - 2))), axis=1
+                )
+                has = has_BR.reshape(batch, sinks, *([1] * (a_BT.ndim - 2)))
+                sink = jnp.where(has, picked.astype(slot.value.dtype), slot.value[:, :sinks])
+                slot.value = slot.value.at[:, :sinks].set(sink)
+        plus1_BR = old.pop("key_plus1")
+        old["key_index"] = jnp.where(plus1_BR > 0, plus1_BR - 1, EMPTY_KEY_INDEX)
+        return old

@@ -114,10 +114,13 @@ class Transformer(nn.Module):
             name="token_embed",
         )
         self.position_embed = scheme.embed_module(cfg.dims)
-        # Modules shared by every layer (T5's table, CoPE with share_layers) are owned here.
-        self.shared_positions = scheme.shared_attention_module(cfg.dims)
+        # Modules shared by every layer (T5's table, CoPE with share_layers) are owned here;
+        # with a layer_pattern each layer builds its own (copejax.layouts refuses sharing).
+        self.shared_positions = (
+            None if cfg.resolved_pattern() else scheme.shared_attention_module(cfg.dims)
+        )
         self.blocks = [
-            Block(cfg, shared=self.shared_positions, name=f"block_{i}")
+            Block(cfg.for_layer(i), shared=self.shared_positions, name=f"block_{i}")
             for i in range(cfg.num_layers)
         ]
         self.final_norm = _norm(cfg, "final_norm")
@@ -179,7 +182,8 @@ class Transformer(nn.Module):
         )
         if decode:
             view = self.decode_cursor(emb.positions_BT, ctx.q_segment_ids_BT)
-            cfg.scheme.check_decode(cfg.dims, view.positions_BS.shape[1])
+            for layer_cfg in {cfg.for_layer(i) for i in range(cfg.num_layers)} | {cfg}:
+                layer_cfg.scheme.check_decode(layer_cfg.dims, view.positions_BS.shape[1])
             ctx = ctx.replace(
                 k_positions_BS=view.positions_BS,
                 k_segment_ids_BS=view.segment_ids_BS,

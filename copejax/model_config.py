@@ -21,11 +21,14 @@ SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
 SMALL_BLOCK, LARGE_BLOCK, LARGE_BLOCK_FROM = 128, 256, 4096
 # Sizes configs saved before ModelConfig.from_config wrote as 0 for "unset" (now None); the
 # same keys as copejax.workdir.UNSET_AS_ZERO, which lets such a run resume.
-UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len")
+UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len", "window")
 # Sites a scheme may use with attention_impl="dot_product_attention": the kernel takes the
 # queries, keys and values the qk site returns, an additive bias, and computes the masked
 # softmax itself; a bias site is allowed when its bias reads positions only.
 KERNEL_SITES = frozenset({"embed", "qk"})
+# ModelConfig fields a layer kind of ``layer_pattern`` may set for its layers
+# (``"rope:window=512"``); extend this tuple to make another attention field per-layer.
+PER_LAYER_FIELDS = ("window", "window_sink_tokens")
 
 
 def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
@@ -71,6 +74,20 @@ class ModelConfig:
         or "auto" (flash where it applies over more than 8 key blocks, where it is faster).
       scan_impl: the cumulative sums of CoPE, FoX and stick-breaking ("auto",
         "associative_scan", "cumsum"; ``copejax.ops.scan``).
+      window: sliding-window (local) attention: query i sees the last W keys of its segment,
+        itself included (keys ``i - W < j <= i``; the convention of Mistral's and Gemma's
+        ``sliding_window``). None (default): full causal attention. The blockwise engine
+        walks only the key blocks in the window (O(T W)); decoding keeps a ring buffer of W
+        slots (``copejax.kv_cache.RingCache``). With CoPE the counts cover the visible keys
+        only, with stick-breaking the stick breaks over them only: valid variants.
+      window_sink_tokens: with a window, the first n tokens of each segment stay visible to
+        every query (StreamingLLM's attention sinks, arXiv 2309.17453) and the ring buffer
+        keeps them in n extra slots. Positions are not reassigned: keys keep the positions
+        they had when written (see README).
+      layer_pattern: per-layer kinds ``"scheme[:key=value,...]"`` repeating over the layers
+        (``copejax.layouts``); () (default): every layer uses ``position``.
+      layout: a named preset of ``copejax.layouts.PRESETS`` that sets ``layer_pattern``
+        (e.g. "gemma3", "irope", "swan", "rnope"); None: none.
     """
 
     vocab_size: int
@@ -91,12 +108,18 @@ class ModelConfig:
     attention_block: int | None = None
     attention_backward: str = "auto"
     scan_impl: str = "auto"
+    window: int | None = None
+    window_sink_tokens: int = 0
+    layer_pattern: tuple[str, ...] = ()
+    layout: str | None = None
     # The resolved scheme of ``position`` and ``position_options``, built once per config (in
     # __post_init__, so ``dataclasses.replace`` rebuilds it); not compared or hashed.
     scheme: PositionScheme = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "position_options", _freeze(self.position_options))
+        if isinstance(self.layer_pattern, list):
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         from copejax.positions.registry import make_scheme
 
         object.__setattr__(self, "scheme", make_scheme(self.position, dict(self.position_options)))
@@ -129,6 +152,19 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model keys {unknown}; allowed: {allowed}")
         return cls(vocab_size=vocab_size, **fields)
+
+    def resolved_pattern(self) -> tuple[str, ...]:
+        """``layer_pattern``, or the preset ``layout``'s; () when the layers are uniform."""
+        from copejax import layouts
+
+        return layouts.pattern_of(self)
+
+    def for_layer(self, index: int) -> ModelConfig:
+        """Layer ``index``'s own configuration: its pattern kind's scheme, options and
+        per-layer fields (``PER_LAYER_FIELDS``); ``self`` when the layers are uniform."""
+        from copejax import layouts
+
+        return layouts.layer_config(self, index)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -207,6 +243,23 @@ class ModelConfig:
             raise ValueError(
                 f"model.attention_block must be a positive integer or None, got {block!r}"
             )
+        window = self.window
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise ValueError(f"model.window must be a positive integer or None, got {window!r}")
+        sinks = self.window_sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"model.window_sink_tokens must be an integer >= 0, got {sinks!r}")
+        if sinks and window is None and not self.resolved_pattern():
+            raise ValueError(
+                f"model.window_sink_tokens={sinks} keeps tokens visible beside a sliding "
+                "window; set model.window too (or window_sink_tokens=0)"
+            )
+        if self.resolved_pattern():
+            from copejax import layouts
+
+            layouts.validate_pattern(self)
         scheme = self.scheme
         scheme.validate(self.dims)
         extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)

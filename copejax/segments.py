@@ -22,20 +22,35 @@ def causal_mask_BTS(
     k_segment_ids_BS: jax.Array,
     offset: jax.Array | int = 0,
     include_self: bool = True,
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    k_index_BS: jax.Array | None = None,
+    k_rank_BS: jax.Array | None = None,
 ) -> jax.Array:
-    """True where query t (key ``offset + t``) may see key s: causal by index, same segment.
+    """True where query t (key ``offset + t``) may see key s: causal by index, same segment,
+    and, with a ``window``, within the window or one of the segment's first ``sink_tokens``.
 
     Args:
       q_segment_ids_BT: the queries' segment ids.
       k_segment_ids_BS: the keys' segment ids (the cache's in decoding).
       offset: the key index of query 0 (0 in self-attention; the cache index when decoding).
       include_self: False excludes the query's own key (s < offset + t).
+      window, sink_tokens, k_index_BS, k_rank_BS: see :func:`pair_allowed_BQK`.
 
     Returns:
       mask_BTS, bool.
     """
     return pair_allowed_BQK(
-        q_segment_ids_BT, k_segment_ids_BS, jnp.asarray(offset), 0, include_self
+        q_segment_ids_BT,
+        k_segment_ids_BS,
+        jnp.asarray(offset),
+        0,
+        include_self,
+        window=window,
+        sink_tokens=sink_tokens,
+        k_index_BK=k_index_BS,
+        k_rank_BK=k_rank_BS,
     )
 
 
@@ -45,14 +60,45 @@ def pair_allowed_BQK(
     q_start: jax.Array | int,
     k_start: jax.Array | int,
     include_self: bool = True,
+    *,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    k_index_BK: jax.Array | None = None,
+    k_rank_BK: jax.Array | None = None,
 ) -> jax.Array:
     """The causal same-segment mask of a query block whose first query is key ``q_start``
-    against a key block whose first key is key ``k_start``; (B, Q, K) bool."""
+    against a key block whose first key is key ``k_start``; (B, Q, K) bool.
+
+    Sliding window (``window`` W, Mistral / Gemma convention): query i sees key j iff
+    ``i - W < j <= i``, i.e. the last W keys of its segment, itself included. StreamingLLM's
+    kept sinks (``sink_tokens`` n, arXiv 2309.17453): a key whose index within its segment
+    (``k_rank_BK``) is below n stays visible to every later query of the segment.
+
+    ``k_index_BK`` gives each key's index explicitly (a ring-buffer decode cache, whose slots
+    are not in key order; empty slots carry a huge index); by default key k of the block is
+    key ``k_start + k``. ``k_rank_BK`` defaults to the key index (one segment per row).
+    """
     size_q, size_k = q_segment_ids_BQ.shape[1], k_segment_ids_BK.shape[1]
-    q_Q1 = q_start + jnp.arange(size_q)[:, None]
-    k_1K = k_start + jnp.arange(size_k)[None, :]
-    causal_QK = k_1K <= q_Q1 if include_self else k_1K < q_Q1
-    return causal_QK[None] & (q_segment_ids_BQ[:, :, None] == k_segment_ids_BK[:, None, :])
+    q_1Q1 = (q_start + jnp.arange(size_q))[None, :, None]
+    if k_index_BK is None:
+        k_index_BK = (k_start + jnp.arange(size_k))[None, :]
+    k_B1K = k_index_BK[:, None, :]
+    allowed_BQK = k_B1K <= q_1Q1 if include_self else k_B1K < q_1Q1
+    if window is not None:
+        near_BQK = q_1Q1 - k_B1K < window
+        if sink_tokens:
+            rank_B1K = k_B1K if k_rank_BK is None else k_rank_BK[:, None, :]
+            near_BQK = near_BQK | (rank_B1K < sink_tokens)
+        allowed_BQK = allowed_BQK & near_BQK
+    return allowed_BQK & (q_segment_ids_BQ[:, :, None] == k_segment_ids_BK[:, None, :])
+
+
+def segment_rank_BS(segment_ids_BS: jax.Array) -> jax.Array:
+    """Each key's index within its segment (0 at a segment's first key), keys in order."""
+    index_S = jnp.arange(segment_ids_BS.shape[1])
+    starts_BS = segment_starts_BT(segment_ids_BS)
+    first_BS = jax.lax.cummax(jnp.where(starts_BS, index_S[None], 0), axis=1)
+    return index_S[None] - first_BS
 
 
 def segment_starts_BT(

@@ -9,6 +9,13 @@ the newest to the oldest, so that a term may keep a *carry* across them: CoPE's 
 newer blocks' gates (arXiv 2405.18719, eq. 4), stick-breaking's log remainder
 (arXiv 2410.17980). Key blocks after the query block are skipped (``lax.cond``).
 
+Sliding windows (``window`` W: query i sees keys ``i - W < j <= i``): a query block walks only
+the band of key blocks that meet its window, at most ``(W + Q - 2) // K + 2`` of them, gathered
+by index, so that the cost is O(T W) rather than O(T^2) (the flash backward walks the same
+band). With StreamingLLM's kept sink tokens (``sink_tokens``), the older key blocks that hold a
+segment's first keys are walked after the band; every older block is then tested
+(``lax.cond``), but only those with a sink key are computed.
+
 Backward passes (``backward``):
 
 - ``"flash"`` (softmax, no term with a carry): a ``jax.custom_vjp`` after FlashAttention-2
@@ -52,6 +59,8 @@ MASKED_LOGIT = -1e30
 # Rematerialise whole query-block walks only above this many key blocks (remat backward).
 REMAT_WALKS_ABOVE = 8
 BACKWARDS = ("auto", "flash", "remat")
+# The key index of an empty ring-buffer slot: after every query, so never visible.
+EMPTY_KEY_INDEX = 2**30
 NORMALIZERS = ("softmax", "stickbreaking")
 
 
@@ -66,7 +75,9 @@ class PairBlock:
         ``include_self``); padding keys are never allowed.
       logits_BNQK: the scaled content logits q . k / sqrt(H), float32, unmasked.
       q_arrays, k_arrays: the term's own per-token arrays, cut to the two blocks.
-      q_start, k_start: the key index of the first query and of the first key.
+      q_start, k_start: the key index of the first query and of the first key (with an
+        explicit key index, a ring-buffer decode cache, ``k_start`` is the slot of the first
+        key, not its index).
     """
 
     q_BQNH: jax.Array
@@ -264,12 +275,49 @@ class _Layout:
     count_q: int
     count_k: int
     scan_impl: str
+    window: int | None = None
+    sink_tokens: int = 0
+    explicit_index: bool = False
+
+    @property
+    def banded(self) -> bool:
+        """Whether query blocks walk only the key blocks that meet their window."""
+        return self.window is not None and not self.explicit_index
+
+    @property
+    def band_blocks(self) -> int:
+        """The most key blocks a window of W keys meets from a query block of Q queries."""
+        return min(self.count_k, (self.window + self.size_q - 2) // self.size_k + 2)
+
+    def walk_plan(self, offset: jax.Array, qi: jax.Array, kn: dict) -> tuple[jax.Array, ...]:
+        """The key blocks query block qi walks, newest first, and whether each is live:
+        the band that meets the window, then (with sink tokens) every older block, live
+        where it holds a key among its segment's first ``sink_tokens``."""
+        q_first = self.q_start(offset, qi)
+        newest = jnp.minimum((q_first + self.size_q - 1) // self.size_k, self.count_k - 1)
+        band = newest - jnp.arange(self.band_blocks)
+        live = (band >= 0) & ((band + 1) * self.size_k - 1 >= q_first - self.window + 1)
+        if not self.sink_tokens:
+            return band, live
+        has_sink_G = jnp.any(kn["rank"] < self.sink_tokens, axis=(1, 2))
+        live = live | ((band >= 0) & has_sink_G[jnp.clip(band, 0, self.count_k - 1)])
+        older = jnp.arange(self.count_k)[::-1]
+        older_live = (older < newest - self.band_blocks + 1) & has_sink_G[older]
+        return jnp.concatenate([band, older]), jnp.concatenate([live, older_live])
+
+    def gather(self, tree: Pytree, kj: jax.Array) -> Pytree:
+        """Key block kj (clipped to the blocks) of blocked arrays (G, ...)."""
+        kj = jnp.clip(kj, 0, self.count_k - 1)
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, kj, 0, False), tree)
 
     def q_start(self, offset: jax.Array, qi: jax.Array) -> jax.Array:
         return offset + qi * self.size_q
 
     def live(self, offset: jax.Array, qi: jax.Array, kj: jax.Array) -> jax.Array:
-        """Whether key block kj holds any key at or before query block qi's last query."""
+        """Whether key block kj holds any key at or before query block qi's last query
+        (always, with explicit key indices: a ring buffer's slots are not in key order)."""
+        if self.explicit_index:
+            return jnp.asarray(True)
         return kj * self.size_k <= self.q_start(offset, qi) + self.size_q - 1
 
     def prepare(self, params: Sequence[Pytree], qf: dict) -> list[Pytree]:
@@ -285,6 +333,10 @@ class _Layout:
             self.q_start(offset, qi),
             kj * self.size_k,
             self.normalizer.include_self,
+            window=self.window,
+            sink_tokens=self.sink_tokens,
+            k_index_BK=kn.get("idx"),
+            k_rank_BK=kn.get("rank"),
         )
 
     def scores(
@@ -387,8 +439,20 @@ def _remat_walk(layout: _Layout, data: dict) -> tuple[jax.Array, jax.Array]:
             )
             return state, None
 
-        body = jax.checkpoint(body, prevent_cse=False)
-        (acc, _), _ = jax.lax.scan(body, (init_acc, init_carries), (k_index_rev, k_rev))
+        def band_body(state: tuple, k_in: tuple) -> tuple[tuple, None]:
+            kj, live = k_in
+            kj = jnp.clip(kj, 0, layout.count_k - 1)
+            kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
+            state = jax.lax.cond(live, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state)
+            return state, None
+
+        init = (init_acc, init_carries)
+        if layout.banded:
+            band_body = jax.checkpoint(band_body, prevent_cse=False)
+            (acc, _), _ = jax.lax.scan(band_body, init, layout.walk_plan(offset, qi, kn))
+        else:
+            body = jax.checkpoint(body, prevent_cse=False)
+            (acc, _), _ = jax.lax.scan(body, init, (k_index_rev, k_rev))
         if sticks:
             return acc["acc_BQNW"], -acc["remainder_BNQ"]
         return softmax_finish(acc)
@@ -413,37 +477,13 @@ def _flash_backward(
     zeros = _zeros_like
 
     def per_query_block(carry: tuple, q_in: tuple) -> tuple[tuple, dict]:
+        if layout.banded:
+            return per_query_band(carry, q_in)
         d_params, d_kf, d_v = carry
         qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
         prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
 
-        def pair_grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
-            allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
-
-            def score_fn(p: list, q_side: dict, k_side: dict, prep: list) -> jax.Array:
-                carries = [None] * len(layout.terms)
-                return layout.scores(
-                    p,
-                    prep,
-                    carries,
-                    qf=q_side,
-                    qn=qn_i,
-                    kf=k_side,
-                    kn=kn_j,
-                    allowed_BQK=allowed_BQK,
-                    offset=offset,
-                    qi=qi,
-                    kj=kj,
-                )[0]
-
-            scores_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
-            p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
-            d_v_j = jnp.einsum(
-                "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
-            ).astype(v_j.dtype)
-            d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
-            d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
-            return (*score_vjp(d_s_BNQK), d_v_j)
+        pair_grads = pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))
 
         def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
             d_params_i, d_qf_i, d_prep_i = inner
@@ -475,6 +515,78 @@ def _flash_backward(
             d_v + d_v_i,
         )
         return carry, d_qf_i
+
+    def per_query_band(carry: tuple, q_in: tuple) -> tuple[tuple, dict]:
+        """The same for a window: the band's key blocks, gathered by index, their gradients
+        added back at their index."""
+        d_params, d_kf, d_v = carry
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
+        prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
+
+        def body(inner: tuple, k_in: tuple) -> tuple[tuple, None]:
+            d_params_i, d_qf_i, d_prep_i, d_kf, d_v = inner
+            kj, live = k_in
+            kj = jnp.clip(kj, 0, layout.count_k - 1)
+            kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
+            dp, dq, dk, dprep, dv = jax.lax.cond(
+                live,
+                lambda _: pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))(
+                    kj, kf_j, kn_j, v_j
+                ),
+                lambda _: (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j)),
+                None,
+            )
+            d_kf = jax.tree.map(lambda a, g: a.at[kj].add(g.astype(a.dtype)), d_kf, dk)
+            inner = (
+                _add(d_params_i, dp),
+                _add(d_qf_i, dq),
+                _add(d_prep_i, dprep),
+                d_kf,
+                d_v.at[kj].add(dv),
+            )
+            return inner, None
+
+        inner0 = (zeros(params), zeros(qf_i), zeros(prepared), d_kf, d_v)
+        (d_params_i, d_qf_i, d_prep_i, d_kf, d_v), _ = jax.lax.scan(
+            body, inner0, layout.walk_plan(offset, qi, kn)
+        )
+        d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
+        d_qf_i = _add(d_qf_i, d_qf_prep)
+        return (_add(d_params, _add(d_params_i, d_params_prep)), d_kf, d_v), d_qf_i
+
+    def pair_grads_of(q_side: tuple) -> Callable:
+        """The gradients of one (query block, key block) pair for query block ``q_side``:
+        (qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared)."""
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared = q_side
+
+        def grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
+            allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
+
+            def score_fn(p: list, q_side: dict, k_side: dict, prep: list) -> jax.Array:
+                return layout.scores(
+                    p,
+                    prep,
+                    [None] * len(layout.terms),
+                    qf=q_side,
+                    qn=qn_i,
+                    kf=k_side,
+                    kn=kn_j,
+                    allowed_BQK=allowed_BQK,
+                    offset=offset,
+                    qi=qi,
+                    kj=kj,
+                )[0]
+
+            scores_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
+            p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
+            d_v_j = jnp.einsum(
+                "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
+            ).astype(v_j.dtype)
+            d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
+            d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
+            return (*score_vjp(d_s_BNQK), d_v_j)
+
+        return grads
 
     init = (zeros(params), zeros(kf), jnp.zeros_like(v_GBKNW))
     q_in = (
@@ -543,6 +655,10 @@ def blockwise_attention(
     block: int = 128,
     scan_impl: str = "auto",
     backward: str = "auto",
+    window: int | None = None,
+    sink_tokens: int = 0,
+    k_index_BS: jax.Array | None = None,
+    k_rank_BS: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal attention over (query block, key block) pairs, never a (T, S) array.
 
@@ -559,6 +675,13 @@ def blockwise_attention(
       scan_impl: suffix sums of stick-breaking (``copejax.ops.scan``).
       backward: "auto" (flash where it applies, softmax and no term with a carry, over more
         than ``REMAT_WALKS_ABOVE`` key blocks; remat otherwise), "flash" or "remat".
+      window: a sliding window W (query i sees keys ``i - W < j <= i``); None: full causal.
+      sink_tokens: with a window, the first n keys of each segment stay visible
+        (StreamingLLM, arXiv 2309.17453).
+      k_index_BS: each key's index when the keys are not in order (a ring-buffer decode
+        cache; empty slots carry a huge index); every key block is then walked.
+      k_rank_BS: each key's index within its segment (for the sinks); None: derived from
+        ``k_segment_ids_BS``.
 
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
@@ -569,6 +692,13 @@ def blockwise_attention(
         raise ValueError(f"engine: backward must be one of {BACKWARDS}, got {backward!r}")
     if normalizer.kind not in NORMALIZERS:
         raise ValueError(f"engine: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"engine: window must be a positive integer or None, got {window!r}")
+    if not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"engine: sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+    sink_tokens = sink_tokens if window is not None else 0
     length_q, length_k = q_BTNH.shape[1], k_BSNH.shape[1]
     size_q, size_k = min(block, length_q), min(block, length_k)
     terms = tuple(terms)
@@ -580,6 +710,9 @@ def blockwise_attention(
         count_q=num_blocks(length_q, size_q),
         count_k=num_blocks(length_k, size_k),
         scan_impl=scan_impl,
+        window=window,
+        sink_tokens=sink_tokens,
+        explicit_index=k_index_BS is not None,
     )
     qf = {
         "q": to_blocks(q_BTNH, size_q),
@@ -591,6 +724,14 @@ def blockwise_attention(
         "x": [jax.tree.map(lambda a: to_blocks(a, size_k), t.k_arrays) for t in terms],
     }
     kn = {"pos": to_blocks(k_positions_BS, size_k), "seg": to_blocks(k_segment_ids_BS, size_k)}
+    if k_index_BS is not None:  # padding keys get a huge index: never visible
+        pad = layout.count_k * size_k - length_k
+        padded_BS = jnp.pad(k_index_BS, ((0, 0), (0, pad)), constant_values=EMPTY_KEY_INDEX)
+        kn["idx"] = to_blocks(padded_BS.astype(jnp.int32), size_k)
+    if sink_tokens:
+        if k_rank_BS is None:
+            k_rank_BS = segments.segment_rank_BS(k_segment_ids_BS)
+        kn["rank"] = to_blocks(k_rank_BS.astype(jnp.int32), size_k)
     data = {
         "params": [t.params for t in terms],
         "qf": qf,

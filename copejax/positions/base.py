@@ -89,6 +89,14 @@ class AttentionContext:
         (chosen by the layer from ``model.attention_impl``).
       block: the blockwise engine's block length.
       scan_impl: the cumulative-sum implementation (``copejax.ops.scan``).
+      window: the layer's sliding window W (None: full causal attention); query i sees keys
+        ``i - W < j <= i`` of its segment (``copejax.segments.pair_allowed_BQK``).
+      sink_tokens: with a window, the first n keys of each segment stay visible too
+        (StreamingLLM, arXiv 2309.17453).
+      k_index_BS: each key's index (a ring-buffer decode cache, whose slots are not in key
+        order; empty slots carry a huge index); None: key s is key s.
+      k_rank_BS: each key's index within its segment (for the sinks); None: derived from
+        ``k_segment_ids_BS`` with the keys in order.
     """
 
     x_BTD: jax.Array
@@ -105,6 +113,10 @@ class AttentionContext:
     impl: str = struct.field(pytree_node=False, default="naive")
     block: int = struct.field(pytree_node=False, default=128)
     scan_impl: str = struct.field(pytree_node=False, default="auto")
+    window: int | None = struct.field(pytree_node=False, default=None)
+    sink_tokens: int = struct.field(pytree_node=False, default=0)
+    k_index_BS: jax.Array | None = None
+    k_rank_BS: jax.Array | None = None
 
     @classmethod
     def create(
@@ -145,7 +157,23 @@ class AttentionContext:
         if self.explicit_mask_BTS is not None:
             return self.explicit_mask_BTS
         q_ids_BT, k_ids_BS = self.ids()
-        return segments.causal_mask_BTS(q_ids_BT, k_ids_BS, self.cache_index)
+        return segments.causal_mask_BTS(
+            q_ids_BT,
+            k_ids_BS,
+            self.cache_index,
+            window=self.window,
+            sink_tokens=self.sink_tokens,
+            k_index_BS=self.k_index_BS,
+            k_rank_BS=self.key_ranks(),
+        )
+
+    def key_ranks(self) -> jax.Array | None:
+        """Each key's index within its segment when sink tokens are kept, else None."""
+        if self.window is None or not self.sink_tokens:
+            return None
+        if self.k_rank_BS is not None:
+            return self.k_rank_BS
+        return segments.segment_rank_BS(self.ids()[1])
 
     @property
     def segment_ids_BT(self) -> jax.Array:

@@ -50,6 +50,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention_block = ml_collections.config_dict.placeholder(int)  # None: default
     c.model.attention_backward = "auto"  # auto | flash | remat
     c.model.scan_impl = "auto"  # auto | associative_scan | cumsum
+    # Attention layout (copejax.model_config.ModelConfig): grouped KV heads, GPT-OSS sink,
+    # length scaling of the logits.
+    c.model.num_kv_heads = 0  # 0: num_heads; 1: multi-query attention
+    c.model.attention_sink = False
+    c.model.logit_scaling = "none"  # none | ssmax | llama4
+    c.model.ssmax_scale = 0.43
+    c.model.ssmax_learned = True
+    c.model.llama4_floor_scale = 8192.0
+    c.model.llama4_attn_scale = 0.1
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

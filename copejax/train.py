@@ -83,7 +83,24 @@ def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
         max_len=m.max_len or task.seq_len,
         init_std=m.init_std,
         **attention,
+        **layout_options(m),
     )
+
+
+def layout_options(m: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The attention-layout fields of ``config.model`` (defaults for configs saved before them)."""
+    defaults = ModelConfig(vocab_size=1)
+    keys = (
+        "attention_sink",
+        "logit_scaling",
+        "ssmax_scale",
+        "ssmax_learned",
+        "llama4_floor_scale",
+        "llama4_attn_scale",
+    )
+    options = {key: m.get(key, getattr(defaults, key)) for key in keys}
+    options["num_kv_heads"] = m.get("num_kv_heads", 0) or None
+    return options
 
 
 def validate(

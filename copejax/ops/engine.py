@@ -169,13 +169,25 @@ def content_logits_BNQK(q_BQNH: jax.Array, k_BKNH: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- online softmax
 
 
-def softmax_init(batch: int, heads: int, size: int, width: int) -> dict[str, jax.Array]:
-    """Empty online-softmax state: max, denominator (B, N, Q), weighted values (B, Q, N, W)."""
-    return {
+def softmax_init(
+    batch: int, heads: int, size: int, width: int, sink_N: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Empty online-softmax state: max, denominator (B, N, Q), weighted values (B, Q, N, W).
+
+    ``sink_N`` (GPT-OSS's attention sink, a logit per head that joins the denominator and
+    mixes no value) seeds the state as a key with value zero: max = sink, denominator 1
+    (``exp(sink - stop_gradient(sink))``, so that the sink gets its gradient).
+    """
+    state = {
         "max_BNQ": jnp.full((batch, heads, size), MASKED_LOGIT, jnp.float32),
         "sum_BNQ": jnp.zeros((batch, heads, size), jnp.float32),
         "acc_BQNW": jnp.zeros((batch, size, heads, width), jnp.float32),
     }
+    if sink_N is not None:
+        sink_BNQ = jnp.broadcast_to(sink_N.astype(jnp.float32)[None, :, None], (batch, heads, size))
+        state["max_BNQ"] = jax.lax.stop_gradient(sink_BNQ)
+        state["sum_BNQ"] = jnp.exp(sink_BNQ - jax.lax.stop_gradient(sink_BNQ))
+    return state
 
 
 def softmax_update(
@@ -348,9 +360,10 @@ def _remat_walk(layout: _Layout, data: dict) -> tuple[jax.Array, jax.Array]:
 
     def one_query_block(qi: jax.Array, qf_i: dict, qn_i: dict) -> tuple[jax.Array, jax.Array]:
         prepared = layout.prepare(params, qf_i)
-        init_acc = (stickbreaking_init if sticks else softmax_init)(
-            batch, heads, layout.size_q, width
-        )
+        if sticks:
+            init_acc = stickbreaking_init(batch, heads, layout.size_q, width)
+        else:
+            init_acc = softmax_init(batch, heads, layout.size_q, width, data["sink"])
         init_carries = [
             None if t.init is None else t.init(batch, heads, layout.size_q) for t in layout.terms
         ]
@@ -486,7 +499,14 @@ def _flash_backward(
         delta_GBNQ,
     )
     (d_params, d_kf, d_v), d_qf = jax.lax.scan(per_query_block, init, q_in)
+    d_sink = None
+    if data["sink"] is not None:
+        # The sink is a key with value 0 in every row: dS = P_sink (0 - D_i).
+        sink_1N1 = data["sink"].astype(jnp.float32)[None, :, None]
+        p_sink_GBNQ = jnp.exp(sink_1N1 - lse_GBNQ)
+        d_sink = -jnp.sum(p_sink_GBNQ * delta_GBNQ, axis=(0, 1, 3)).astype(data["sink"].dtype)
     return {
+        "sink": d_sink,
         "params": d_params,
         "qf": d_qf,
         "qn": None,
@@ -543,6 +563,7 @@ def blockwise_attention(
     block: int = 128,
     scan_impl: str = "auto",
     backward: str = "auto",
+    sink_N: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal attention over (query block, key block) pairs, never a (T, S) array.
 
@@ -559,6 +580,9 @@ def blockwise_attention(
       scan_impl: suffix sums of stick-breaking (``copejax.ops.scan``).
       backward: "auto" (flash where it applies, softmax and no term with a carry, over more
         than ``REMAT_WALKS_ABOVE`` key blocks; remat otherwise), "flash" or "remat".
+      sink_N: a learned logit per head (float, (N,)) that joins every query's softmax
+        denominator and mixes no value (GPT-OSS's attention sink); seeds the online softmax.
+        Softmax only; differentiable on both backwards.
 
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
@@ -591,7 +615,12 @@ def blockwise_attention(
         "x": [jax.tree.map(lambda a: to_blocks(a, size_k), t.k_arrays) for t in terms],
     }
     kn = {"pos": to_blocks(k_positions_BS, size_k), "seg": to_blocks(k_segment_ids_BS, size_k)}
+    if sink_N is not None and normalizer.kind != "softmax":
+        raise ValueError(
+            f"engine: sink_N joins a softmax denominator; normalizer {normalizer.kind!r} has none"
+        )
     data = {
+        "sink": sink_N,
         "params": [t.params for t in terms],
         "qf": qf,
         "qn": qn,

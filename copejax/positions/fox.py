@@ -280,21 +280,27 @@ class _FoXSite(AttentionSite):
 
     def setup(self) -> None:
         s, d, n, h = self.scheme, self.dims.d_model, self.dims.num_heads, self.dims.head_dim
+        # Key-side parameters act on the K key/value heads (grouped-query attention).
+        kv = self.dims.kv_heads
         normal = nn.initializers.normal(GATE_INIT_STD)
         if not s.unit_forget_gate:
             self.forget_w = _param(self, "forget_w", normal, (ax.EMBED, ax.HEADS), (d, n))
             bias_init = nn.initializers.constant(s.forget_bias_init)
             self.forget_b = _param(self, "forget_b", bias_init, (ax.HEADS,), (n,))
         if s.key_shift:
-            self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.key_shift_w = _param(
+                self, "key_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv)
+            )
             self.previous_key = PreviousToken(name="previous_raw_key")  # decode mode only
         if s.value_shift:
-            self.value_shift_w = _param(self, "value_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.value_shift_w = _param(
+                self, "value_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv)
+            )
             self.previous_value = PreviousToken(name="previous_raw_value")
         if s.qk_norm:
             ones = nn.initializers.ones
             self.q_scale = _param(self, "q_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
-            self.k_scale = _param(self, "k_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
+            self.k_scale = _param(self, "k_norm_scale", ones, (ax.KV_HEADS, ax.HEAD_DIM), (kv, h))
         if s.output_norm:
             ones = nn.initializers.ones
             self.output_norm_scale = _param(

@@ -241,7 +241,6 @@ class ModelConfig:
             )
         return self
 
-
     def _validate_attention_layout(self) -> None:
         """num_kv_heads, attention_sink, logit_scaling and its parameters."""
         kv = self.num_kv_heads
@@ -262,8 +261,10 @@ class ModelConfig:
             )
         for key in ("ssmax_scale", "llama4_attn_scale"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(
-                value
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
             ):
                 raise ValueError(f"model.{key} must be a finite number, got {value!r}")
         floor = self.llama4_floor_scale

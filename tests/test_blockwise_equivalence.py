@@ -20,8 +20,8 @@ from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
-from tests.test_decode import SLOW_VARIANTS as SLOW_DECODE_VARIANTS
 from tests.test_decode import LAYOUTS, layout_params
+from tests.test_decode import SLOW_VARIANTS as SLOW_DECODE_VARIANTS
 from tests.test_decode import VARIANTS as DECODE_VARIANTS
 
 LENGTH = 8

@@ -288,9 +288,7 @@ class _FoXSite(AttentionSite):
             bias_init = nn.initializers.constant(s.forget_bias_init)
             self.forget_b = _param(self, "forget_b", bias_init, (ax.HEADS,), (n,))
         if s.key_shift:
-            self.key_shift_w = _param(
-                self, "key_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv)
-            )
+            self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv))
             self.previous_key = PreviousToken(name="previous_raw_key")  # decode mode only
         if s.value_shift:
             self.value_shift_w = _param(

@@ -24,6 +24,8 @@ Backward passes (``backward``):
   and pulls ``dS`` back through the score function of the pair (``jax.vjp``), which gives the
   gradients of q, k, the terms' per-token arrays, their parameters and their per-query-block
   precomputations (pulled back once per query block). No (T, S) array and no saved walk.
+  A sink logit ``z_n`` (GPT-OSS; ``sink_N``) is a key of value 0 in every row, so ``L_i``
+  includes it and ``dz_n = -sum_i exp(z_n - L_i) D_i``.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
   the backward keeps carries only. Needed by carries (CoPE, stick-breaking); timed against
@@ -586,8 +588,8 @@ def blockwise_attention(
 
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
-      log-sum-exp (softmax) or the log of the stick remainder, log prod_k (1 - beta_ik)
-      (stick-breaking), float32; None with the flash backward.
+      log-sum-exp (softmax; the sink included) or the log of the stick remainder,
+      log prod_k (1 - beta_ik) (stick-breaking), float32; None with the flash backward.
     """
     if backward not in BACKWARDS:
         raise ValueError(f"engine: backward must be one of {BACKWARDS}, got {backward!r}")

@@ -253,7 +253,8 @@ class AttentionSite(nn.Module):
     ) -> dict[str, jax.Array]:
         """Decode mode only: per-key arrays (B, T, ...) of the T new tokens to cache.
 
-        Called before the qk site with the projected (raw) keys and values; ``ctx.key_state``
+        Called before the qk site with the projected (raw) keys and values (K heads with
+        grouped-query attention); ``ctx.key_state``
         holds what was cached before this call (None before the first). The cached arrays,
         new tokens included, reach every later site as ``ctx.key_state`` (B, S, ...). Names
         start with the scheme's name (``"fox_..."``) and must be unique in a combination;
@@ -264,7 +265,14 @@ class AttentionSite(nn.Module):
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The qk site: returns transformed (q, k, v). Default: unchanged."""
+        """The qk site: returns transformed (q, k, v). Default: unchanged.
+
+        With grouped-query attention (``Dims.kv_heads`` K < N) k and v arrive with K heads:
+        a transform that is the same for every head (RoPE, xPos) or has per-key/value-head
+        parameters keeps K heads (and the decode cache stays K heads); one that reads
+        per-query-head state repeats them first with :func:`repeat_kv_heads` (TAPE). The
+        layer repeats whatever comes back to N heads before the logits and later sites.
+        """
         return q_BTNH, k_BSNH, v_BSNH
 
     def bias(

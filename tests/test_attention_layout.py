@@ -160,6 +160,8 @@ def _repeat_kv_params(boxed: dict, group: int) -> dict:
         pytest.param("cope+rope", {}, marks=pytest.mark.slow),
         pytest.param("xpos", {}, marks=pytest.mark.slow),
         pytest.param("fox", {"key_shift": True, "value_shift": True}, marks=pytest.mark.slow),
+        # FoX's per-KV-head shift gates and k norm repeated after TAPE's per-query-head keys.
+        pytest.param("tape+fox", {"key_shift": True, "qk_norm": True}, marks=pytest.mark.slow),
     ],
     ids=str,
 )

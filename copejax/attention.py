@@ -15,12 +15,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
+from copejax import logit_scaling, segments
 from copejax import sharding as ax
 from copejax.kv_cache import KeyCache, RingCache
 from copejax.model_config import ModelConfig
 from copejax.ops import engine
-from copejax.positions.base import AttentionContext, AttentionSite, Carry, check_block_terms
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Carry,
+    check_block_terms,
+    masked_softmax_BNTS,
+    repeat_kv_heads,
+)
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
 # Side-by-side probes on a 2-core CPU had the engine at or below the naive path from T = 256
@@ -158,15 +165,39 @@ class Attention(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         heads, head_dim, use_bias = cfg.num_heads, cfg.resolved_head_dim, cfg.block == "gpt2"
-        qkv = functools.partial(
-            Projection,
+        self.query = Projection(
             cfg,
             "BTD,DNH->BTNH",
             (cfg.d_model, heads, head_dim),
             (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
             use_bias,
+            name="query",
         )
-        self.query, self.key, self.value = qkv(name="query"), qkv(name="key"), qkv(name="value")
+        kv = functools.partial(
+            Projection,
+            cfg,
+            "BTD,DKH->BTKH",
+            (cfg.d_model, cfg.resolved_kv_heads, head_dim),
+            (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+            use_bias,
+        )
+        self.key, self.value = kv(name="key"), kv(name="value")
+        if cfg.attention_sink:  # GPT-OSS's sink logit per head; 0: exp(0) = 1 at the start
+            self.sink_N = self.param(
+                "attention_sink",
+                nn.with_logical_partitioning(nn.initializers.zeros, (ax.HEADS,)),
+                (heads,),
+                jnp.float32,
+            )
+        if cfg.logit_scaling == "ssmax" and cfg.ssmax_learned:
+            self.ssmax_s_N = self.param(
+                "ssmax_scale",
+                nn.with_logical_partitioning(
+                    nn.initializers.constant(cfg.ssmax_scale), (ax.HEADS,)
+                ),
+                (heads,),
+                jnp.float32,
+            )
         self.out = Projection(
             cfg,
             "BTNH,NHD->BTD",
@@ -197,15 +228,20 @@ class Attention(nn.Module):
         sinks = cfg.window_sink_tokens if cfg.window is not None else 0
         ctx = ctx.replace(window=cfg.window, sink_tokens=sinks)
         q_BTNH = self.query(x_BTD)
-        k_BSNH = self.key(x_BTD)
-        v_BSNH = self.value(x_BTD)
+        k_BSKH = self.key(x_BTD)
+        v_BSKH = self.value(x_BTD)
         if ctx.decode and ring_cache_applies(cfg, site):
-            q_BTNH, k_BSNH, v_BSNH, ctx = self._decode_ring(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+            q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_ring(site, q_BTNH, k_BSKH, v_BSKH, ctx)
         elif ctx.decode:
-            q_BTNH, k_BSNH, v_BSNH, ctx = self._decode_qkv(site, q_BTNH, k_BSNH, v_BSNH, ctx)
+            q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_qkv(site, q_BTNH, k_BSKH, v_BSKH, ctx)
         else:
-            q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)
+            q_BTNH, k_BSKH, v_BSKH = site.qk(q_BTNH, k_BSKH, v_BSKH, ctx)
+        q_BTNH = self._scale_queries(q_BTNH, ctx)
         q_BTNH = nn.with_logical_constraint(q_BTNH, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        # Grouped-query attention: the sites after qk and the engine see N-head keys and
+        # values (O(S) memory); the projections and the cache hold K heads.
+        k_BSNH = repeat_kv_heads(k_BSKH, cfg.num_heads)
+        v_BSNH = repeat_kv_heads(v_BSKH, cfg.num_heads)
         impl = choose_impl(cfg, k_BSNH.shape[1], self.is_mutable_collection("intermediates"))
         block = cfg.attention_block_for(k_BSNH.shape[1])
         ctx = ctx.replace(impl=impl, block=block, scan_impl=cfg.scan_impl)
@@ -231,6 +267,31 @@ class Attention(nn.Module):
         carry = site.carry_after_attention(ctx.carry, mixed_BTNC, ctx)
         y_BTD = self.out(y_BTNH)
         return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+    def _sink(self) -> jax.Array | None:
+        return self.sink_N if self.cfg.attention_sink else None
+
+    def _scale_queries(self, q_BTNH: jax.Array, ctx: AttentionContext) -> jax.Array:
+        """``model.logit_scaling``: q times a per-query factor (``copejax.logit_scaling``)."""
+        cfg = self.cfg
+        if cfg.logit_scaling == "llama4":
+            scale_BT = logit_scaling.llama4_scale_BT(
+                ctx.q_positions_BT, cfg.llama4_floor_scale, cfg.llama4_attn_scale
+            )
+            return logit_scaling.scale_queries(q_BTNH, scale_BT[..., None])
+        if cfg.logit_scaling == "ssmax":
+            q_ids_BT, k_ids_BS = ctx.ids()
+            n_BT = logit_scaling.keys_seen_BT(q_ids_BT, k_ids_BS, ctx.cache_index)
+            if ctx.window is not None:  # the window's keys, and the sinks left behind it
+                past_BT = jnp.maximum(n_BT - ctx.window, 0)
+                n_BT = jnp.minimum(n_BT, ctx.window) + jnp.minimum(past_BT, ctx.sink_tokens)
+            s_N = (
+                self.ssmax_s_N
+                if cfg.ssmax_learned
+                else jnp.full((cfg.num_heads,), cfg.ssmax_scale, jnp.float32)
+            )
+            return logit_scaling.scale_queries(q_BTNH, logit_scaling.ssmax_scale_BTN(n_BT, s_N))
+        return q_BTNH
 
     def _blockwise(
         self,
@@ -274,6 +335,7 @@ class Attention(nn.Module):
             sink_tokens=ctx.sink_tokens,
             k_index_BS=ctx.k_index_BS,
             k_rank_BS=ctx.key_ranks(),
+            sink_N=self._sink(),
         )
         y_BTNH = y_BTNW[..., :width].astype(v_BSNH.dtype)
         return y_BTNH, (None if extra_BSNC is None else y_BTNW[..., width:])
@@ -288,8 +350,9 @@ class Attention(nn.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionContext]:
         """Decode mode: the scheme's per-key state and the qk site's k, v go into the cache.
 
-        Returns the new queries, the cached keys and values of every slot (B, S, N, H) and the
-        context with ``key_state`` (the scheme's cached arrays, new tokens included).
+        Returns the new queries, the cached keys and values of every slot (B, S, K, H: the
+        key/value heads, or N where the qk site made per-query-head keys, as TAPE does) and
+        the context with ``key_state`` (the scheme's cached arrays, new tokens included).
         """
         ctx = ctx.replace(key_state=self.key_cache.read() or None)
         state = site.cache_state(k_BTNH, v_BTNH, ctx)
@@ -354,7 +417,10 @@ class Attention(nn.Module):
         bias_BNTS = site.bias(q_BTNH, k_BSNH, v_BSNH, logits_BNTS, ctx)
         if bias_BNTS is not None:
             logits_BNTS = logits_BNTS + bias_BNTS.astype(jnp.float32)
-        weights_BNTS = site.normalize(logits_BNTS, ctx)
+        if self.cfg.attention_sink:  # validated: the scheme keeps the softmax
+            weights_BNTS = masked_softmax_BNTS(logits_BNTS, ctx.mask_BTS, self._sink())
+        else:
+            weights_BNTS = site.normalize(logits_BNTS, ctx)
         self.sow("intermediates", "attention_weights", weights_BNTS)
         return weights_BNTS
 

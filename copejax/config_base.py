@@ -57,6 +57,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.window_sink_tokens = 0  # StreamingLLM sinks kept beside the window
     c.model.layer_pattern = ()  # per-layer kinds "scheme[:key=value,...]" (copejax/layouts.py)
     c.model.layout = ml_collections.config_dict.placeholder(str)  # copejax.layouts.PRESETS
+    # Attention layout (copejax.model_config.ModelConfig): grouped KV heads, GPT-OSS sink,
+    # length scaling of the logits.
+    c.model.num_kv_heads = ml_collections.config_dict.placeholder(int)  # None: num_heads; 1: MQA
+    c.model.attention_sink = False
+    c.model.logit_scaling = "none"  # none | ssmax | llama4
+    c.model.ssmax_scale = 0.43
+    c.model.ssmax_learned = True
+    c.model.llama4_floor_scale = 8192.0
+    c.model.llama4_attn_scale = 0.1
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 1000

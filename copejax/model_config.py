@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
+from copejax.logit_scaling import (
+    LLAMA4_ATTN_SCALE,
+    LLAMA4_FLOOR_SCALE,
+    LOGIT_SCALINGS,
+    SSMAX_SCALE_INIT,
+)
 from copejax.positions.base import Dims, PositionScheme
 
 BLOCKS = ("llama", "gpt2")
@@ -21,14 +28,23 @@ SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
 SMALL_BLOCK, LARGE_BLOCK, LARGE_BLOCK_FROM = 128, 256, 4096
 # Sizes configs saved before ModelConfig.from_config wrote as 0 for "unset" (now None); the
 # same keys as copejax.workdir.UNSET_AS_ZERO, which lets such a run resume.
-UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len", "window")
+UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len", "window", "num_kv_heads")
 # Sites a scheme may use with attention_impl="dot_product_attention": the kernel takes the
 # queries, keys and values the qk site returns, an additive bias, and computes the masked
 # softmax itself; a bias site is allowed when its bias reads positions only.
 KERNEL_SITES = frozenset({"embed", "qk"})
 # ModelConfig fields a layer kind of ``layer_pattern`` may set for its layers
 # (``"rope:window=512"``); extend this tuple to make another attention field per-layer.
-PER_LAYER_FIELDS = ("window", "window_sink_tokens")
+PER_LAYER_FIELDS = (
+    "window",
+    "window_sink_tokens",
+    "attention_sink",
+    "logit_scaling",
+    "ssmax_scale",
+    "ssmax_learned",
+    "llama4_floor_scale",
+    "llama4_attn_scale",
+)
 
 
 def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
@@ -88,6 +104,21 @@ class ModelConfig:
         (``copejax.layouts``); () (default): every layer uses ``position``.
       layout: a named preset of ``copejax.layouts.PRESETS`` that sets ``layer_pattern``
         (e.g. "gemma3", "irope", "swan", "rnope"); None: none.
+      num_kv_heads: K key/value heads, grouped-query attention (Ainslie et al. 2023, arXiv
+        2305.13245); must divide num_heads; None: K = N; 1: multi-query attention. Query head n
+        reads key/value head n // (N / K). The key and value projections and the decode cache
+        hold K heads (logical axis ``kv_heads``); the sites after qk see them repeated to N.
+      attention_sink: a learned logit per head (init 0) that joins every query's softmax
+        denominator and mixes no value, as in GPT-OSS (OpenAI 2025, model card arXiv
+        2508.10925). Softmax schemes only (stick-breaking has no denominator); not with
+        attention_impl="dot_product_attention" (the kernel has no sink).
+      logit_scaling: "none", "ssmax" (Scalable-Softmax, arXiv 2501.19399: q times s log n, n
+        the keys the query sees in its segment) or "llama4" (Llama 4's attention temperature
+        tuning: q times log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1); see
+        ``copejax.logit_scaling``. Softmax schemes only.
+      ssmax_scale: SSMax's s, per head: its initial value (learned) or its fixed value.
+      ssmax_learned: learn s (a parameter per head and layer) or keep it fixed.
+      llama4_floor_scale, llama4_attn_scale: Llama 4's floor_scale (8192) and attn_scale (0.1).
     """
 
     vocab_size: int
@@ -112,6 +143,13 @@ class ModelConfig:
     window_sink_tokens: int = 0
     layer_pattern: tuple[str, ...] = ()
     layout: str | None = None
+    num_kv_heads: int | None = None
+    attention_sink: bool = False
+    logit_scaling: str = "none"
+    ssmax_scale: float = SSMAX_SCALE_INIT
+    ssmax_learned: bool = True
+    llama4_floor_scale: float = LLAMA4_FLOOR_SCALE
+    llama4_attn_scale: float = LLAMA4_ATTN_SCALE
     # The resolved scheme of ``position`` and ``position_options``, built once per config (in
     # __post_init__, so ``dataclasses.replace`` rebuilds it); not compared or hashed.
     scheme: PositionScheme = dataclasses.field(init=False, repr=False, compare=False)
@@ -171,6 +209,11 @@ class ModelConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
     @property
+    def resolved_kv_heads(self) -> int:
+        """K, the key/value heads (N unless ``num_kv_heads`` is set)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
     def resolved_mlp_dim(self) -> int:
         if self.mlp_dim is not None:
             return self.mlp_dim
@@ -183,6 +226,8 @@ class ModelConfig:
         embed and qk only, plus a bias site whose bias reads positions only (ALiBi, T5,
         Kerple, FIRE; ``PositionScheme.position_only_bias``)."""
         scheme = self.scheme
+        if self.attention_sink:  # the kernel's softmax has no sink
+            return False
         extra = set(scheme.sites) - KERNEL_SITES
         return not extra or (extra == {"bias"} and scheme.position_only_bias)
 
@@ -204,6 +249,7 @@ class ModelConfig:
             head_dim=self.resolved_head_dim,
             num_layers=self.num_layers,
             max_len=self.max_len,
+            num_kv_heads=self.num_kv_heads,
         )
 
     def validate(self) -> ModelConfig:
@@ -260,9 +306,16 @@ class ModelConfig:
             from copejax import layouts
 
             layouts.validate_pattern(self)
+        self._validate_attention_layout()
         scheme = self.scheme
         scheme.validate(self.dims)
         extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)
+        if self.attention_impl == "dot_product_attention" and self.attention_sink:
+            raise ValueError(
+                "model.attention_sink adds a learned logit to every softmax denominator, which "
+                "jax.nn.dot_product_attention cannot take; use attention_impl='auto', 'naive' "
+                "or 'blockwise'"
+            )
         if (
             self.attention_impl == "dot_product_attention"
             and not self.dot_product_attention_allowed()
@@ -280,6 +333,53 @@ class ModelConfig:
                 f"{scheme.name}: token embedding width {token_dim} must be in (0, {self.d_model}]"
             )
         return self
+
+    def _validate_attention_layout(self) -> None:
+        """num_kv_heads, attention_sink, logit_scaling and its parameters."""
+        kv = self.num_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0):
+            raise ValueError(f"model.num_kv_heads must be a positive integer or None, got {kv!r}")
+        if kv is not None and self.num_heads % kv:
+            raise ValueError(
+                f"model.num_kv_heads={kv} must divide model.num_heads={self.num_heads} (each "
+                "key/value head serves an equal group of query heads); allowed: a divisor of "
+                "num_heads (1: multi-query attention) or None"
+            )
+        for key in ("attention_sink", "ssmax_learned"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"model.{key} must be True or False, got {getattr(self, key)!r}")
+        if self.logit_scaling not in LOGIT_SCALINGS:
+            raise ValueError(
+                f"model.logit_scaling must be one of {LOGIT_SCALINGS}, got {self.logit_scaling!r}"
+            )
+        for key in ("ssmax_scale", "llama4_attn_scale"):
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"model.{key} must be a finite number, got {value!r}")
+        floor = self.llama4_floor_scale
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor > 0:
+            raise ValueError(f"model.llama4_floor_scale must be a number > 0, got {floor!r}")
+        if "normalizer" in self.scheme.sites:
+            name = self.scheme.name
+            if self.attention_sink:
+                raise ValueError(
+                    f"model.attention_sink joins a softmax denominator; {name!r} replaces the "
+                    "softmax (stick-breaking weights are sigmoids times the remaining stick, "
+                    "with no denominator to join; its own remainder plays the sink's part): "
+                    "use attention_sink=False"
+                )
+            if self.logit_scaling != "none":
+                raise ValueError(
+                    f"model.logit_scaling={self.logit_scaling!r} counters the softmax "
+                    f"denominator's growth with the number of keys; {name!r} replaces the "
+                    "softmax (stick-breaking has no denominator, each weight is a sigmoid of "
+                    "its own logit times the remaining stick), so the scaling's derivation "
+                    "does not apply: use logit_scaling='none'"
+                )
 
 
 # Keys that cope, fox and stickbreaking declared before the engine moved them to model level.

@@ -16,6 +16,7 @@ LENGTH = "length"
 KV_LENGTH = "kv_length"
 EMBED = "embed"
 HEADS = "heads"
+KV_HEADS = "kv_heads"  # key/value heads of grouped-query attention (model.num_kv_heads)
 HEAD_DIM = "head_dim"
 MLP = "mlp"
 VOCAB = "vocab"
@@ -31,6 +32,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     (KV_LENGTH, None),
     (EMBED, "fsdp"),
     (HEADS, "tensor"),
+    (KV_HEADS, "tensor"),
     (HEAD_DIM, None),
     (MLP, "tensor"),
     (VOCAB, "tensor"),

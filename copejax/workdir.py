@@ -43,7 +43,13 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 # Sizes that configs saved before copejax.model_config.ModelConfig.from_config wrote as 0 for
 # "unset" (now null): a saved 0 equals a new null.
-UNSET_AS_ZERO = ("model.head_dim", "model.mlp_dim", "model.max_len", "model.window")
+UNSET_AS_ZERO = (
+    "model.head_dim",
+    "model.mlp_dim",
+    "model.max_len",
+    "model.window",
+    "model.num_kv_heads",
+)
 
 
 def _unset_zero_as_none(flat: dict[str, Any]) -> dict[str, Any]:

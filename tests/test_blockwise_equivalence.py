@@ -20,6 +20,7 @@ from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
+from tests.test_decode import LAYOUTS, layout_params
 from tests.test_decode import SLOW_VARIANTS as SLOW_DECODE_VARIANTS
 from tests.test_decode import VARIANTS as DECODE_VARIANTS
 
@@ -81,9 +82,13 @@ def _tokens() -> jax.Array:
 @pytest.mark.parametrize("variant", PARAMS, ids=_ids)
 def test_blockwise_values_and_gradients_equal_naive(variant: tuple[str, dict]) -> None:
     position, options = variant
+    _check_blockwise_equals_naive(position, options)
+
+
+def _check_blockwise_equals_naive(position: str, options: dict, **overrides: object) -> None:
     tokens_BT = _tokens()
-    naive = _model(position, options, "naive")
-    blockwise = _model(position, options, "blockwise")
+    naive = _model(position, options, "naive", **overrides)
+    blockwise = _model(position, options, "blockwise", **overrides)
     params = _perturbed_params(naive, tokens_BT)
     targets_BT = jnp.roll(tokens_BT, -1, axis=1)
 
@@ -122,8 +127,18 @@ def test_blockwise_values_and_gradients_equal_naive(variant: tuple[str, dict]) -
 def test_decoding_through_the_engine_equals_the_full_forward(variant: tuple[str, dict]) -> None:
     """Prefill of 5 tokens (two blocks) then single steps, every call on the engine."""
     position, options = variant
+    _check_engine_decoding(position, options)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("position", ["fox", pytest.param("cope", marks=pytest.mark.slow)])
+def test_attention_layouts_decode_through_the_engine(position: str, layout: str) -> None:
+    _check_engine_decoding(position, {}, **LAYOUTS[layout])
+
+
+def _check_engine_decoding(position: str, options: dict, **overrides: object) -> None:
     tokens_BT = _tokens()
-    model = _model(position, options, "blockwise")
+    model = _model(position, options, "blockwise", **overrides)
     params = _perturbed_params(model, tokens_BT)
     full = model.apply(
         {"params": params}, tokens_BT, jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
@@ -143,6 +158,14 @@ def test_decoding_through_the_engine_equals_the_full_forward(variant: tuple[str,
         cache, start = variables["cache"], end
         outputs.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(outputs, 1), full, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(("position", "layout"), layout_params(fast=("rope", "cope", "fox")))
+def test_attention_layouts_blockwise_values_and_gradients_equal_naive(
+    position: str, layout: str
+) -> None:
+    """Grouped KV heads, the sink (its gradient included) and length scaling on the engine."""
+    _check_blockwise_equals_naive(position, {}, **LAYOUTS[layout])
 
 
 def test_the_flash_and_remat_backwards_agree() -> None:

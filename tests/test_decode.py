@@ -88,8 +88,12 @@ def _layers(position: str, options: dict) -> int:
     return 2 if "carry" in scheme.sites or scheme.share_across_layers else 1
 
 
-def _model_and_params(position: str, options: dict) -> tuple[Transformer, object, object]:
-    cfg = tiny_config(position, position_options=options, num_layers=_layers(position, options))
+def _model_and_params(
+    position: str, options: dict, **overrides: object
+) -> tuple[Transformer, object, object]:
+    cfg = tiny_config(
+        position, position_options=options, num_layers=_layers(position, options), **overrides
+    )
     model = Transformer(cfg)
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
     params = model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
@@ -128,8 +132,10 @@ def _full_logits(model: Transformer, params: object, segments: bool = True) -> n
     )
 
 
-def _check_prefill_then_steps(position: str, options: dict, chunks: list[int]) -> None:
-    model, params, cfg = _model_and_params(position, options)
+def _check_prefill_then_steps(
+    position: str, options: dict, chunks: list[int], **overrides: object
+) -> None:
+    model, params, cfg = _model_and_params(position, options, **overrides)
     full = _full_logits(model, params)
     decoded = _decoded_logits(model, params, cfg, chunks)
     assert np.all(np.isfinite(full))
@@ -177,6 +183,60 @@ def test_one_token_at_a_time_without_segments_equals_full_pass(position: str) ->
     full = _full_logits(model, params, segments=False)
     decoded = _decoded_logits(model, params, cfg, [1] * LENGTH, segments=False)
     np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5, err_msg=position)
+
+
+# Attention layouts (issue 14): grouped KV heads, GPT-OSS's sink, length scaling of q. Every
+# registered scheme with each layout it takes; a core set runs in the default suite.
+LAYOUTS = {
+    "gqa2": {"num_heads": 4, "num_kv_heads": 2},
+    "mqa": {"num_heads": 4, "num_kv_heads": 1},
+    "sink_ssmax": {"attention_sink": True, "logit_scaling": "ssmax"},
+    # floor_scale 2: the factor changes within the 8 test positions.
+    "llama4": {"logit_scaling": "llama4", "llama4_floor_scale": 2.0},
+}
+CORE_SCHEMES = ("rope", "alibi", "cope", "fox", "tape", "stickbreaking")
+
+
+def softmax_scheme(position: str) -> bool:
+    return "normalizer" not in registry.make_scheme(position).sites
+
+
+def layout_params(fast: tuple[str, ...] = CORE_SCHEMES, fast_layouts: tuple[str, ...] = ()):
+    """(scheme, layout name) for every scheme and every layout it takes; slow unless the
+    scheme is in ``fast`` and the layout in ``fast_layouts`` (every layout when empty)."""
+    params = []
+    for position in registry.names():
+        for name, overrides in LAYOUTS.items():
+            if "num_kv_heads" not in overrides and not softmax_scheme(position):
+                continue  # refused with a reason (test_attention_layout.py)
+            quick = position in fast and (not fast_layouts or name in fast_layouts)
+            marks = () if quick else (pytest.mark.slow,)
+            params.append(pytest.param(position, name, marks=marks, id=f"{position}-{name}"))
+    return params
+
+
+@pytest.mark.parametrize(("position", "layout"), layout_params())
+def test_attention_layouts_prefill_then_steps_equal_full_pass(position: str, layout: str) -> None:
+    _check_prefill_then_steps(position, {}, STEPS, **LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_decode_cache_holds_the_key_value_heads(num_kv_heads: int) -> None:
+    """The cache holds K heads of keys and values (B, S, K, H), not N."""
+    cfg = tiny_config("rope", num_heads=4, num_kv_heads=num_kv_heads)
+    cache = decode.init_cache(cfg, 2, LENGTH)
+    slots = cache["block_0"]["attention"]["key_cache"]
+    assert slots["key"].shape == (2, LENGTH, num_kv_heads, cfg.resolved_head_dim)
+    assert slots["value"].shape == (2, LENGTH, num_kv_heads, cfg.resolved_head_dim)
+
+
+def test_tape_caches_per_query_head_keys_and_key_value_head_values() -> None:
+    """TAPE reads each query head's own position tensor at the qk site, so its cached keys are
+    per query head; its values keep the K key/value heads."""
+    cfg = tiny_config("tape", num_heads=4, num_kv_heads=1)
+    slots = decode.init_cache(cfg, 2, LENGTH)["block_0"]["attention"]["key_cache"]
+    assert slots["key"].shape[2] == 4
+    assert slots["value"].shape[2] == 1
 
 
 # ----------------------------------------------------------------------------- pure pieces

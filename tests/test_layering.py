@@ -36,6 +36,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "model and configuration",
         (
             "model_config",
+            "layouts",
+            "logit_scaling",
             "attention",
             "model",
             "scheme_options",

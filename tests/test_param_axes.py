@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import pytest
 
+from copejax import sharding
 from copejax.model import Transformer
 from copejax.positions import registry
 from tests.conftest import tiny_config, tokens_and_positions
@@ -26,3 +27,24 @@ def test_logical_axis_names_are_distinct_per_parameter(scheme: str) -> None:
     for path, names in named:
         strings = [n for n in names if isinstance(n, str)]
         assert len(strings) == len(set(strings)), f"{jax.tree_util.keystr(path)}: {names}"
+
+
+def test_key_and_value_kernels_use_the_kv_heads_axis() -> None:
+    """Grouped-query attention: K key/value heads under their own logical name, which the
+    default rules shard like the query heads."""
+    model = Transformer(
+        tiny_config("fox", num_heads=4, num_kv_heads=2, position_options={"qk_norm": True})
+    )
+    tokens_BT, positions_BT = tokens_and_positions()
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens_BT, positions_BT))
+    attention = abstract["params"]["block_0"]["attention"]
+    for name in ("key", "value"):
+        box = attention[name]["kernel"]
+        assert box.names == (sharding.EMBED, sharding.KV_HEADS, sharding.HEAD_DIM)
+        assert box.value.shape == (32, 2, 8)
+    assert attention["query"]["kernel"].names[1] == sharding.HEADS
+    assert attention["own_site"]["k_norm_scale"].names[0] == sharding.KV_HEADS
+    assert (
+        dict(sharding.DEFAULT_RULES)[sharding.KV_HEADS]
+        == dict(sharding.DEFAULT_RULES)[sharding.HEADS]
+    )

@@ -15,7 +15,7 @@ import pytest
 from copejax.model import Transformer
 from copejax.positions import registry
 from tests.conftest import tiny_config, tokens_and_positions
-from tests.test_decode import ROPE_VARIANTS
+from tests.test_decode import LAYOUTS, ROPE_VARIANTS, layout_params
 
 SCHEMES = registry.names()
 
@@ -29,7 +29,23 @@ def _init(position: str, **overrides: object) -> tuple[Transformer, dict]:
 
 @pytest.mark.parametrize("position", SCHEMES)
 def test_gradient_of_output_wrt_future_inputs_is_exactly_zero(position: str) -> None:
-    model, params = _init(position)
+    _check_causal(position)
+
+
+@pytest.mark.parametrize(("position", "layout"), layout_params(fast_layouts=("mqa",)))
+def test_attention_layouts_are_causal_and_jit_equals_eager(position: str, layout: str) -> None:
+    """Grouped KV heads, the sink and length scaling keep every scheme causal."""
+    _check_causal(position, **LAYOUTS[layout])
+    model, params = _init(position, **LAYOUTS[layout])
+    tokens_BT, positions_BT = tokens_and_positions()
+    eager = model.apply(params, tokens_BT, positions_BT)
+    jitted = jax.jit(model.apply)(params, tokens_BT, positions_BT)
+    assert np.all(np.isfinite(np.asarray(eager)))
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-5)
+
+
+def _check_causal(position: str, **overrides: object) -> None:
+    model, params = _init(position, **overrides)
     tokens_BT, positions_BT = tokens_and_positions(batch=1)
     emb = model.apply(params, tokens_BT, positions_BT, True, method=Transformer.embed)
     length = tokens_BT.shape[1]

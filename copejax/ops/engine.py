@@ -31,6 +31,8 @@ Backward passes (``backward``):
   and pulls ``dS`` back through the score function of the pair (``jax.vjp``), which gives the
   gradients of q, k, the terms' per-token arrays, their parameters and their per-query-block
   precomputations (pulled back once per query block). No (T, S) array and no saved walk.
+  A sink logit ``z_n`` (GPT-OSS; ``sink_N``) is a key of value 0 in every row, so ``L_i``
+  includes it and ``dz_n = -sum_i exp(z_n - L_i) D_i``.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
   the backward keeps carries only. Needed by carries (CoPE, stick-breaking); timed against
@@ -180,13 +182,25 @@ def content_logits_BNQK(q_BQNH: jax.Array, k_BKNH: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- online softmax
 
 
-def softmax_init(batch: int, heads: int, size: int, width: int) -> dict[str, jax.Array]:
-    """Empty online-softmax state: max, denominator (B, N, Q), weighted values (B, Q, N, W)."""
-    return {
+def softmax_init(
+    batch: int, heads: int, size: int, width: int, sink_N: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Empty online-softmax state: max, denominator (B, N, Q), weighted values (B, Q, N, W).
+
+    ``sink_N`` (GPT-OSS's attention sink, a logit per head that joins the denominator and
+    mixes no value) seeds the state as a key with value zero: max = sink, denominator 1
+    (``exp(sink - stop_gradient(sink))``, so that the sink gets its gradient).
+    """
+    state = {
         "max_BNQ": jnp.full((batch, heads, size), MASKED_LOGIT, jnp.float32),
         "sum_BNQ": jnp.zeros((batch, heads, size), jnp.float32),
         "acc_BQNW": jnp.zeros((batch, size, heads, width), jnp.float32),
     }
+    if sink_N is not None:
+        sink_BNQ = jnp.broadcast_to(sink_N.astype(jnp.float32)[None, :, None], (batch, heads, size))
+        state["max_BNQ"] = jax.lax.stop_gradient(sink_BNQ)
+        state["sum_BNQ"] = jnp.exp(sink_BNQ - jax.lax.stop_gradient(sink_BNQ))
+    return state
 
 
 def softmax_update(
@@ -400,9 +414,10 @@ def _remat_walk(layout: _Layout, data: dict) -> tuple[jax.Array, jax.Array]:
 
     def one_query_block(qi: jax.Array, qf_i: dict, qn_i: dict) -> tuple[jax.Array, jax.Array]:
         prepared = layout.prepare(params, qf_i)
-        init_acc = (stickbreaking_init if sticks else softmax_init)(
-            batch, heads, layout.size_q, width
-        )
+        if sticks:
+            init_acc = stickbreaking_init(batch, heads, layout.size_q, width)
+        else:
+            init_acc = softmax_init(batch, heads, layout.size_q, width, data["sink"])
         init_carries = [
             None if t.init is None else t.init(batch, heads, layout.size_q) for t in layout.terms
         ]
@@ -598,7 +613,14 @@ def _flash_backward(
         delta_GBNQ,
     )
     (d_params, d_kf, d_v), d_qf = jax.lax.scan(per_query_block, init, q_in)
+    d_sink = None
+    if data["sink"] is not None:
+        # The sink is a key with value 0 in every row: dS = P_sink (0 - D_i).
+        sink_1N1 = data["sink"].astype(jnp.float32)[None, :, None]
+        p_sink_GBNQ = jnp.exp(sink_1N1 - lse_GBNQ)
+        d_sink = -jnp.sum(p_sink_GBNQ * delta_GBNQ, axis=(0, 1, 3)).astype(data["sink"].dtype)
     return {
+        "sink": d_sink,
         "params": d_params,
         "qf": d_qf,
         "qn": None,
@@ -659,6 +681,7 @@ def blockwise_attention(
     sink_tokens: int = 0,
     k_index_BS: jax.Array | None = None,
     k_rank_BS: jax.Array | None = None,
+    sink_N: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Causal attention over (query block, key block) pairs, never a (T, S) array.
 
@@ -682,11 +705,14 @@ def blockwise_attention(
         cache; empty slots carry a huge index); every key block is then walked.
       k_rank_BS: each key's index within its segment (for the sinks); None: derived from
         ``k_segment_ids_BS``.
+      sink_N: a learned logit per head (float, (N,)) that joins every query's softmax
+        denominator and mixes no value (GPT-OSS's attention sink); seeds the online softmax.
+        Softmax only; differentiable on both backwards.
 
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
-      log-sum-exp (softmax) or the log of the stick remainder, log prod_k (1 - beta_ik)
-      (stick-breaking), float32; None with the flash backward.
+      log-sum-exp (softmax; the sink included) or the log of the stick remainder,
+      log prod_k (1 - beta_ik) (stick-breaking), float32; None with the flash backward.
     """
     if backward not in BACKWARDS:
         raise ValueError(f"engine: backward must be one of {BACKWARDS}, got {backward!r}")
@@ -732,7 +758,12 @@ def blockwise_attention(
         if k_rank_BS is None:
             k_rank_BS = segments.segment_rank_BS(k_segment_ids_BS)
         kn["rank"] = to_blocks(k_rank_BS.astype(jnp.int32), size_k)
+    if sink_N is not None and normalizer.kind != "softmax":
+        raise ValueError(
+            f"engine: sink_N joins a softmax denominator; normalizer {normalizer.kind!r} has none"
+        )
     data = {
+        "sink": sink_N,
         "params": [t.params for t in terms],
         "qf": qf,
         "qn": qn,

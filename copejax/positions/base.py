@@ -50,6 +50,9 @@ class Dims:
       head_dim: per-head width H.
       num_layers: transformer blocks.
       max_len: the training context length (learned tables, FIRE's L, YaRN's original length).
+      num_kv_heads: key/value heads K of grouped-query attention (None: N). The qk site and
+        :meth:`AttentionSite.cache_state` receive K-head keys and values; every later site
+        receives them repeated to N heads (:func:`repeat_kv_heads`).
     """
 
     d_model: int
@@ -57,6 +60,32 @@ class Dims:
     head_dim: int
     num_layers: int
     max_len: int
+    num_kv_heads: int | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        """K, the key/value heads (N without grouping)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+
+def repeat_kv_heads(x_BSKH: jax.Array, num_heads: int) -> jax.Array:
+    """Grouped-query attention's keys or values for every query head (Ainslie et al. 2023,
+    arXiv 2305.13245): K heads repeated group-major to N, so query head n reads key/value
+    head ``n // (N / K)``. Unchanged when the array has N heads already.
+
+    Args:
+      x_BSKH: keys, values or per-key features with the heads on axis 2 (K divides N).
+      num_heads: N.
+
+    Returns:
+      x_BSNH.
+    """
+    kv_heads = x_BSKH.shape[2]
+    if kv_heads == num_heads:
+        return x_BSKH
+    if num_heads % kv_heads:
+        raise ValueError(f"{kv_heads} key/value heads do not divide {num_heads} query heads")
+    return jnp.repeat(x_BSKH, num_heads // kv_heads, axis=2)
 
 
 @struct.dataclass
@@ -197,19 +226,29 @@ class EmbedOutput:
     carry: Carry = None
 
 
-def masked_softmax_BNTS(logits_BNTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def masked_softmax_BNTS(
+    logits_BNTS: jax.Array, mask_BTS: jax.Array, sink_N: jax.Array | None = None
+) -> jax.Array:
     """Softmax over keys in float32; masked keys get exactly zero weight.
 
     A fully masked row (only possible with padding queries) returns all zeros, not NaN.
+    With ``sink_N`` (GPT-OSS's learned attention sink, one logit per head) ``exp(sink)`` joins
+    every row's denominator and mixes no value, so a row's weights sum to less than 1.
     """
     logits_BNTS = logits_BNTS.astype(jnp.float32)
     mask_B1TS = mask_BTS[:, None]
     big_neg = jnp.finfo(jnp.float32).min
     masked_BNTS = jnp.where(mask_B1TS, logits_BNTS, big_neg)
     max_BNT1 = jnp.max(masked_BNTS, axis=-1, keepdims=True)
+    sink_1N11 = None
+    if sink_N is not None:
+        sink_1N11 = sink_N.astype(jnp.float32)[None, :, None, None]
+        max_BNT1 = jnp.maximum(max_BNT1, sink_1N11)
     max_BNT1 = jax.lax.stop_gradient(jnp.where(jnp.isfinite(max_BNT1), max_BNT1, 0.0))
     exp_BNTS = jnp.where(mask_B1TS, jnp.exp(masked_BNTS - max_BNT1), 0.0)
     denom_BNT1 = jnp.sum(exp_BNTS, axis=-1, keepdims=True)
+    if sink_1N11 is not None:
+        denom_BNT1 = denom_BNT1 + jnp.exp(sink_1N11 - max_BNT1)
     return exp_BNTS / jnp.where(denom_BNT1 > 0, denom_BNT1, 1.0)
 
 
@@ -242,7 +281,8 @@ class AttentionSite(nn.Module):
     ) -> dict[str, jax.Array]:
         """Decode mode only: per-key arrays (B, T, ...) of the T new tokens to cache.
 
-        Called before the qk site with the projected (raw) keys and values; ``ctx.key_state``
+        Called before the qk site with the projected (raw) keys and values (K heads with
+        grouped-query attention); ``ctx.key_state``
         holds what was cached before this call (None before the first). The cached arrays,
         new tokens included, reach every later site as ``ctx.key_state`` (B, S, ...). Names
         start with the scheme's name (``"fox_..."``) and must be unique in a combination;
@@ -253,7 +293,14 @@ class AttentionSite(nn.Module):
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The qk site: returns transformed (q, k, v). Default: unchanged."""
+        """The qk site: returns transformed (q, k, v). Default: unchanged.
+
+        With grouped-query attention (``Dims.kv_heads`` K < N) k and v arrive with K heads:
+        a transform that is the same for every head (RoPE, xPos) or has per-key/value-head
+        parameters keeps K heads (and the decode cache stays K heads); one that reads
+        per-query-head state repeats them first with :func:`repeat_kv_heads` (TAPE). The
+        layer repeats whatever comes back to N heads before the logits and later sites.
+        """
         return q_BTNH, k_BSNH, v_BSNH
 
     def bias(

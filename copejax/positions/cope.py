@@ -30,6 +30,7 @@ from copejax.positions.base import (
     PositionScheme,
     check_choice,
     masked_softmax_BNTS,
+    repeat_kv_heads,
 )
 from copejax.positions.registry import register
 
@@ -38,7 +39,8 @@ POSITION_TERMS = ("interpolate", "alibi", "mlp")
 
 
 class GateKey(nn.Module):
-    """Sep-keys: the separate gate keys k'_j = W x_j (B, T, N, H) of CoPE's gates (Table 8).
+    """Sep-keys: the separate gate keys k'_j = W x_j (B, T, K, H) of CoPE's gates (Table 8),
+    one per key/value head like the keys (K = N without grouped-query attention).
 
     The kernel keeps its 3-axis shape (D, N, H) and logical names: Flax's DenseGeneral
     reshapes a flattened kernel at creation, which breaks the 3-axis sharding annotation under
@@ -54,13 +56,13 @@ class GateKey(nn.Module):
         kernel_DNH = self.param(
             "kernel",
             nn.with_logical_partitioning(
-                nn.initializers.normal(0.02), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)
+                nn.initializers.normal(0.02), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)
             ),
             (self.d_model, self.num_heads, self.head_dim),
             jnp.float32,
         )
         dtype = jnp.result_type(x_BTD.dtype, kernel_DNH.dtype)
-        return jnp.einsum("BTD,DNH->BTNH", x_BTD.astype(dtype), kernel_DNH.astype(dtype))
+        return jnp.einsum("BTD,DKH->BTKH", x_BTD.astype(dtype), kernel_DNH.astype(dtype))
 
 
 @register
@@ -227,7 +229,7 @@ class _CoPESite(AttentionSite):
                 jnp.float32,
             )
         if s.gates == "sep_keys":
-            self.gate_key = GateKey(d.d_model, d.num_heads, d.head_dim, name="gate_key")
+            self.gate_key = GateKey(d.d_model, d.kv_heads, d.head_dim, name="gate_key")
 
     def cache_state(
         self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
@@ -236,6 +238,12 @@ class _CoPESite(AttentionSite):
         if self.scheme.gates != "sep_keys":
             return {}
         return {"cope_sep_keys": self.gate_key(ctx.x_BTD)}
+
+    def _sep_keys(self, ctx: AttentionContext) -> jax.Array:
+        """The sep-keys gate keys (B, S, N, H): cached or projected K heads, each query head
+        reading its group's (grouped-query attention)."""
+        k_BSKH = ctx.key_state["cope_sep_keys"] if ctx.decode else self.gate_key(ctx.x_BTD)
+        return repeat_kv_heads(k_BSKH, self.dims.num_heads)
 
     def _gate_logits(
         self,
@@ -248,10 +256,8 @@ class _CoPESite(AttentionSite):
             return logits_BNTS
         if self.scheme.gates == "values":
             other_BSNH = v_BSNH
-        elif ctx.decode:
-            other_BSNH = ctx.key_state["cope_sep_keys"]
         else:
-            other_BSNH = self.gate_key(ctx.x_BTD)
+            other_BSNH = self._sep_keys(ctx)
         scores_BNTS = jnp.einsum(
             "BTNH,BSNH->BNTS",
             q_BTNH.astype(jnp.float32),
@@ -272,7 +278,7 @@ class _CoPESite(AttentionSite):
         if s.gates == "values":
             gate_k_BSNH = v_BSNH
         elif s.gates == "sep_keys":
-            gate_k_BSNH = ctx.key_state["cope_sep_keys"] if ctx.decode else self.gate_key(ctx.x_BTD)
+            gate_k_BSNH = self._sep_keys(ctx)
         mlp_params = None
         if s.position_term == "mlp":
             mlp_params = (self.mlp_w_in, self.mlp_b_in, self.mlp_w_out)

@@ -43,7 +43,13 @@ from copejax import sharding as ax
 from copejax.kv_cache import CACHE
 from copejax.ops import scan
 from copejax.ops.engine import BlockTerm, PairBlock
-from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
+from copejax.positions.base import (
+    AttentionContext,
+    AttentionSite,
+    Dims,
+    PositionScheme,
+    repeat_kv_heads,
+)
 from copejax.positions.registry import register
 
 GATE_INIT_STD = 0.02
@@ -280,21 +286,25 @@ class _FoXSite(AttentionSite):
 
     def setup(self) -> None:
         s, d, n, h = self.scheme, self.dims.d_model, self.dims.num_heads, self.dims.head_dim
+        # Key-side parameters act on the K key/value heads (grouped-query attention).
+        kv = self.dims.kv_heads
         normal = nn.initializers.normal(GATE_INIT_STD)
         if not s.unit_forget_gate:
             self.forget_w = _param(self, "forget_w", normal, (ax.EMBED, ax.HEADS), (d, n))
             bias_init = nn.initializers.constant(s.forget_bias_init)
             self.forget_b = _param(self, "forget_b", bias_init, (ax.HEADS,), (n,))
         if s.key_shift:
-            self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.key_shift_w = _param(self, "key_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv))
             self.previous_key = PreviousToken(name="previous_raw_key")  # decode mode only
         if s.value_shift:
-            self.value_shift_w = _param(self, "value_shift_w", normal, (ax.EMBED, ax.HEADS), (d, n))
+            self.value_shift_w = _param(
+                self, "value_shift_w", normal, (ax.EMBED, ax.KV_HEADS), (d, kv)
+            )
             self.previous_value = PreviousToken(name="previous_raw_value")
         if s.qk_norm:
             ones = nn.initializers.ones
             self.q_scale = _param(self, "q_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
-            self.k_scale = _param(self, "k_norm_scale", ones, (ax.HEADS, ax.HEAD_DIM), (n, h))
+            self.k_scale = _param(self, "k_norm_scale", ones, (ax.KV_HEADS, ax.HEAD_DIM), (kv, h))
         if s.output_norm:
             ones = nn.initializers.ones
             self.output_norm_scale = _param(
@@ -305,8 +315,11 @@ class _FoXSite(AttentionSite):
                 self, "output_gate_w", normal, (ax.EMBED, ax.HEADS, ax.HEAD_DIM), (d, n, h)
             )
 
-    def _sigmoid_gate(self, x_BTD: jax.Array, w_DN: jax.Array) -> jax.Array:
-        return jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x_BTD.astype(jnp.float32), w_DN))
+    def _sigmoid_gate(self, x_BTD: jax.Array, w_DK: jax.Array, heads: int) -> jax.Array:
+        """Token shift's gate per key/value head, repeated to ``heads`` when the keys reach
+        this site per query head (after TAPE's qk in a composite): the same shift."""
+        a_BTK = jax.nn.sigmoid(jnp.einsum("BTD,DK->BTK", x_BTD.astype(jnp.float32), w_DK))
+        return repeat_kv_heads(a_BTK[..., None], heads)[..., 0]
 
     def _log_forget_gates(self, x_BTD: jax.Array) -> jax.Array:
         if self.scheme.unit_forget_gate:
@@ -337,7 +350,7 @@ class _FoXSite(AttentionSite):
         prev_BTNH = jnp.concatenate([previous_B1NH, x32_BTNH[:, :-1]], axis=1)
         starts_BT11 = ctx.segment_starts_BT()[:, :, None, None]
         prev_BTNH = jnp.where(starts_BT11, 0.0, prev_BTNH)
-        return _mix(x_BTNH, prev_BTNH, self._sigmoid_gate(ctx.x_BTD, w_DN))
+        return _mix(x_BTNH, prev_BTNH, self._sigmoid_gate(ctx.x_BTD, w_DN, x_BTNH.shape[2]))
 
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
@@ -350,14 +363,15 @@ class _FoXSite(AttentionSite):
                 v_BSNH = self._shift_cached(v_BSNH, self.previous_value, self.value_shift_w, ctx)
         else:
             if s.key_shift:
-                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w)
+                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.key_shift_w, k_BSNH.shape[2])
                 k_BSNH = token_shift(k_BSNH, a_BSN, ctx.segment_ids_BT)
             if s.value_shift:
-                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w)
+                a_BSN = self._sigmoid_gate(ctx.x_BTD, self.value_shift_w, v_BSNH.shape[2])
                 v_BSNH = token_shift(v_BSNH, a_BSN, ctx.segment_ids_BT)
         if s.qk_norm:
             q_BTNH = rms_norm_heads(q_BTNH, self.q_scale)
-            k_BSNH = rms_norm_heads(k_BSNH, self.k_scale)
+            groups = k_BSNH.shape[2] // self.k_scale.shape[0]
+            k_BSNH = rms_norm_heads(k_BSNH, jnp.repeat(self.k_scale, groups, axis=0))
         return q_BTNH, k_BSNH, v_BSNH
 
     def _prefix_sums(

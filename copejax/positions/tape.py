@@ -74,6 +74,7 @@ from copejax.positions.base import (
     PositionScheme,
     check_choice,
     check_positive,
+    repeat_kv_heads,
 )
 from copejax.positions.registry import register
 from copejax.positions.rope import rope_inv_freq
@@ -411,6 +412,10 @@ class _TapeSite(AttentionSite):
         s = self.scheme
         e_BTMLR = ctx.carry.e_BTMLR
         head_dim = q_BTNH.shape[-1]
+        # Grouped-query attention: each query head's key is its group's key seen through the
+        # head's own position tensor, so the keys become per query head (and so does the
+        # decode cache of this scheme's keys; the values keep K heads).
+        k_BSNH = repeat_kv_heads(k_BSNH, self.dims.num_heads)
         q2 = tape_qk(q_BTNH, e_BTMLR, s.layout, s.tensorial)
         k2 = tape_qk(k_BSNH, e_BTMLR, s.layout, s.tensorial)
         if q2.shape[-1] != head_dim:

@@ -270,6 +270,9 @@ class Attention(nn.Module):
         qk_ctx = ctx.replace(k_positions_BS=ctx.q_positions_BT)  # qk sees the new keys only
         q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
         kv = self.key_cache({"key": k_BTNH, "value": v_BTNH}, ctx.cache_index)
+        updates = site.cache_update(kv, ctx)  # read by later calls; this one attends to kv
+        if updates:
+            self.key_cache.replace(updates)
         return q_BTNH, kv["key"], kv["value"], ctx
 
     def _weights(

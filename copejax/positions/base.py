@@ -222,6 +222,18 @@ class AttentionSite(nn.Module):
         """
         return {}
 
+    def cache_update(
+        self, cached: dict[str, jax.Array], ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Decode mode only: cached arrays (B, S, ...) to overwrite whole once this call has
+        read them (PaTH's rank-1 updates of every cached key).
+
+        ``cached`` holds the cache's "key" and "value" after this call's write (what this
+        call's attention reads); ``ctx.key_state`` the scheme's own cached arrays. Returns
+        {name: new array} for names already in the cache. Default: nothing.
+        """
+        return {}
+
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -129,6 +129,18 @@ class _CompositeAttention(AttentionSite):
             state.update(part_state)
         return state
 
+    def cache_update(self, cached: dict[str, jax.Array], ctx: AttentionContext) -> dict:
+        """Every part's updates; one part rewriting an array another part rewrites is refused."""
+        updates: dict[str, jax.Array] = {}
+        for site in self.sites_:
+            part_updates = site.cache_update(cached, ctx)
+            clash = sorted(set(updates) & set(part_updates))
+            if clash:
+                names = "+".join(p.name for p in self.parts)
+                raise ValueError(f"{names}: two parts rewrite the same cached arrays {clash}")
+            updates.update(part_updates)
+        return updates
+
     def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):
         for site in self.sites_:
             q_BTNH, k_BSNH, v_BSNH = site.qk(q_BTNH, k_BSNH, v_BSNH, ctx)

@@ -99,7 +99,9 @@ class KeyCache(nn.Module):
         for name, full in arrays.items():
             old = self.get_variable(CACHE, name)
             if old is None or old.shape != full.shape:
-                raise ValueError(f"KeyCache.replace: no cached array {name!r} of shape {full.shape}")
+                raise ValueError(
+                    f"KeyCache.replace: no cached array {name!r} of shape {full.shape}"
+                )
             self.put_variable(CACHE, name, full.astype(old.dtype))
 
     def read(self) -> dict[str, jax.Array]:

@@ -114,7 +114,7 @@ def test_blockwise_values_and_gradients_equal_naive(variant: tuple[str, dict]) -
     [
         v if not v[1] else pytest.param(v, marks=pytest.mark.slow)
         for v in VARIANTS
-        if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape")
+        if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape", "path")
     ],
     ids=_ids,
 )

@@ -39,6 +39,7 @@ VARIANTS = [
     ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"contextualize": "mlp"}),
+    ("path+fox", {}),
 ]
 SLOW_VARIANTS = [
     ("cope", {"gates": "sep_keys", "share_layers": True}),
@@ -141,6 +142,7 @@ def test_more_variants_prefill_then_steps_equal_full_pass(position: str, options
         ("fox", {"key_shift": True, "value_shift": True}),
         ("stickbreaking", {}),
         ("tape", {}),
+        ("path", {}),
     ],
     ids=str,
 )

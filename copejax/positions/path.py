@@ -75,6 +75,7 @@ def path_logits_BNQK(
     k_BKNH: jax.Array,
     w_BKNH: jax.Array,
     beta_BKN: jax.Array,
+    *,
     q_index_Q: jax.Array,
     k_index_K: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
@@ -117,8 +118,8 @@ def path_pair(
         pair.k_BKNH,
         pair.k_arrays["w"],
         pair.k_arrays["beta"],
-        pair.q_start + jnp.arange(size_q),
-        pair.k_start + jnp.arange(size_k),
+        q_index_Q=pair.q_start + jnp.arange(size_q),
+        k_index_K=pair.k_start + jnp.arange(size_k),
     )
     scale = 1.0 / math.sqrt(q_BQNH.shape[-1])
     return logits_BNQK * scale - pair.logits_BNQK, r_BQNH - q_BQNH
@@ -154,7 +155,9 @@ class PaTH(PositionScheme):
         return _PaTHSite(dims=dims, scheme=self)
 
 
-def _uniform_conv_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+def _uniform_conv_init(
+    key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32
+) -> jax.Array:
     bound = 1.0 / math.sqrt(shape[0])
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
@@ -171,7 +174,9 @@ class _PaTHSite(AttentionSite):
         self.w_up = self.param(
             "w_up",
             nn.with_logical_partitioning(
-                nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2)),
+                nn.initializers.variance_scaling(
+                    1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2)
+                ),
                 (None, ax.HEADS, ax.HEAD_DIM),
             ),
             (s.rank, n, h),
@@ -241,8 +246,8 @@ class _PaTHSite(AttentionSite):
             k_BSNH,
             w_BSNH,
             beta_BSN,
-            ctx.cache_index + jnp.arange(q_BTNH.shape[1]),
-            jnp.arange(k_BSNH.shape[1]),
+            q_index_Q=ctx.cache_index + jnp.arange(q_BTNH.shape[1]),
+            k_index_K=jnp.arange(k_BSNH.shape[1]),
         )
         path_BNTS = path_BNTS / math.sqrt(q_BTNH.shape[-1])
         return jnp.where(ctx.mask_BTS[:, None], path_BNTS - logits_BNTS, 0.0)

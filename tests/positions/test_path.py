@@ -18,7 +18,7 @@ import pytest
 
 from copejax.attention import Attention
 from copejax.positions.base import AttentionContext
-from copejax.positions.path import path_logits_BNQK, path_w
+from copejax.positions.path import path_logits_BNQK, path_w, path_wy
 from copejax.positions.registry import make_scheme
 from copejax.segments import segment_starts_BT
 from tests.conftest import tiny_config
@@ -187,3 +187,29 @@ def test_path_fox_is_the_composite() -> None:
     """PaTH-FoX (the paper's section 3.3) is ``path+fox``: both bias sites, summed."""
     scheme = make_scheme("path+fox")
     assert scheme.walk_carry and "bias" in scheme.sites
+
+
+def test_wy_form_equals_the_explicit_products() -> None:
+    """The engine's UT / WY form: per key block, P = H_c ... H_{c+K-1} = I - W^T T W, and each
+    key's in-block suffix H_{c+K-1} ... H_{j+1} k_j (blocks of 3 over 7 keys, one padded)."""
+    size, length, width = 3, 7, 4
+    rng = np.random.default_rng(7)
+    k = rng.normal(size=(1, length, 1, width))
+    w = _unit((1, length, 1, width), 8)
+    beta = rng.uniform(0.0, 2.0, size=(1, length, 1))
+    t, suffix = path_wy(*(jnp.asarray(a, jnp.float32) for a in (k, w, beta)), size)
+    eye = np.eye(width)
+    h = [eye - beta[0, s, 0] * np.outer(w[0, s, 0], w[0, s, 0]) for s in range(length)]
+    for start in range(0, length, size):
+        keys = range(start, min(start + size, length))
+        product = eye
+        for s in keys:
+            product = product @ h[s]
+        rows = np.asarray(t[0, start : start + size, 0, : len(keys)])
+        w_block = w[0, start : start + size, 0]
+        np.testing.assert_allclose(eye - w_block.T @ rows @ w_block, product, atol=1e-5)
+        for j in keys:
+            expected = k[0, j, 0]
+            for s in range(j + 1, keys[-1] + 1):  # H_{j+1} first, H_{c+K-1} last
+                expected = h[s] @ expected
+            np.testing.assert_allclose(np.asarray(suffix[0, j, 0]), expected, atol=1e-5)

@@ -32,6 +32,7 @@ SCHEMES = [
     "fox",
     "stickbreaking",
     "tape",
+    "path",
 ]
 
 

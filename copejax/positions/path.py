@@ -16,9 +16,11 @@ no special path.
 
 Since every H_s is symmetric, ``A_ij = (H_{j+1} ... H_i q_i)^T k_j``: walking keys from the
 newest to the oldest, a query is transformed by each key's H after its logit is taken. The
-naive path walks all S keys at once; the engine's block term walks one key block per pair and
-carries the transformed queries to the next (older) block (:func:`path_pair`), so the engine
-needs O(T) memory and differentiates its walk (remat backward).
+naive path walks all S keys at once. The engine's block term carries the transformed queries
+from key block to older key block (:func:`path_pair`): a key block older than every query of
+the block uses the UT / WY form of its product (:func:`path_wy`, the paper's section 3.2), a
+block holding queries walks its keys one by one. O(T) memory; the engine differentiates the
+walk (remat backward: the carry rules out the flash backward).
 
 Decoding follows the paper's rank-1 key updates: the cache keeps every key k_j transformed by
 all H_u that arrived after it; a call with new tokens attends with those keys (the transforms

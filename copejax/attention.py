@@ -57,20 +57,16 @@ def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | No
     return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
 
 
-def ring_cache_applies(cfg: ModelConfig, site: AttentionSite) -> bool:
-    """Whether the decode cache of ``cfg``'s layer (with attention site ``site``) is a ring
-    buffer of ``window`` slots plus the sink slots: a window layer whose scheme keeps no
-    per-key state in the cache and has no normalizer site. FoX's and CoPE's cached prefix
-    sums and gate keys, TAPE's position tensors and stick-breaking's exclusion of the query's
-    own slot read the cache in key order; their window layers decode with a full cache and
-    the window mask (exact, but memory grows with the length)."""
+def ring_cache_applies(cfg: ModelConfig) -> bool:
+    """Whether the decode cache of ``cfg``'s layer is a ring buffer of ``window`` slots plus
+    the sink slots: a window layer whose scheme has no normalizer site and no decode state
+    that reads the cache in key order (``PositionScheme.cache_in_key_order``: FoX's and
+    CoPE's cached prefix sums and gate keys, TAPE's position tensors, selective attention's
+    penalties, PaTH's rewritten keys; stick-breaking excludes the query's own slot). Those
+    window layers decode with a full cache and the window mask (exact; memory grows)."""
     if cfg.window is None:
         return False
-    scheme = cfg.scheme
-    if any("normalizer" in part.sites for part in getattr(scheme, "parts", None) or (scheme,)):
-        return False
-    sites = getattr(site, "sites_", None) or [site]
-    return all(type(s).cache_state is AttentionSite.cache_state for s in sites)
+    return "normalizer" not in cfg.scheme.sites and not cfg.scheme.cache_in_key_order
 
 
 def dot_product_attention(
@@ -230,7 +226,7 @@ class Attention(nn.Module):
         q_BTNH = self.query(x_BTD)
         k_BSKH = self.key(x_BTD)
         v_BSKH = self.value(x_BTD)
-        if ctx.decode and ring_cache_applies(cfg, site):
+        if ctx.decode and ring_cache_applies(cfg):
             q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_ring(site, q_BTNH, k_BSKH, v_BSKH, ctx)
         elif ctx.decode:
             q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_qkv(site, q_BTNH, k_BSKH, v_BSKH, ctx)
@@ -360,6 +356,9 @@ class Attention(nn.Module):
         qk_ctx = ctx.replace(k_positions_BS=ctx.q_positions_BT)  # qk sees the new keys only
         q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
         kv = self.key_cache({"key": k_BTNH, "value": v_BTNH}, ctx.cache_index)
+        updates = site.cache_update(kv, ctx)  # read by later calls; this one attends to kv
+        if updates:
+            self.key_cache.replace(updates)
         return q_BTNH, kv["key"], kv["value"], ctx
 
     def _decode_ring(

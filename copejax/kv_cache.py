@@ -94,6 +94,16 @@ class KeyCache(nn.Module):
             full[name] = slot.value
         return full
 
+    def replace(self, arrays: dict[str, jax.Array]) -> None:
+        """Overwrites whole cached arrays (B, S, ...) that exist already (in their dtype)."""
+        for name, full in arrays.items():
+            old = self.get_variable(CACHE, name)
+            if old is None or old.shape != full.shape:
+                raise ValueError(
+                    f"KeyCache.replace: no cached array {name!r} of shape {full.shape}"
+                )
+            self.put_variable(CACHE, name, full.astype(old.dtype))
+
     def read(self) -> dict[str, jax.Array]:
         """The arrays cached so far (before this call's writes); empty before the first call."""
         return dict(self.variables.get(CACHE, {}))

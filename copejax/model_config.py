@@ -345,6 +345,13 @@ class ModelConfig:
                 "key/value head serves an equal group of query heads); allowed: a divisor of "
                 "num_heads (1: multi-query attention) or None"
             )
+        if kv is not None and kv != self.num_heads and not self.scheme.grouped_kv:
+            raise ValueError(
+                f"model.num_kv_heads={kv}: {self.scheme.name!r} does not support grouped "
+                "key/value heads (PaTH's transforms w, beta are per query head and rewrite the "
+                "cached keys of each head; per-KV-head transforms are not implemented); use "
+                "num_kv_heads=None"
+            )
         for key in ("attention_sink", "ssmax_learned"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"model.{key} must be True or False, got {getattr(self, key)!r}")

@@ -120,7 +120,7 @@ def _check_blockwise_equals_naive(position: str, options: dict, **overrides: obj
     [
         v if not v[1] else pytest.param(v, marks=pytest.mark.slow)
         for v in VARIANTS
-        if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape")
+        if v[0] in ("nope", "alibi", "cope", "fox", "stickbreaking", "tape", "path")
     ],
     ids=_ids,
 )

@@ -59,6 +59,7 @@ VARIANTS = [
     ("stickbreaking", {"remainder_bias": True, "head_norm": True}),
     ("tape", {"contextualize": "attention"}),
     ("tape", {"contextualize": "mlp"}),
+    ("path+fox", {}),
 ]
 SLOW_VARIANTS = [
     ("cope", {"gates": "sep_keys", "share_layers": True}),
@@ -168,6 +169,7 @@ def test_more_variants_prefill_then_steps_equal_full_pass(position: str, options
         ("fox", {"key_shift": True, "value_shift": True}),
         ("stickbreaking", {}),
         ("tape", {}),
+        ("path", {}),
     ],
     ids=str,
 )
@@ -209,6 +211,8 @@ def layout_params(fast: tuple[str, ...] = CORE_SCHEMES, fast_layouts: tuple[str,
         for name, overrides in LAYOUTS.items():
             if "num_kv_heads" not in overrides and not softmax_scheme(position):
                 continue  # refused with a reason (test_attention_layout.py)
+            if "num_kv_heads" in overrides and not registry.make_scheme(position).grouped_kv:
+                continue  # refused with a reason (tests/positions/test_path.py)
             quick = position in fast and (not fast_layouts or name in fast_layouts)
             marks = () if quick else (pytest.mark.slow,)
             params.append(pytest.param(position, name, marks=marks, id=f"{position}-{name}"))

@@ -290,6 +290,18 @@ class AttentionSite(nn.Module):
         """
         return {}
 
+    def cache_update(
+        self, cached: dict[str, jax.Array], ctx: AttentionContext
+    ) -> dict[str, jax.Array]:
+        """Decode mode only: cached arrays (B, S, ...) to overwrite whole once this call has
+        read them (PaTH's rank-1 updates of every cached key).
+
+        ``cached`` holds the cache's "key" and "value" after this call's write (what this
+        call's attention reads); ``ctx.key_state`` the scheme's own cached arrays. Returns
+        {name: new array} for names already in the cache. Default: nothing.
+        """
+        return {}
+
     def qk(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -386,6 +398,12 @@ class PositionScheme:
     # A block term carries state across key blocks (CoPE's gate count, stick-breaking's
     # remainder): the blockwise engine then differentiates its walk (remat), not flash.
     walk_carry: ClassVar[bool] = False
+    # Decode state that reads the cache in key order (cached prefix sums, per-key gates or
+    # penalties, keys rewritten by later tokens): a window layer of the scheme then decodes
+    # with the full cache and the window mask, not a ring buffer (copejax.kv_cache.RingCache).
+    cache_in_key_order: ClassVar[bool] = False
+    # Works with grouped key/value heads (model.num_kv_heads < num_heads).
+    grouped_kv: ClassVar[bool] = True
 
     def validate(self, dims: Dims) -> None:
         """Raises ValueError naming the bad value and what is allowed."""

@@ -48,6 +48,14 @@ class Composite(PositionScheme):
         return any(p.walk_carry for p in self.parts)
 
     @property
+    def cache_in_key_order(self) -> bool:  # type: ignore[override]
+        return any(p.cache_in_key_order for p in self.parts)
+
+    @property
+    def grouped_kv(self) -> bool:  # type: ignore[override]
+        return all(p.grouped_kv for p in self.parts)
+
+    @property
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 
@@ -128,6 +136,18 @@ class _CompositeAttention(AttentionSite):
                 raise ValueError(f"{names}: two parts cache the same arrays {clash}")
             state.update(part_state)
         return state
+
+    def cache_update(self, cached: dict[str, jax.Array], ctx: AttentionContext) -> dict:
+        """Every part's updates; one part rewriting an array another part rewrites is refused."""
+        updates: dict[str, jax.Array] = {}
+        for site in self.sites_:
+            part_updates = site.cache_update(cached, ctx)
+            clash = sorted(set(updates) & set(part_updates))
+            if clash:
+                names = "+".join(p.name for p in self.parts)
+                raise ValueError(f"{names}: two parts rewrite the same cached arrays {clash}")
+            updates.update(part_updates)
+        return updates
 
     def qk(self, q_BTNH, k_BSNH, v_BSNH, ctx: AttentionContext):
         for site in self.sites_:

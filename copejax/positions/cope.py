@@ -120,6 +120,7 @@ class CoPE(PositionScheme):
 
     name = "cope"
     sites = ("bias",)
+    cache_in_key_order = True
     walk_carry = True
     paper = "Golovneva et al. 2024, arXiv 2405.18719"
 

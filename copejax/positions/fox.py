@@ -237,6 +237,7 @@ class FoX(PositionScheme):
 
     name = "fox"
     sites = ("qk", "bias", "output")
+    cache_in_key_order = True
     paper = "Lin et al. 2025, arXiv 2503.02130"
 
     output_gate: bool = False

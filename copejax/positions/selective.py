@@ -95,6 +95,7 @@ class Selective(PositionScheme):
 
     name = "selective"
     sites = ("bias",)
+    cache_in_key_order = True
     paper = "Leviathan et al. 2024, arXiv 2410.02703"
 
     head: int = 0

@@ -267,6 +267,7 @@ class Tape(PositionScheme):
 
     name = "tape"
     sites = ("embed", "qk", "carry")
+    cache_in_key_order = True
     paper = "Zhu et al. 2025, arXiv 2501.00712"
 
     init: str = "rope"

@@ -34,6 +34,7 @@ SCHEMES = [
     "tape",
     "selective",
     "dape",
+    "path",
 ]
 
 

@@ -31,6 +31,7 @@ from copejax.positions.fire import fire_bias
 from copejax.positions.fox import fox_decay_bias
 from copejax.positions.kerple import kerple_bias
 from copejax.positions.learned import lookup_rows_BTD
+from copejax.positions.path import path_logits_BNQK
 from copejax.positions.randomized import relabel_positions
 from copejax.positions.relative import relative_logits
 from copejax.positions.rope import apply_rope, rope_inv_freq
@@ -384,6 +385,33 @@ def xpos() -> Case:
     }
 
 
+def path() -> Case:
+    # w_t: fixed unit vectors per token and head; beta_t = 2 sigmoid(z) for fixed z.
+    w = _fixed((1, T, N, H), 1.9)
+    w = w / np.linalg.norm(w, axis=-1, keepdims=True)
+    beta = 2.0 / (1.0 + np.exp(-_fixed((1, T, N), 2.3)))
+    logits, _ = path_logits_BNQK(
+        jnp.asarray(Q_BTNH, jnp.float32),
+        jnp.asarray(K_BTNH, jnp.float32),
+        jnp.asarray(w, jnp.float32),
+        jnp.asarray(beta, jnp.float32),
+        q_index_Q=jnp.arange(T),
+        k_index_K=jnp.arange(T),
+    )
+
+    def reference(i: int, j: int, h: int) -> float:  # q_i^T H_i H_{i-1} ... H_{j+1} k_j
+        product = np.eye(H)
+        for s in range(i, j, -1):
+            product = product @ (np.eye(H) - beta[0, s, h] * np.outer(w[0, s, h], w[0, s, h]))
+        return float(Q_BTNH[0, i, h] @ product @ K_BTNH[0, j, h])
+
+    return {
+        "h0_i3_j0": (_f(logits[0, 0, 3, 0]), reference(3, 0, 0)),
+        "h1_i2_j1": (_f(logits[0, 1, 2, 1]), reference(2, 1, 1)),
+        "h1_i3_j3": (_f(logits[0, 1, 3, 3]), reference(3, 3, 1)),
+    }
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "alibi": alibi,
     "cope": cope,
@@ -393,6 +421,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "kerple": kerple,
     "learned": learned,
     "nope": nope,
+    "path": path,
     "randomized": randomized,
     "relative": relative,
     "relative_capped": relative_capped,

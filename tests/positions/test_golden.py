@@ -51,6 +51,11 @@ GOLDEN: dict[str, dict[str, float]] = {
         "i2_j0": 0.1117802,
         "i2_j3": 0.0,
     },
+    "path": {
+        "h0_i3_j0": -0.7836421,
+        "h1_i2_j1": -1.844985,
+        "h1_i3_j3": 1.3296,  # q_3 . k_3: the empty product
+    },
     "randomized": {
         "pos2_label": 40.0,
         "pos1_sin0": -0.9613975,

@@ -152,6 +152,12 @@ COMMON_SHORTCUTS: dict[str, str] = {
     "layers": "model.num_layers",
     "heads": "model.num_heads",
     "d_model": "model.d_model",
+    # attention layouts (README, "Sliding windows, ..." and "Attention layout")
+    "window": "model.window",
+    "layout": "model.layout",
+    "kv_heads": "model.num_kv_heads",
+    "attention_sink": "model.attention_sink",
+    "logit_scaling": "model.logit_scaling",
 }
 VARIANTS = ("smoke", "cpu", "paper")
 

@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import cope_ablations, counting, flipflop, lm, selective_copy, sweep, tape_tasks
+from experiments import (
+    cope_ablations,
+    counting,
+    flipflop,
+    hybrids,
+    lm,
+    selective_copy,
+    sweep,
+    tape_tasks,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -97,6 +106,23 @@ def test_lm_and_ablations(dirs: tuple[Path, Path]) -> None:
         loss = last_eval_of(workdir(dirs, study, label))["eval/valid/loss"]
         assert data["perplexity"][label]["per_seed"] == [pytest.approx(math.exp(loss))]
     assert "Use val-gates" in page and "22.4" in page
+
+
+@pytest.mark.slow  # seven 4-layer LM runs and their extrapolation
+def test_hybrids(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(hybrids, dirs)
+    assert set(data["perplexity"]) == set(hybrids.ARMS)
+    hybrid = workdir(dirs, "hybrids", "swa-rope___nope__3_1_")
+    config = json.loads((hybrid / "config.json").read_text())
+    assert (config["model"]["layout"], config["model"]["window"]) == ("swan", 16)
+    cached = json.loads((hybrid / "extrapolation_sweep.json").read_text())
+    for length, stats in data["perplexity"]["swa-rope + nope (3:1)"].items():
+        (ppl,) = stats["per_seed"]
+        (entry,) = [r for r in cached.values() if r["length"] == int(length)]
+        assert ppl == pytest.approx(math.exp(entry["loss"]), rel=1e-5)
+    sink = json.loads((workdir(dirs, "hybrids", "rope___sink") / "config.json").read_text())
+    assert sink["model"]["attention_sink"] is True
+    assert "The papers' claims beside these numbers" in page
 
 
 @pytest.mark.slow  # two tasks, two compiles each

@@ -297,6 +297,12 @@ class ModelConfig:
         sinks = self.window_sink_tokens
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise ValueError(f"model.window_sink_tokens must be an integer >= 0, got {sinks!r}")
+        if sinks and not self.scheme.window_sinks:
+            raise ValueError(
+                f"model.window_sink_tokens={sinks}: {self.scheme.name!r} cannot keep sink tokens "
+                "beside a window (its logit for a sink key multiplies the transforms of every "
+                "key in between, which the banded engine walk skips); use window_sink_tokens=0"
+            )
         if sinks and window is None and not self.resolved_pattern():
             raise ValueError(
                 f"model.window_sink_tokens={sinks} keeps tokens visible beside a sliding "

@@ -404,6 +404,10 @@ class PositionScheme:
     cache_in_key_order: ClassVar[bool] = False
     # Works with grouped key/value heads (model.num_kv_heads < num_heads).
     grouped_kv: ClassVar[bool] = True
+    # Works with a window's kept sink tokens (model.window_sink_tokens): False where a term
+    # carried across key blocks must see the blocks between a sink and the window, which the
+    # banded engine walk skips (PaTH's transforms).
+    window_sinks: ClassVar[bool] = True
 
     def validate(self, dims: Dims) -> None:
         """Raises ValueError naming the bad value and what is allowed."""

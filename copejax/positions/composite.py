@@ -56,6 +56,10 @@ class Composite(PositionScheme):
         return all(p.grouped_kv for p in self.parts)
 
     @property
+    def window_sinks(self) -> bool:  # type: ignore[override]
+        return all(p.window_sinks for p in self.parts)
+
+    @property
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 

@@ -201,6 +201,7 @@ class PaTH(PositionScheme):
     sites = ("bias",)
     cache_in_key_order = True
     grouped_kv = False  # w and beta are per query head; see validate
+    window_sinks = False  # the product from a sink to a query spans unwalked key blocks
     paper = "Yang et al. 2025, arXiv 2505.16381"
     walk_carry = True
 

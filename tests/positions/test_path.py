@@ -222,3 +222,11 @@ def test_grouped_key_value_heads_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"num_kv_heads=2: 'path' does not support grouped"):
         cfg.validate()
     ModelConfig(vocab_size=8, d_model=16, num_heads=4, num_kv_heads=4, position="path").validate()
+
+
+def test_sink_tokens_beside_a_window_are_refused_with_the_reason() -> None:
+    from copejax.model_config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, position="path", window=4, window_sink_tokens=1)
+    with pytest.raises(ValueError, match=r"'path' cannot keep sink tokens beside a window"):
+        cfg.validate()

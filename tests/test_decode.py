@@ -195,7 +195,10 @@ LAYOUTS = {
     "sink_ssmax": {"attention_sink": True, "logit_scaling": "ssmax"},
     # floor_scale 2: the factor changes within the 8 test positions.
     "llama4": {"logit_scaling": "llama4", "llama4_floor_scale": 2.0},
+    # a sliding window (kept sink tokens: tests/test_window.py), with grouped heads
+    "window_gqa": {"num_heads": 4, "num_kv_heads": 2, "window": 3},
 }
+SOFTMAX_ONLY = ("attention_sink", "logit_scaling")  # stick-breaking refuses these
 CORE_SCHEMES = ("rope", "alibi", "cope", "fox", "tape", "stickbreaking")
 
 
@@ -209,7 +212,7 @@ def layout_params(fast: tuple[str, ...] = CORE_SCHEMES, fast_layouts: tuple[str,
     params = []
     for position in registry.names():
         for name, overrides in LAYOUTS.items():
-            if "num_kv_heads" not in overrides and not softmax_scheme(position):
+            if set(SOFTMAX_ONLY) & set(overrides) and not softmax_scheme(position):
                 continue  # refused with a reason (test_attention_layout.py)
             if "num_kv_heads" in overrides and not registry.make_scheme(position).grouped_kv:
                 continue  # refused with a reason (tests/positions/test_path.py)

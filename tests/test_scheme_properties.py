@@ -34,7 +34,8 @@ def test_gradient_of_output_wrt_future_inputs_is_exactly_zero(position: str) -> 
 
 @pytest.mark.parametrize(("position", "layout"), layout_params(fast_layouts=("mqa",)))
 def test_attention_layouts_are_causal_and_jit_equals_eager(position: str, layout: str) -> None:
-    """Grouped KV heads, the sink and length scaling keep every scheme causal."""
+    """Grouped KV heads, the sink, length scaling and a window keep every scheme causal;
+    jit equals eager, and bfloat16 stays close to float32."""
     _check_causal(position, **LAYOUTS[layout])
     model, params = _init(position, **LAYOUTS[layout])
     tokens_BT, positions_BT = tokens_and_positions()
@@ -42,6 +43,9 @@ def test_attention_layouts_are_causal_and_jit_equals_eager(position: str, layout
     jitted = jax.jit(model.apply)(params, tokens_BT, positions_BT)
     assert np.all(np.isfinite(np.asarray(eager)))
     np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-5, atol=1e-5)
+    model16 = Transformer(tiny_config(position, dtype="bfloat16", **LAYOUTS[layout]))
+    out16 = model16.apply(params, tokens_BT, positions_BT)
+    np.testing.assert_allclose(np.asarray(out16), np.asarray(eager), atol=0.05, rtol=0.05)
 
 
 def _check_causal(position: str, **overrides: object) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import sweep
-from experiments.lm import extrapolate, ppl_by_length
+from experiments.lm import extrapolate, length_plots, ppl_by_length
 
 STUDY = "hybrids"
 CONFIG = "configs/lm.py"
@@ -107,7 +107,6 @@ def bucket_losses(runs: Sequence[Mapping[str, Any]], split: str) -> dict[str, li
 def write(
     args: Any, result: sweep.Sweep, per_run: Mapping[str, Sequence[Mapping[str, Any]]]
 ) -> Path:
-    from copejax import lm_eval
 
     ppl = {label: [ppl_by_length(r) for r in runs] for label, runs in per_run.items()}
     lengths = sorted({n for runs in ppl.values() for r in runs for n in r})
@@ -133,21 +132,12 @@ def write(
             for label, b in buckets.items()
         ],
     )
-    curve = sweep.plot_path(args.out, STUDY, args.scale, "ppl_vs_length")
-    sweep.curve_plot(
-        {
-            label: [[(n, r[n]) for n in lengths if not math.isnan(r[n])] for r in runs]
-            for label, runs in ppl.items()
-        },
-        curve,
-        xlabel="evaluation length (tokens)",
-        ylabel="validation perplexity (per byte)",
-        title=f"Attention layouts against length, trained at T = {train_length}",
-        log_y=True,
-    )
-    first_seed = sweep.plot_path(args.out, STUDY, args.scale, "seed0_buckets")
-    lm_eval.plot_extrapolation(
-        {label: runs[0] for label, runs in per_run.items()}, train_length, str(first_seed)
+    curve, first_seed = length_plots(
+        args,
+        STUDY,
+        per_run,
+        ppl,
+        f"Attention layouts against length, trained at T = {train_length}",
     )
     claims = sweep.markdown_table(
         ["arm", "the paper's claim (abstract)", "here"],

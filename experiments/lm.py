@@ -95,7 +95,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 def write(
     args: Any, result: sweep.Sweep, per_run: Mapping[str, Sequence[Mapping[str, Any]]]
 ) -> Path:
-    from copejax import lm_eval
 
     ppl = {label: [ppl_by_length(r) for r in runs] for label, runs in per_run.items()}
     lengths = sorted({n for runs in ppl.values() for r in runs for n in r})
@@ -118,21 +117,12 @@ def write(
         ],
         rows,
     )
-    curve = sweep.plot_path(args.out, STUDY, args.scale, "ppl_vs_length")
-    sweep.curve_plot(
-        {
-            label: [[(n, r[n]) for n in lengths if not math.isnan(r[n])] for r in runs]
-            for label, runs in ppl.items()
-        },
-        curve,
-        xlabel="evaluation length (tokens)",
-        ylabel="validation perplexity (per byte)",
-        title=f"Length generalisation, trained at T = {train_length} (CoPE Fig. 3)",
-        log_y=True,
-    )
-    first_seed = sweep.plot_path(args.out, STUDY, args.scale, "seed0_buckets")
-    lm_eval.plot_extrapolation(
-        {label: runs[0] for label, runs in per_run.items()}, train_length, str(first_seed)
+    curve, first_seed = length_plots(
+        args,
+        STUDY,
+        per_run,
+        ppl,
+        f"Length generalisation, trained at T = {train_length} (CoPE Fig. 3)",
     )
     page = "\n".join(
         [
@@ -188,6 +178,37 @@ def write(
     print(table)
     print(f"wrote {path}")
     return path
+
+
+def length_plots(
+    args: Any,
+    study: str,
+    per_run: Mapping[str, Sequence[Mapping[str, Any]]],
+    ppl: Mapping[str, Sequence[Mapping[int, float]]],
+    title: str,
+) -> tuple[Path, Path]:
+    """The two plots of an LM length study: perplexity against length (mean and std over
+    seeds, one line per arm) and seed 0's perplexity and loss per position bucket."""
+    from copejax import lm_eval
+
+    lengths = sorted({n for runs in ppl.values() for r in runs for n in r})
+    curve = sweep.plot_path(args.out, study, args.scale, "ppl_vs_length")
+    sweep.curve_plot(
+        {
+            label: [[(n, r[n]) for n in lengths if not math.isnan(r[n])] for r in runs]
+            for label, runs in ppl.items()
+        },
+        curve,
+        xlabel="evaluation length (tokens)",
+        ylabel="validation perplexity (per byte)",
+        title=title,
+        log_y=True,
+    )
+    first_seed = sweep.plot_path(args.out, study, args.scale, "seed0_buckets")
+    lm_eval.plot_extrapolation(
+        {label: runs[0] for label, runs in per_run.items()}, lengths[0], str(first_seed)
+    )
+    return curve, first_seed
 
 
 PAPER_COLS = ("val", "test")

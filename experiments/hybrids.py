@@ -144,7 +144,7 @@ def write(
     )
     claims = sweep.markdown_table(
         ["arm", "the paper's claim (abstract)", "here"],
-        [[label, CLAIMS[label], verdict(label, stats, lengths)] for label in ppl],
+        [[label, CLAIMS[label], verdict(label, stats, ppl, lengths)] for label in ppl],
     )
     page = "\n".join(
         [
@@ -211,10 +211,14 @@ def write(
 
 
 def verdict(
-    label: str, stats: Mapping[str, Mapping[int, tuple[float, float]]], lengths: list[int]
+    label: str,
+    stats: Mapping[str, Mapping[int, tuple[float, float]]],
+    ppl: Mapping[str, Sequence[Mapping[int, float]]],
+    lengths: list[int],
 ) -> str:
     """Whether the arm extrapolates better than RoPE here: lower perplexity at the longest
-    length, by more than both arms' seed spread, and its growth from T."""
+    length, by more than both arms' seed spread (and whether every seed of the arm is below
+    every seed of rope), and its growth from T."""
     first, last = lengths[0], lengths[-1]
     mean, std = stats[label][last]
     growth = mean / stats[label][first][0]
@@ -231,11 +235,15 @@ def verdict(
     else:
         word = "no difference from rope beyond the seed spread"
     if label in CLAIM_AGAINST_ROPE:
-        word = {"better than rope": "agrees: ", "worse than rope": "disagrees: "}.get(
-            word, "does not show the claim: "
-        ) + word
+        prefix = {"better than rope": "agrees: ", "worse than rope": "disagrees: "}
+        lead = prefix.get(word, "does not show the claim: ")
     else:
-        word = f"(no claim against rope to test) {word}"
+        lead = "(no claim against rope to test) "
+    seeds = [r[last] for r in ppl[label]]
+    rope_seeds = [r[last] for r in ppl["rope"]]
+    if max(seeds) < min(rope_seeds) or min(seeds) > max(rope_seeds):
+        word += f" on every seed ({len(seeds)} of {len(seeds)})"
+    word = lead + word
     return (
         f"{word} at {last // first}T ({mean:.3f} vs {rope_mean:.3f}); growth from T "
         f"x{growth:.2f} vs rope's x{rope_growth:.2f}"

@@ -199,6 +199,8 @@ def run_benchmark(
         nonlocal rows
         for length in lengths:
             arms = side_by_side_arms(settings["side_by_side"][length], schemes)
+            if not arms:  # e.g. --schemes=path in quick mode: no core arm to time
+                continue
             spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
             rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
 

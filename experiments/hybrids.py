@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import sweep
-from experiments.lm import extrapolate, length_plots, ppl_by_length
+from experiments.lm import extrapolate, length_plots, perplexity_cells, ppl_by_length
 
 STUDY = "hybrids"
 CONFIG = "configs/lm.py"
@@ -192,13 +192,7 @@ def write(
         page,
         result,
         train_length=train_length,
-        perplexity={
-            label: {
-                str(n): sweep.spread(m, s, [r[n] for r in ppl[label]])
-                for n, (m, s) in stats[label].items()
-            }
-            for label in stats
-        },
+        perplexity=perplexity_cells(stats, ppl),
         buckets={
             label: {k: sweep.spread(*sweep.mean_std(v), v) for k, v in b.items()}
             for label, b in buckets.items()

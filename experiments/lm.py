@@ -166,18 +166,26 @@ def write(
         page,
         result,
         train_length=train_length,
-        perplexity={
-            label: {
-                str(n): sweep.spread(m, s, [r[n] for r in ppl[label]])
-                for n, (m, s) in stats[label].items()
-            }
-            for label in stats
-        },
+        perplexity=perplexity_cells(stats, ppl),
         paper=PAPER,
     )
     print(table)
     print(f"wrote {path}")
     return path
+
+
+def perplexity_cells(
+    stats: Mapping[str, Mapping[int, tuple[float, float]]],
+    ppl: Mapping[str, Sequence[Mapping[int, float]]],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The results JSON's perplexity: arm -> length -> mean, std and each seed's value."""
+    return {
+        label: {
+            str(n): sweep.spread(m, s, [r[n] for r in ppl[label]])
+            for n, (m, s) in stats[label].items()
+        }
+        for label in stats
+    }
 
 
 def length_plots(

@@ -52,3 +52,34 @@ def perturbed(params: object, scale: float = 0.1, seed: int = 1) -> object:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def decode_in_chunks(
+    model: object,
+    params: object,
+    tokens_BT: jax.Array,
+    positions_BT: np.ndarray,
+    segments_BT: np.ndarray,
+    *,
+    chunks: tuple[int, ...],
+) -> np.ndarray:
+    """Logits of decoding ``tokens_BT`` with the KV cache, ``chunks`` tokens per call (a
+    prefill, then steps or further chunks), concatenated over the calls: (B, T, V)."""
+    from copejax import decode
+
+    cache = decode.init_cache(model.cfg, tokens_BT.shape[0], tokens_BT.shape[1])
+    outputs, start = [], 0
+    for size in chunks:
+        end = start + size
+        logits_BTV, variables = model.apply(
+            {"params": params, "cache": cache},
+            tokens_BT[:, start:end],
+            jnp.asarray(positions_BT[:, start:end]),
+            jnp.asarray(segments_BT[:, start:end]),
+            decode=True,
+            mutable=["cache"],
+        )
+        cache, start = variables["cache"], end
+        outputs.append(np.asarray(logits_BTV))
+    assert start == tokens_BT.shape[1], f"chunks {chunks} do not cover {tokens_BT.shape[1]} tokens"
+    return np.concatenate(outputs, axis=1)

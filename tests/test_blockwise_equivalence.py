@@ -16,10 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
 from copejax.model import Transformer
 from copejax.positions import registry
-from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
+from tests.conftest import (
+    PACKED_POSITIONS_BT,
+    PACKED_SEGMENTS_BT,
+    decode_in_chunks,
+    perturbed,
+    tiny_config,
+)
 from tests.test_decode import LAYOUTS, layout_params
 from tests.test_decode import SLOW_VARIANTS as SLOW_DECODE_VARIANTS
 from tests.test_decode import VARIANTS as DECODE_VARIANTS
@@ -143,21 +148,10 @@ def _check_engine_decoding(position: str, options: dict, **overrides: object) ->
     full = model.apply(
         {"params": params}, tokens_BT, jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     )
-    cache = decode.init_cache(model.cfg, 2, LENGTH)
-    outputs, start = [], 0
-    for size in (5, 1, 1, 1):
-        end = start + size
-        logits, variables = model.apply(
-            {"params": params, "cache": cache},
-            tokens_BT[:, start:end],
-            jnp.asarray(POSITIONS_BT[:, start:end]),
-            jnp.asarray(SEGMENTS_BT[:, start:end]),
-            decode=True,
-            mutable=["cache"],
-        )
-        cache, start = variables["cache"], end
-        outputs.append(np.asarray(logits))
-    np.testing.assert_allclose(np.concatenate(outputs, 1), full, rtol=2e-5, atol=2e-5)
+    decoded = decode_in_chunks(
+        model, params, tokens_BT, POSITIONS_BT, SEGMENTS_BT, chunks=(5, 1, 1, 1)
+    )
+    np.testing.assert_allclose(decoded, full, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize(("position", "layout"), layout_params(fast=("rope", "cope", "fox")))

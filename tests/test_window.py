@@ -24,7 +24,7 @@ from copejax import decode, segments
 from copejax.model import Transformer
 from copejax.ops import engine
 from copejax.positions import registry
-from tests.conftest import perturbed, tiny_config
+from tests.conftest import decode_in_chunks, perturbed, tiny_config
 
 LENGTH = 14
 BLOCK = 3
@@ -109,23 +109,7 @@ def test_blockwise_with_window_and_sinks_equals_naive(position: str) -> None:
 
 
 def _decoded(model: Transformer, params: object, chunks: tuple[int, ...]) -> np.ndarray:
-    tokens_BT = _tokens()
-    cache = decode.init_cache(model.cfg, 2, LENGTH)
-    outputs, start = [], 0
-    for size in chunks:
-        end = start + size
-        logits_BTV, variables = model.apply(
-            {"params": params, "cache": cache},
-            tokens_BT[:, start:end],
-            jnp.asarray(POSITIONS_BT[:, start:end]),
-            jnp.asarray(SEGMENTS_BT[:, start:end]),
-            decode=True,
-            mutable=["cache"],
-        )
-        cache, start = variables["cache"], end
-        outputs.append(np.asarray(logits_BTV))
-    assert start == LENGTH
-    return np.concatenate(outputs, axis=1)
+    return decode_in_chunks(model, params, _tokens(), POSITIONS_BT, SEGMENTS_BT, chunks=chunks)
 
 
 @pytest.mark.parametrize("sinks", [0, 2])

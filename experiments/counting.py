@@ -24,8 +24,19 @@ PAPER_T3 = {
 PAPER_T4 = {"relative": (8.8, 34.1), "cope": (0.0, 4.0)}
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "relative", "rope", "cope"),
-    "paper": ("learned", "relative", "rope", "cope", "fox", "stickbreaking"),
+    "cpu": ("learned", "relative", "rope", "cope", "path", "path+fox", "selective", "dape"),
+    "paper": (
+        "learned",
+        "relative",
+        "rope",
+        "cope",
+        "fox",
+        "stickbreaking",
+        "path",
+        "path+fox",
+        "selective",
+        "dape",
+    ),
 }
 VARS = {"smoke": (1,), "cpu": (1, 3, 5), "paper": (1, 3, 5)}
 ARGS = {"smoke": "smoke", "cpu": "cpu,steps=150", "paper": "paper"}
@@ -81,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         notes=NOTES[args.scale],
         caption="Error = wrong printed values / prints (%), last evaluation, mean ± std over "
         "seeds. Paper columns: Table 3 (in-domain, by number of variables) and Table 4 (OOD, "
-        "1 variable).",
+        "1 variable). The PaTH paper (arXiv 2505.16381) has no counting task; selective "
+        "attention and DAPE are not compared with CoPE on it either.",
         columns=[Column(f"{s}/error", f"{name} %") for s, name in splits.items()],
         paper=paper_numbers(),
         paper_columns=[PaperColumn(s, f"paper {name} %") for s, name in splits.items()],
@@ -117,6 +129,22 @@ def reading(summary: dict[str, dict[str, list]]) -> str:
             f"{num_vars} var: CoPE {100 * c:.1f} % vs relative {100 * r:.1f} % in-domain "
             f"(CoPE {verdict} relative; the paper has CoPE below at every count)."
         )
+    for num_vars in (1, 3, 5):
+        per_seed = {
+            scheme: summary[label(scheme, num_vars)]["test/error"][2]
+            for scheme in (*sweep.CONTEXTUAL_SINCE_COPE, "rope")
+            if label(scheme, num_vars) in summary
+        }
+        if "rope" in per_seed and len(per_seed) > 1:
+            lines.append(
+                f"{num_vars} var, in-domain, the schemes since CoPE against RoPE: "
+                + "; ".join(
+                    sweep.seed_comparison(scheme, "rope", per_seed, "")
+                    for scheme in per_seed
+                    if scheme != "rope"
+                )
+                + "."
+            )
     lines.append(
         "Where CoPE is not ahead, the likely reason is the budget: 150 steps on 32-operation "
         "programs, where counting by token distance still works and CoPE's gates have had "

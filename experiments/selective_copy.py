@@ -23,8 +23,20 @@ PAPER = {
 }
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "rope", "cope"),
-    "paper": ("learned", "rope", "nope", "cope", "fox", "stickbreaking", "tape"),
+    "cpu": ("learned", "rope", "cope", "path", "path+fox", "selective", "dape"),
+    "paper": (
+        "learned",
+        "rope",
+        "nope",
+        "cope",
+        "fox",
+        "stickbreaking",
+        "tape",
+        "path",
+        "path+fox",
+        "selective",
+        "dape",
+    ),
 }
 ARGS = {"smoke": "smoke", "cpu": "cpu,steps=300", "paper": "paper"}
 SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
@@ -55,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         title="Study 2: selective copy (CoPE Table 2 right, Table 10)",
         notes=NOTES[args.scale],
         caption="Error = wrong output tokens / output tokens (%), last evaluation, mean ± std "
-        "over seeds; paper columns from CoPE Table 2 (right).",
+        "over seeds; paper columns from CoPE Table 2 (right). The PaTH paper (arXiv "
+        "2505.16381) has no selective-copy task; selective attention and DAPE are not "
+        "compared with CoPE on it either.",
         columns=[Column(f"{s}/error", f"{name} %") for s, name in SPLITS.items()],
         paper=PAPER,
         paper_columns=[PaperColumn(s, f"paper {name} %") for s, name in SPLITS.items()],
@@ -75,6 +89,15 @@ def reading(summary: dict[str, dict[str, list]]) -> str:
                 "Unlike the paper, CoPE is not ahead of RoPE on OOD sparse here: after a few "
                 "hundred steps neither has learned to count non-blank tokens, which is what "
                 "CoPE's advantage rests on."
+            )
+    per_seed = {label: cells["ood_sparse/error"][2] for label, cells in summary.items()}
+    for base in ("rope", "cope"):
+        arms = [s for s in sweep.CONTEXTUAL_SINCE_COPE if s in per_seed]
+        if base in per_seed and arms:
+            text += (
+                f" OOD sparse, the schemes since CoPE against `{base}`: "
+                + "; ".join(sweep.seed_comparison(s, base, per_seed, "") for s in arms)
+                + "."
             )
     return text
 

@@ -45,7 +45,12 @@ MODES = {
         "layer": [2048, 4096, 16384],
         "long": [32768],
         "cli_step": [16384],
-        "side_by_side": {1024: ("core",), 4096: ("core", "every"), 16384: ("long",)},
+        "side_by_side": {
+            1024: ("core",),
+            2048: ("since_cope",),
+            4096: ("core", "every"),
+            16384: ("long",),
+        },
         "rounds": 3,
         "repeats": 2,
         "cap_s": 900,
@@ -76,6 +81,12 @@ LONG_SCHEMES = ("nope", "rope", "alibi", "t5", "kerple", "cope", "fox", "stickbr
 # Keys of an arm's options that are model options, not the scheme's.
 MODEL_KEYS = ("attention_impl", "attention_block", "attention_backward", "scan_impl")
 QUICK_SCHEMES = ("nope", "cope")
+# The "since_cope" side-by-side group: the schemes since CoPE (issue 15), default and naive,
+# beside the nope arms that every ratio is taken against.
+SINCE_COPE = ("path", "path+fox", "selective", "dape")
+# What a run measures (--parts): the side-by-side rounds, the per-scheme layer series, the 32K
+# layer runs, the CLI training step, and experiments.bench_scan.
+PARTS = ("side_by_side", "layer", "long", "cli_step", "scan")
 BATCH, HEADS, HEAD_DIM = 2, 4, 64  # B x N = 8, H = 64
 STEP_MODEL = {"d_model": 256, "num_heads": 4, "num_layers": 2, "vocab_size": 256}
 LONG_RUN_S = 5.0
@@ -147,11 +158,17 @@ def _run_series(spec: dict) -> list[dict]:
 
 
 def side_by_side_arms(groups: tuple[str, ...], schemes: list[str]) -> list[tuple]:
-    """The arms of a side-by-side length: "core" (CORE_ARMS) and "every" (each scheme's
-    default against its naive path)."""
+    """The arms of a side-by-side length: "core" (CORE_ARMS), "every" (each scheme's
+    default against its naive path) and "since_cope" (the nope arms, then SINCE_COPE's
+    defaults and naive paths of the chosen schemes)."""
     arms = [arm for arm in CORE_ARMS if arm[1] in schemes] if "core" in groups else []
     if "long" in groups:
         arms = [arm for arm in CORE_ARMS if arm[0] in LONG_ARMS and arm[1] in schemes]
+    if "since_cope" in groups:
+        chosen = [s for s in SINCE_COPE if s.split("+")[0] in schemes]
+        arms = [arm for arm in CORE_ARMS if arm[0] in NOPE_ARMS] if chosen else []
+        for scheme in chosen:
+            arms += [(scheme, scheme, {}), (f"{scheme} naive", scheme, {"attention_impl": "naive"})]
     if "every" in groups:
         labels = {label for label, _, _ in arms}
         for scheme in schemes:
@@ -168,9 +185,11 @@ def run_benchmark(
     schemes: list[str] | None = None,
     partial: Path | None = None,
     done: list[dict] | None = None,
+    parts: tuple[str, ...] = PARTS,
 ) -> dict:
-    """Runs ``mode``'s measurements, writing what has run to ``partial`` after each one;
-    ``done`` (rows of an earlier partial run) are kept and their measurements skipped."""
+    """Runs ``mode``'s measurements of ``parts``, writing what has run to ``partial`` after
+    each one; ``done`` (rows of an earlier partial run) are kept and their measurements
+    skipped."""
     from copejax.positions import registry
 
     settings = MODES[mode]
@@ -197,23 +216,24 @@ def run_benchmark(
 
     def side(lengths: list[int]) -> None:
         nonlocal rows
-        for length in lengths:
+        for length in lengths if "side_by_side" in parts else []:
             arms = side_by_side_arms(settings["side_by_side"][length], schemes)
             if not arms:  # e.g. --schemes=path in quick mode: no core arm to time
                 continue
             spec = {"kind": "side_by_side", "scheme": "all", "lengths": [length], "arms": arms}
             rows += run({**spec, "rounds": settings["rounds"], "cap_s": 4 * settings["cap_s"]})
 
-    lengths = list(settings["side_by_side"])
+    # The shortest side-by-side length first, the longest last, the others after the layers.
+    lengths = sorted(settings["side_by_side"])
     side(lengths[:1])
-    for scheme in schemes:
+    for scheme in schemes if "layer" in parts else []:
         rows += run({"kind": "layer", "scheme": scheme, "lengths": settings["layer"]})
-    side(lengths[1:2])
-    for length in settings["long"]:
+    side(lengths[1:-1])
+    for length in settings["long"] if "long" in parts else []:
         for scheme in (s for s in LONG_SCHEMES if s in schemes):
             rows += run({"kind": "layer", "scheme": scheme, "lengths": [length]})
-    side(lengths[2:])
-    for length in settings["cli_step"]:
+    side(lengths[-1:] if len(lengths) > 1 else [])
+    for length in settings["cli_step"] if "cli_step" in parts else []:
         for scheme in (s for s in schemes if s != "dpa"):
             rows += run({"kind": "cli_step", "scheme": scheme, "lengths": [length]})
     return {"meta": {**_meta(mode), "load_average_start": load_at_start}, "rows": rows}
@@ -257,6 +277,7 @@ def main() -> None:
     parser.add_argument("--schemes", default=None, help="comma-separated; default: all")
     parser.add_argument("--render", default=None, help="rewrite page and plots from a JSON")
     parser.add_argument("--resume", default=None, help="a partial JSON whose rows are kept")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated of {PARTS}")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -273,12 +294,28 @@ def main() -> None:
     from experiments import bench_scan
 
     schemes = args.schemes.split(",") if args.schemes else None
+    parts = tuple(args.parts.split(","))
+    if unknown := sorted(set(parts) - set(PARTS)):
+        parser.error(f"--parts: unknown {unknown}; allowed: {', '.join(PARTS)}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = json.loads(Path(args.resume).read_text())["rows"] if args.resume else None
-    result = run_benchmark(args.mode, schemes, partial=out_dir / "bench.partial.json", done=done)
-    scan_shapes = ((2, 2, 64, 64),) if args.mode == "quick" else bench_scan.DEFAULT_SHAPES
-    result["scan"] = bench_scan.bench(scan_shapes, MODES[args.mode]["repeats"])
+    earlier = json.loads(Path(args.resume).read_text()) if args.resume else {}
+    result = run_benchmark(
+        args.mode, schemes, out_dir / "bench.partial.json", earlier.get("rows"), parts
+    )
+    if "scan" in parts:
+        scan_shapes = ((2, 2, 64, 64),) if args.mode == "quick" else bench_scan.DEFAULT_SHAPES
+        result["scan"] = bench_scan.bench(scan_shapes, MODES[args.mode]["repeats"])
+    elif "scan" in earlier:
+        result["scan"] = earlier["scan"]
     result["meta"]["load_average_end"] = os.getloadavg()
+    if earlier:  # the first run's meta stays; each resumed run is listed after it
+        this_run = {
+            "command": "python -m experiments.bench " + " ".join(sys.argv[1:]),
+            "load_average_start": result["meta"]["load_average_start"],
+            "load_average_end": result["meta"]["load_average_end"],
+        }
+        resumed = [*earlier["meta"].get("resumed", []), this_run]
+        result["meta"] = {**earlier["meta"], "resumed": resumed}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "bench.md").write_text(markdown(result))

@@ -237,6 +237,11 @@ def markdown(result: dict) -> str:
         f"{'; ' + meta['load_note'] if 'load_note' in meta else ''}). "
         f"B = {meta['batch']}, N = {meta['heads']}, "
         f"H = {meta['head_dim']}. Pallas: {meta['pallas']}.",
+        *(
+            f"Resumed with `{run['command']}` (load averages at start "
+            f"{_load(run['load_average_start'])}, at end {_load(run['load_average_end'])})."
+            for run in meta.get("resumed", [])
+        ),
         "",
         f"Time: median of the timed runs after one warm-up (a warm-up over {LONG_RUN_S:.0f} s "
         "is itself the one timed run). Memory: XLA's buffer assignment "

@@ -25,11 +25,11 @@ Presets (``model.layout``; ``model.window`` replaces the preset's local window):
   tokens, where a chunk would cut at the chunk boundary).
 - ``gemma3``: five local layers (RoPE base 10k, window 1024) per global layer (RoPE base
   1M) (Gemma 3 technical report, arXiv 2503.19786).
-- ``swan``: SWAN-GPT (arXiv 2504.08719): sliding-window RoPE layers interleaved with NoPE
-  global layers. The abstract states the interleaving only; the ratio (three SWA-RoPE layers
-  per NoPE layer) and the window (512) are taken from memory of the paper's main
-  configuration and were not re-checked against its text here: set ``layer_pattern`` for
-  another ratio.
+- ``swan``: SWAN-GPT (arXiv 2504.08719, section 2): "beginning with a global NoPE layer
+  followed by three consecutive sliding-window layers, repeating this pattern", the
+  sliding-window RoPE layers with "a fixed window size of 512 tokens" (the 1:3 global:local
+  ratio of its 1B models, section 3). Its inference-time log scaling of the NoPE layers'
+  logits is not part of the preset (``logit_scaling`` per layer does that).
 - ``rnope``: Cohere's RNoPE (arXiv 2501.18795): three RoPE sliding-window layers (window
   4096) per full-attention NoPE layer.
 """
@@ -49,9 +49,12 @@ if TYPE_CHECKING:
 _KIND = re.compile(r"^([A-Za-z0-9_+]+)(?::(.*))?$")
 
 
-def _local_global(local: str, global_: str, locals_per_global: int) -> Any:
+def _local_global(
+    local: str, global_: str, locals_per_global: int, global_first: bool = False
+) -> Any:
     def pattern(window: int) -> tuple[str, ...]:
-        return (local.format(window=window),) * locals_per_global + (global_,)
+        locals_ = (local.format(window=window),) * locals_per_global
+        return (global_, *locals_) if global_first else (*locals_, global_)
 
     return pattern
 
@@ -63,7 +66,7 @@ PRESETS: dict[str, tuple[int, Any]] = {
         1024,
         _local_global("rope:window={window},base=10000", "rope:window=none,base=1000000", 5),
     ),
-    "swan": (512, _local_global("rope:window={window}", "nope:window=none", 3)),
+    "swan": (512, _local_global("rope:window={window}", "nope:window=none", 3, True)),
     "rnope": (4096, _local_global("rope:window={window}", "nope:window=none", 3)),
 }
 

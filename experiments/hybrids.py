@@ -66,10 +66,10 @@ NOTES = {
     "cpu": """The `cpu` scale: Shakespeare bytes (the bundled corpus), T = 64, D = 64, 4 layers
 (so that the 3:1 pattern fits), 4 heads, 150 steps of 16 rows, 3 seeds; evaluation at 64, 128,
 256 and 512 tokens on the first 32 rows of each split. The hybrid is copejax's `swan` preset
-(three sliding-window RoPE layers, one full NoPE layer) with a window of 16 = T / 4 (SWAN-GPT's
-window is 512 at far larger T). The sink is the GPT-OSS learned per-head logit
-(`model.attention_sink`); SSMax scales each query by s log n with a learned s per head
-(`model.logit_scaling=ssmax`). Perplexities are per byte.""",
+(one full NoPE layer, then three sliding-window RoPE layers, as SWAN-GPT orders them) with a
+window of 16 = T / 4 (SWAN-GPT's window is 512 at far larger T). The sink is the GPT-OSS
+learned per-head logit (`model.attention_sink`); SSMax scales each query by s log n with a
+learned s per head (`model.logit_scaling=ssmax`). Perplexities are per byte.""",
     "paper": """The `paper` scale is the lm config's paper setting with 12 layers; meant for
 accelerators and not run here.""",
 }

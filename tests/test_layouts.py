@@ -83,7 +83,7 @@ def test_bad_patterns_are_refused_before_any_compute(overrides: dict, message: s
             "gemma3",
             ("rope:window=1024,base=10000",) * 5 + ("rope:window=none,base=1000000",),
         ),
-        ("swan", ("rope:window=512",) * 3 + ("nope:window=none",)),
+        ("swan", ("nope:window=none",) + ("rope:window=512",) * 3),
         ("rnope", ("rope:window=4096",) * 3 + ("nope:window=none",)),
     ],
 )
@@ -91,7 +91,9 @@ def test_presets_spell_the_published_layouts(layout: str, expected: tuple[str, .
     assert layouts.preset_pattern(layout) == expected
     layers = len(expected)
     cfg = tiny_config("nope", num_layers=layers, layout=layout, window=4)
-    local, global_ = cfg.for_layer(0), cfg.for_layer(layers - 1)
+    local_layer = next(i for i, kind in enumerate(expected) if "window=none" not in kind)
+    global_layer = next(i for i, kind in enumerate(expected) if "window=none" in kind)
+    local, global_ = cfg.for_layer(local_layer), cfg.for_layer(global_layer)
     assert local.position == "rope" and local.window == 4  # model.window sets the local window
     assert global_.window is None
     if layout == "gemma3":

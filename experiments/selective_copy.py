@@ -78,6 +78,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
 
+# A one-seed diagnostic run by hand when path+fox stayed at chance (2026-11-23).
+FORGET_INIT_NOTE = (
+    "`path+fox` stays near chance (16 symbols) because of its forget gate, not PaTH: FoX "
+    "alone, seed 0, ends at 92.55 % in-distribution error too, and 52.15 % with the forget-gate "
+    "bias initialised to 5 (gates near 1, FoX's fine-tuning recipe) instead of FoX's default "
+    "0 (gates near 0.5, so a key 32 tokens back is down-weighted by 0.5^32): "
+    "`python -m copejax.main --config=configs/selective_copy.py:cpu,steps=300,position=fox,"
+    "forget_bias_init=5.0 --workdir=...`. 300 steps are too few for the gates to open."
+)
+
+
 def reading(summary: dict[str, dict[str, list]]) -> str:
     text = "OOD-sparse error, lowest first: " + ranking(summary, "ood_sparse/error") + ". "
     if "cope" in summary and "rope" in summary:
@@ -90,6 +101,8 @@ def reading(summary: dict[str, dict[str, list]]) -> str:
                 "hundred steps neither has learned to count non-blank tokens, which is what "
                 "CoPE's advantage rests on."
             )
+    if "path+fox" in summary and summary["path+fox"]["test/error"][0] > 0.9:
+        text += " " + FORGET_INIT_NOTE
     per_seed = {label: cells["ood_sparse/error"][2] for label, cells in summary.items()}
     for base in ("rope", "cope"):
         arms = [s for s in sweep.CONTEXTUAL_SINCE_COPE if s in per_seed]

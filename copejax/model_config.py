@@ -82,7 +82,7 @@ class ModelConfig:
         form on CPU/TPU, cuDNN where JAX picks it on GPU), for schemes whose only sites are
         embed and qk (nope, learned, sinusoidal, randomized, rope, xpos). "auto" (default):
         naive for short sequences and while sowing, blockwise beyond
-        (``copejax.attention.choose_impl``).
+        (``copejax.attention_paths.choose_impl``).
       attention_block: the blockwise engine's block length (None: by length, see
         :meth:`attention_block_for`).
       attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the

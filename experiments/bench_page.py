@@ -36,7 +36,7 @@ NOTES = [
     "Notes:",
     "",
     "- An arm named after a scheme alone is its default, `model.attention_impl='auto'`: the "
-    "naive (B, N, T, S) path below `copejax.attention.AUTO_BLOCKWISE_FROM` keys and the "
+    "naive (B, N, T, S) path below `copejax.attention_paths.AUTO_BLOCKWISE_FROM` keys and the "
     "blockwise engine (`copejax.ops.engine`) from there; `naive` and `blockwise` arms force "
     "a path. Their values and gradients are equal (tests/test_blockwise_equivalence.py).",
     "- `dpa` is nope on `jax.nn.dot_product_attention` (`model.attention_impl = "

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from copejax import logit_scaling, sharding
-from copejax.attention import Attention, choose_impl
+from copejax.attention import Attention
+from copejax.attention_paths import choose_impl
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 from copejax.ops import engine

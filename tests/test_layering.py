@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "model_config",
             "layouts",
             "logit_scaling",
+            "attention_paths",
             "attention",
             "model",
             "scheme_options",

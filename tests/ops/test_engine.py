@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import attention
+from copejax import attention_paths
 from copejax.model import Transformer
 from copejax.ops import engine
 from tests.conftest import tiny_config
@@ -76,27 +76,27 @@ def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
 
 def test_auto_is_naive_while_short_or_sowing_and_blockwise_beyond() -> None:
     cfg = tiny_config("cope")
-    side = attention.AUTO_BLOCKWISE_FROM
-    assert attention.choose_impl(cfg, side - 1, sowing=False, backend="cpu") == "naive"
-    assert attention.choose_impl(cfg, side, sowing=False, backend="cpu") == "blockwise"
-    assert attention.choose_impl(cfg, side, sowing=True, backend="cpu") == "naive"
+    side = attention_paths.AUTO_BLOCKWISE_FROM
+    assert attention_paths.choose_impl(cfg, side - 1, sowing=False, backend="cpu") == "naive"
+    assert attention_paths.choose_impl(cfg, side, sowing=False, backend="cpu") == "blockwise"
+    assert attention_paths.choose_impl(cfg, side, sowing=True, backend="cpu") == "naive"
     forced = dataclasses.replace(cfg, attention_impl="blockwise")
-    assert attention.choose_impl(forced, 4, sowing=True) == "blockwise"
+    assert attention_paths.choose_impl(forced, 4, sowing=True) == "blockwise"
 
 
 def test_auto_takes_the_fused_kernel_on_gpu_in_bfloat16_where_it_applies() -> None:
     rope16 = tiny_config("rope", dtype="bfloat16")
-    assert attention.choose_impl(rope16, 64, sowing=False, backend="gpu") == (
+    assert attention_paths.choose_impl(rope16, 64, sowing=False, backend="gpu") == (
         "dot_product_attention"
     )
     alibi16 = tiny_config("alibi", dtype="bfloat16")
-    assert attention.choose_impl(alibi16, 64, sowing=False, backend="gpu") == (
+    assert attention_paths.choose_impl(alibi16, 64, sowing=False, backend="gpu") == (
         "dot_product_attention"
     )
     cope16 = tiny_config("cope", dtype="bfloat16")
-    assert attention.choose_impl(cope16, 64, sowing=False, backend="gpu") == "naive"
+    assert attention_paths.choose_impl(cope16, 64, sowing=False, backend="gpu") == "naive"
     rope32 = tiny_config("rope")
-    assert attention.choose_impl(rope32, 64, sowing=False, backend="gpu") == "naive"
+    assert attention_paths.choose_impl(rope32, 64, sowing=False, backend="gpu") == "naive"
 
 
 def _engine_inputs(length: int = 6) -> dict:

@@ -1,0 +1,95 @@
+"""Which attention path one call takes, and the ``jax.nn.dot_product_attention`` path.
+
+``choose_impl`` reads ``model.attention_impl`` ("auto": naive, the blockwise engine of
+:mod:`copejax.ops.engine`, or cuDNN's fused kernel on a GPU in bfloat16);
+``ring_cache_applies`` says whether a window layer decodes from a ring buffer
+(:class:`copejax.kv_cache.RingCache`); ``dot_product_attention`` runs the schemes it can
+express. :class:`copejax.attention.Attention` calls all three.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from copejax.model_config import ModelConfig
+from copejax.ops import engine
+from copejax.positions.base import AttentionContext, AttentionSite
+
+# "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
+# Side-by-side probes on a 2-core CPU had the engine at or below the naive path from T = 256
+# for nope, CoPE and FoX (causal block skipping halves the work); 512 keeps short task
+# sequences on the simpler path.
+AUTO_BLOCKWISE_FROM = 512
+
+
+def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | None = None) -> str:
+    """The attention path of one call from ``model.attention_impl``.
+
+    "auto": the naive path while intermediates (attention maps, gates) are being sown; on a
+    GPU in bfloat16, ``jax.nn.dot_product_attention`` (cuDNN's fused kernel) for the schemes
+    it can express (``ModelConfig.dot_product_attention_allowed``); otherwise the naive path
+    below ``AUTO_BLOCKWISE_FROM`` keys (faster there on CPU, measured by
+    ``experiments/bench.py``) and the blockwise engine from it on, decoding steps included
+    (a step then reads the cache block by block).
+    """
+    impl = cfg.attention_impl
+    if impl != "auto":
+        return impl
+    if sowing:
+        return "naive"
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "gpu" and cfg.dtype == "bfloat16" and cfg.dot_product_attention_allowed():
+        return "dot_product_attention"
+    return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
+
+
+def ring_cache_applies(cfg: ModelConfig) -> bool:
+    """Whether the decode cache of ``cfg``'s layer is a ring buffer of ``window`` slots plus
+    the sink slots: a window layer whose scheme has no normalizer site and no decode state
+    that reads the cache in key order (``PositionScheme.cache_in_key_order``: FoX's and
+    CoPE's cached prefix sums and gate keys, TAPE's position tensors, selective attention's
+    penalties, PaTH's rewritten keys; stick-breaking excludes the query's own slot). Those
+    window layers decode with a full cache and the window mask (exact; memory grows)."""
+    if cfg.window is None:
+        return False
+    return "normalizer" not in cfg.scheme.sites and not cfg.scheme.cache_in_key_order
+
+
+def dot_product_attention(
+    site: AttentionSite,
+    q_BTNH: jax.Array,
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    ctx: AttentionContext,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with the scheme's position-only bias (ALiBi, T5,
+    Kerple, FIRE), evaluated once over the whole (T, S) grid from the same block terms the
+    engine uses; cuDNN on GPU for 16-bit inputs, XLA's implementation elsewhere."""
+    bias_BNTS = None
+    terms = site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx)
+    if terms:
+        pair = engine.PairBlock(
+            q_BQNH=q_BTNH,
+            k_BKNH=k_BSNH,
+            q_positions_BQ=ctx.q_positions_BT,
+            k_positions_BK=ctx.k_positions_BS,
+            allowed_BQK=ctx.mask_BTS,
+            logits_BNQK=None,
+            q_arrays={},
+            k_arrays={},
+            q_start=jnp.asarray(ctx.cache_index),
+            k_start=jnp.asarray(0),
+        )
+        bias_BNTS = sum(term.bias(term.params, pair, None, None)[0] for term in terms)
+    fused = jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
+    if fused and bias_BNTS is not None:  # cuDNN takes the inputs' dtype; XLA adds float32
+        bias_BNTS = bias_BNTS.astype(q_BTNH.dtype)
+    return jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSNH,
+        v_BSNH,
+        bias=bias_BNTS,
+        mask=ctx.mask_BTS[:, None, :, :],
+        implementation="cudnn" if fused else None,
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,10 +11,10 @@ import jax.numpy as jnp
 from copejax.logit_scaling import (
     LLAMA4_ATTN_SCALE,
     LLAMA4_FLOOR_SCALE,
-    LOGIT_SCALINGS,
     SSMAX_SCALE_INIT,
 )
 from copejax.positions.base import Dims, PositionScheme
+from copejax.saved_configs import upgrade_attention_options
 
 BLOCKS = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16")
@@ -253,174 +252,15 @@ class ModelConfig:
         )
 
     def validate(self) -> ModelConfig:
-        """Raises ValueError naming the first bad value and what is allowed; returns self."""
-        for key in ("vocab_size", "d_model", "num_heads", "num_layers", "max_len"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
-        for key in ("head_dim", "mlp_dim"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"model.{key} must be a positive integer or None, got {value!r}")
-        if self.head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.num_heads="
-                f"{self.num_heads}; choose sizes that divide or set model.head_dim"
-            )
-        if self.block not in BLOCKS:
-            raise ValueError(f"model.block must be one of {BLOCKS}, got {self.block!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
-        for key, allowed in (
-            ("attention_impl", ATTENTION_IMPLS),
-            ("attention_backward", ATTENTION_BACKWARDS),
-            ("scan_impl", SCAN_IMPLS),
-        ):
-            if getattr(self, key) not in allowed:
-                raise ValueError(
-                    f"model.{key} must be one of {allowed}, got {getattr(self, key)!r}"
-                )
-        block = self.attention_block
-        if block is not None and (
-            isinstance(block, bool) or not isinstance(block, int) or block <= 0
-        ):
-            raise ValueError(
-                f"model.attention_block must be a positive integer or None, got {block!r}"
-            )
-        window = self.window
-        if window is not None and (
-            isinstance(window, bool) or not isinstance(window, int) or window < 1
-        ):
-            raise ValueError(f"model.window must be a positive integer or None, got {window!r}")
-        sinks = self.window_sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"model.window_sink_tokens must be an integer >= 0, got {sinks!r}")
-        if sinks and not self.scheme.window_sinks:
-            raise ValueError(
-                f"model.window_sink_tokens={sinks}: {self.scheme.name!r} cannot keep sink tokens "
-                "beside a window (its logit for a sink key multiplies the transforms of every "
-                "key in between, which the banded engine walk skips); use window_sink_tokens=0"
-            )
-        if sinks and window is None and not self.resolved_pattern():
-            raise ValueError(
-                f"model.window_sink_tokens={sinks} keeps tokens visible beside a sliding "
-                "window; set model.window too (or window_sink_tokens=0)"
-            )
+        """Raises ValueError naming the first bad value and what is allowed; returns self
+        (the checks are in :mod:`copejax.model_checks`)."""
+        from copejax import layouts, model_checks
+
+        model_checks.check_sizes(self)
+        model_checks.check_choices(self)
+        model_checks.check_window(self)
         if self.resolved_pattern():
-            from copejax import layouts
-
             layouts.validate_pattern(self)
-        self._validate_attention_layout()
-        scheme = self.scheme
-        scheme.validate(self.dims)
-        extra_sites = sorted(set(scheme.sites) - KERNEL_SITES)
-        if self.attention_impl == "dot_product_attention" and self.attention_sink:
-            raise ValueError(
-                "model.attention_sink adds a learned logit to every softmax denominator, which "
-                "jax.nn.dot_product_attention cannot take; use attention_impl='auto', 'naive' "
-                "or 'blockwise'"
-            )
-        if (
-            self.attention_impl == "dot_product_attention"
-            and not self.dot_product_attention_allowed()
-        ):
-            raise ValueError(
-                f"model.attention_impl='dot_product_attention' computes softmax(q.k / sqrt(H) "
-                f"+ bias) and allows schemes whose only sites are {sorted(KERNEL_SITES)}, or "
-                f"a bias that reads positions only (alibi, t5, kerple, fire); "
-                f"{scheme.name!r} also uses {extra_sites}: use attention_impl='auto', 'naive' "
-                "or 'blockwise'"
-            )
-        token_dim = scheme.token_dim(self.d_model)
-        if not 0 < token_dim <= self.d_model:
-            raise ValueError(
-                f"{scheme.name}: token embedding width {token_dim} must be in (0, {self.d_model}]"
-            )
+        model_checks.check_attention_layout(self)
+        model_checks.check_scheme(self)
         return self
-
-    def _validate_attention_layout(self) -> None:
-        """num_kv_heads, attention_sink, logit_scaling and its parameters."""
-        kv = self.num_kv_heads
-        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0):
-            raise ValueError(f"model.num_kv_heads must be a positive integer or None, got {kv!r}")
-        if kv is not None and self.num_heads % kv:
-            raise ValueError(
-                f"model.num_kv_heads={kv} must divide model.num_heads={self.num_heads} (each "
-                "key/value head serves an equal group of query heads); allowed: a divisor of "
-                "num_heads (1: multi-query attention) or None"
-            )
-        if kv is not None and kv != self.num_heads and not self.scheme.grouped_kv:
-            raise ValueError(
-                f"model.num_kv_heads={kv}: {self.scheme.name!r} does not support grouped "
-                "key/value heads (PaTH's transforms w, beta are per query head and rewrite the "
-                "cached keys of each head; per-KV-head transforms are not implemented); use "
-                "num_kv_heads=None"
-            )
-        for key in ("attention_sink", "ssmax_learned"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"model.{key} must be True or False, got {getattr(self, key)!r}")
-        if self.logit_scaling not in LOGIT_SCALINGS:
-            raise ValueError(
-                f"model.logit_scaling must be one of {LOGIT_SCALINGS}, got {self.logit_scaling!r}"
-            )
-        for key in ("ssmax_scale", "llama4_attn_scale"):
-            value = getattr(self, key)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-            ):
-                raise ValueError(f"model.{key} must be a finite number, got {value!r}")
-        floor = self.llama4_floor_scale
-        if isinstance(floor, bool) or not isinstance(floor, int | float) or not floor > 0:
-            raise ValueError(f"model.llama4_floor_scale must be a number > 0, got {floor!r}")
-        if "normalizer" in self.scheme.sites:
-            name = self.scheme.name
-            if self.attention_sink:
-                raise ValueError(
-                    f"model.attention_sink joins a softmax denominator; {name!r} replaces the "
-                    "softmax (stick-breaking weights are sigmoids times the remaining stick, "
-                    "with no denominator to join; its own remainder plays the sink's part): "
-                    "use attention_sink=False"
-                )
-            if self.logit_scaling != "none":
-                raise ValueError(
-                    f"model.logit_scaling={self.logit_scaling!r} counters the softmax "
-                    f"denominator's growth with the number of keys; {name!r} replaces the "
-                    "softmax (stick-breaking has no denominator, each weight is a sigmoid of "
-                    "its own logit times the remaining stick), so the scaling's derivation "
-                    "does not apply: use logit_scaling='none'"
-                )
-
-
-# Keys that cope, fox and stickbreaking declared before the engine moved them to model level.
-LEGACY_SCHEME_ATTENTION_KEYS = ("attention_impl", "block_size", "blockwise_min_len", "scan_impl")
-
-
-def upgrade_attention_options(model: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Attention options of a config saved before they moved to model level.
-
-    Returns (model-level ``attention_impl`` / ``attention_block`` / ``scan_impl`` entries,
-    position options without the per-scheme keys). ``attention_kernel="dot_product_attention"``
-    becomes ``attention_impl``; a scheme's ``attention_impl`` other than "auto",
-    ``block_size`` and ``scan_impl`` become the model's; ``blockwise_min_len`` is dropped
-    ("auto" chooses by length at model level; values are the same on every path). A config
-    that already has the model-level keys keeps them.
-    """
-    options = dict(model.get("position_options", {}) or {})
-    legacy = {key: options.pop(key) for key in LEGACY_SCHEME_ATTENTION_KEYS if key in options}
-    upgraded: dict[str, Any] = {}
-    if model.get("attention_kernel") == "dot_product_attention":
-        upgraded["attention_impl"] = "dot_product_attention"
-    if legacy.get("attention_impl", "auto") != "auto":
-        upgraded["attention_impl"] = legacy["attention_impl"]
-    if "block_size" in legacy:
-        upgraded["attention_block"] = legacy["block_size"]
-    if "scan_impl" in legacy:
-        upgraded["scan_impl"] = legacy["scan_impl"]
-    for key in ("attention_impl", "attention_block", "attention_backward", "scan_impl"):
-        if model.get(key) is not None:
-            upgraded[key] = model[key]
-    return upgraded, options

@@ -35,7 +35,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "model and configuration",
         (
+            "saved_configs",
             "model_config",
+            "model_checks",
             "layouts",
             "logit_scaling",
             "attention_paths",

@@ -11,8 +11,8 @@ import pytest
 
 from copejax.config_base import base_config
 from copejax.data.base import make_task
-from copejax.model_config import upgrade_attention_options
 from copejax.plan import model_config
+from copejax.saved_configs import upgrade_attention_options
 
 
 def _saved_config(

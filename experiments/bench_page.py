@@ -277,7 +277,9 @@ def markdown(result: dict) -> str:
                     ratios = fastest_nope_ratios(rows, label, t)
                     cells.append(f"{1e3 * ok[t]['time_s']:.0f} ({_ratio_cell(ratios)})")
                 else:
-                    status = [r["status"] for r in side if r["scheme"] in (label, "all")]
+                    status = [
+                        r["status"] for r in side if r["scheme"] in (label, "all") and r["T"] == t
+                    ]
                     cells.append(status[0].replace("_", " ") if status else "-")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for kind, title in (("layer", "One attention layer"),):

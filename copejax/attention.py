@@ -27,8 +27,8 @@ from copejax.positions.base import (
     Carry,
     check_block_terms,
     masked_softmax_BNTS,
-    repeat_kv_heads,
 )
+from copejax.positions.context import repeat_kv_heads
 
 
 class Projection(nn.Module):

@@ -30,8 +30,8 @@ from copejax.positions.base import (
     PositionScheme,
     check_choice,
     masked_softmax_BNTS,
-    repeat_kv_heads,
 )
+from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
 
 GATES = ("keys", "sep_keys", "values")

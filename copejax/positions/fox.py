@@ -48,8 +48,8 @@ from copejax.positions.base import (
     AttentionSite,
     Dims,
     PositionScheme,
-    repeat_kv_heads,
 )
+from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
 
 GATE_INIT_STD = 0.02

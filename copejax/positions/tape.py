@@ -74,8 +74,8 @@ from copejax.positions.base import (
     PositionScheme,
     check_choice,
     check_positive,
-    repeat_kv_heads,
 )
+from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
 from copejax.positions.rope import rope_inv_freq
 

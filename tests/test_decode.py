@@ -15,8 +15,9 @@ import pytest
 
 from copejax import decode
 from copejax.model import Transformer
+from copejax.ops.fox_core import fox_cached_cumsum
 from copejax.positions import registry
-from copejax.positions.fox import PRO_OPTIONS, fox_cached_cumsum
+from copejax.positions.fox import PRO_OPTIONS
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
 from copejax.segments import causal_mask_BTS, segment_starts_BT
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config

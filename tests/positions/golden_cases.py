@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax.ops import cope as cope_ops
+from copejax.ops.fox_core import fox_decay_bias
 from copejax.ops.selective import (
     NEVER,
     accumulated_penalty_BTS,
@@ -28,7 +29,6 @@ from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import masked_softmax_BNTS
 from copejax.positions.dape import dape_mlp
 from copejax.positions.fire import fire_bias
-from copejax.positions.fox import fox_decay_bias
 from copejax.positions.kerple import kerple_bias
 from copejax.positions.learned import lookup_rows_BTD
 from copejax.positions.path import path_logits_BNQK

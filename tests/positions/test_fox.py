@@ -18,13 +18,9 @@ from copejax import decode
 from copejax.attention import Attention
 from copejax.model import Transformer
 from copejax.ops import scan
+from copejax.ops.fox_core import fox_decay_bias, fox_log_forget_gates, token_shift
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
-from copejax.positions.fox import (
-    PRO_OPTIONS,
-    fox_decay_bias,
-    fox_log_forget_gates,
-    token_shift,
-)
+from copejax.positions.fox import PRO_OPTIONS
 from copejax.positions.registry import make_scheme
 from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions

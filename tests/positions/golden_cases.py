@@ -39,7 +39,7 @@ from copejax.positions.rope_frequencies import scaled_inv_freq
 from copejax.positions.sinusoidal import sinusoidal_encoding
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.positions.t5 import t5_bias
-from copejax.positions.tape import rope_tape_embeddings, tape_mix, tape_qk, tape_update
+from copejax.positions.tape_core import rope_tape_embeddings, tape_mix, tape_qk, tape_update
 from copejax.positions.transformer_xl import xl_bias, xl_inv_freq
 from copejax.positions.xpos import apply_xpos
 

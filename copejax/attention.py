@@ -20,7 +20,7 @@ from copejax import sharding as ax
 from copejax.attention_paths import choose_impl, dot_product_attention, ring_cache_applies
 from copejax.kv_cache import KeyCache, RingCache
 from copejax.model_config import ModelConfig
-from copejax.ops import engine
+from copejax.ops import engine, engine_blocks
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -246,7 +246,7 @@ class Attention(nn.Module):
             k_segment_ids_BS=k_ids_BS,
             offset=ctx.cache_index,
             terms=site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx),
-            normalizer=site.block_normalizer(ctx) or engine.SOFTMAX,
+            normalizer=site.block_normalizer(ctx) or engine_blocks.SOFTMAX,
             block=ctx.block,
             scan_impl=ctx.scan_impl,
             backward=self.cfg.attention_backward,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.model_config import ModelConfig
-from copejax.ops import engine
+from copejax.ops import engine_blocks
 from copejax.positions.base import AttentionContext, AttentionSite
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
@@ -69,7 +69,7 @@ def dot_product_attention(
     bias_BNTS = None
     terms = site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx)
     if terms:
-        pair = engine.PairBlock(
+        pair = engine_blocks.PairBlock(
             q_BQNH=q_BTNH,
             k_BKNH=k_BSNH,
             q_positions_BQ=ctx.q_positions_BT,

@@ -136,7 +136,7 @@ class RingCache(nn.Module):
         segment ids); ``key_index_T`` their key indices; ``rank_BT`` their index within their
         segment. Returns the slots before this call's writes, (B, n + W, ...), with
         ``key_index`` (B, n + W) (``EMPTY`` for an empty slot) and ``rank``."""
-        from copejax.ops.engine import EMPTY_KEY_INDEX
+        from copejax.ops.engine_blocks import EMPTY_KEY_INDEX
 
         window, sinks = self.window, self.sink_tokens
         batch, length = rank_BT.shape

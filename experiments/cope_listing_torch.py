@@ -33,6 +33,8 @@ import time
 import venv
 from pathlib import Path
 
+from copejax.ops import engine_blocks
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_VENV = ROOT / ".venv-torch"
 TORCH_VERSION = "2.14.1"
@@ -160,7 +162,7 @@ def jax_worker(length: int) -> dict:
         mask_BTS = jnp.broadcast_to(
             jnp.tril(jnp.ones((length, length), bool)), (ROWS, length, length)
         )
-        logits = engine.content_logits_BNQK(q, k)
+        logits = engine_blocks.content_logits_BNQK(q, k)
         positions_BNTS = cope_ops.cope_positions(cope_ops.cope_gates(logits, mask_BTS), P_MAX)
         term = cope_ops.cope_interpolated_term(q, pos_emb, positions_BNTS)
         weights = masked_softmax_BNTS(logits + term, mask_BTS)

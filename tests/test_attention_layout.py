@@ -23,7 +23,7 @@ from copejax.attention import Attention
 from copejax.attention_paths import choose_impl
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
-from copejax.ops import engine
+from copejax.ops import engine, engine_blocks
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
 from copejax.positions.fox import PRO_OPTIONS
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
@@ -256,7 +256,7 @@ def test_engine_refuses_a_sink_without_softmax() -> None:
     with pytest.raises(ValueError, match="sink_N joins a softmax"):
         engine.blockwise_attention(
             x, x, x, q_positions_BT=pos, k_positions_BS=pos, q_segment_ids_BT=pos,
-            k_segment_ids_BS=pos, normalizer=engine.Normalizer("stickbreaking"),
+            k_segment_ids_BS=pos, normalizer=engine_blocks.Normalizer("stickbreaking"),
             sink_N=jnp.zeros(1),
         )  # fmt: skip
 

@@ -22,7 +22,7 @@ import pytest
 
 from copejax import decode, segments
 from copejax.model import Transformer
-from copejax.ops import engine
+from copejax.ops import engine_blocks, engine_layout
 from copejax.positions import registry
 from tests.conftest import decode_in_chunks, perturbed, tiny_config
 
@@ -181,9 +181,9 @@ def test_outputs_ignore_inputs_outside_the_window_and_sinks(position: str, impl:
 
 def test_engine_walks_only_the_band() -> None:
     """The banded walk visits (W + Q - 2) // K + 2 key blocks per query block, not all."""
-    layout = engine._Layout(
+    layout = engine_layout.Layout(
         terms=(),
-        normalizer=engine.SOFTMAX,
+        normalizer=engine_blocks.SOFTMAX,
         size_q=16,
         size_k=16,
         count_q=64,

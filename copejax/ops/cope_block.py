@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops import cope as cope_ops
-from copejax.ops.engine import BlockTerm, PairBlock, content_logits_BNQK
+from copejax.ops.engine_blocks import BlockTerm, PairBlock, content_logits_BNQK
 from copejax.ops.interpolate import interpolate_last_axis
 from copejax.ops.scan import cumsum
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax.ops import scan
-from copejax.ops.engine import PairBlock
+from copejax.ops.engine_blocks import PairBlock
 
 QK_NORM_EPS = 1e-6
 OUTPUT_NORM_EPS = 1e-6  # the authors' norm_eps (configs/model/forgetting_transformer.py)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import segments
-from copejax.ops.engine import PairBlock, num_blocks, to_blocks
+from copejax.ops.engine_blocks import PairBlock, num_blocks, to_blocks
 from copejax.ops.selective import (
     accumulated_penalty_BTS,
     evicted_bias,

@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.engine import BlockTerm, Normalizer
+from copejax.ops.engine_blocks import BlockTerm, Normalizer
 
 # The context types live in copejax.positions.context; importers may keep reading them here.
 from copejax.positions.context import AttentionContext, Carry, Dims, EmbedOutput

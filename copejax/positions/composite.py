@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from copejax.ops.engine import Normalizer
+from copejax.ops.engine_blocks import Normalizer
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,

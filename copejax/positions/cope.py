@@ -21,7 +21,7 @@ import numpy as np
 from copejax import sharding as ax
 from copejax.ops import cope as cope_ops
 from copejax.ops.cope_block import cope_block_term
-from copejax.ops.engine import BlockTerm
+from copejax.ops.engine_blocks import BlockTerm
 from copejax.positions.alibi import alibi_slopes as press_slopes
 from copejax.positions.base import (
     AttentionContext,

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import sharding as ax
-from copejax.ops.engine import BlockTerm, PairBlock
+from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import (
     AttentionContext,

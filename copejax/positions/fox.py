@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from copejax import sharding as ax
 from copejax.kv_cache import CACHE
 from copejax.ops import scan
-from copejax.ops.engine import BlockTerm
+from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.fox_core import (
     decay_BNTS,
     fox_cached_cumsum,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from copejax import sharding as ax
-from copejax.ops.engine import BlockTerm, PairBlock
+from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax import sharding as ax
-from copejax.ops.engine import BlockTerm, PairBlock
+from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax.kv_cache import CACHE
-from copejax.ops.engine import BlockTerm
+from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.selective import (
     NONLINEARITIES,
     accumulated_penalty_BTS,

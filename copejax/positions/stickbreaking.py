@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from copejax import sharding as ax
 from copejax.ops import scan
-from copejax.ops.engine import Normalizer
+from copejax.ops.engine_blocks import Normalizer
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 

@@ -16,7 +16,7 @@ import pytest
 
 from copejax import attention_paths
 from copejax.model import Transformer
-from copejax.ops import engine
+from copejax.ops import engine, engine_blocks
 from tests.conftest import tiny_config
 
 SCHEMES = [
@@ -130,7 +130,7 @@ def test_engine_without_terms_is_causal_softmax_attention() -> None:
 
 
 def test_flash_backward_is_refused_for_a_term_with_a_carry() -> None:
-    term = engine.BlockTerm(
+    term = engine_blocks.BlockTerm(
         bias=lambda p, pair, prep, carry: (jnp.zeros_like(pair.logits_BNQK), carry),
         init=lambda b, n, q: jnp.zeros((b, n, q)),
     )

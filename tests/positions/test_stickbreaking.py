@@ -16,7 +16,7 @@ import pytest
 
 from copejax.attention import Attention
 from copejax.model import Transformer
-from copejax.ops import engine
+from copejax.ops import engine, engine_blocks
 from copejax.positions.base import AttentionContext
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
 from copejax.segments import causal_mask_BTS
@@ -193,7 +193,7 @@ def test_the_engine_returns_the_log_stick_remainder() -> None:
         k_positions_BS=positions,
         q_segment_ids_BT=seg,
         k_segment_ids_BS=seg,
-        normalizer=engine.Normalizer("stickbreaking", include_self=False),
+        normalizer=engine_blocks.Normalizer("stickbreaking", include_self=False),
         block=4,
     )
     assert y.shape == (2, 8, 3, 4)

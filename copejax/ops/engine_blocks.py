@@ -1,0 +1,237 @@
+"""The blockwise engine's building blocks (:mod:`copejax.ops.engine`).
+
+The types a scheme's block form is made of (:class:`PairBlock`, what a term sees of one
+(query block, key block) pair; :class:`BlockTerm`, a scheme's bias for it, with an optional
+carry; :class:`Normalizer`), cutting sequences into blocks, the scaled content logits, and
+the online states the walk folds pairs into: the softmax's running max, sum and accumulator
+(Milakov & Gimelshein 2018, arXiv 1805.02867) and stick-breaking's remainder
+(arXiv 2410.17980). Shape letters as in :mod:`copejax.ops.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from copejax.ops import scan
+
+Pytree = Any
+MASKED_LOGIT = -1e30
+# The key index of an empty ring-buffer slot: after every query, so never visible.
+EMPTY_KEY_INDEX = 2**30
+NORMALIZERS = ("softmax", "stickbreaking")
+
+
+@struct.dataclass
+class PairBlock:
+    """What a block term may read for one (query block, key block) pair.
+
+    Attributes:
+      q_BQNH, k_BKNH: the blocks' queries and keys (after the qk site).
+      q_positions_BQ, k_positions_BK: their integer positions.
+      allowed_BQK: causal, same segment (and not the query itself for stick-breaking without
+        ``include_self``); padding keys are never allowed.
+      logits_BNQK: the scaled content logits q . k / sqrt(H), float32, unmasked.
+      q_arrays, k_arrays: the term's own per-token arrays, cut to the two blocks.
+      q_start, k_start: the key index of the first query and of the first key (with an
+        explicit key index, a ring-buffer decode cache, ``k_start`` is the slot of the first
+        key, not its index).
+    """
+
+    q_BQNH: jax.Array
+    k_BKNH: jax.Array
+    q_positions_BQ: jax.Array
+    k_positions_BK: jax.Array
+    allowed_BQK: jax.Array
+    logits_BNQK: jax.Array
+    q_arrays: dict[str, jax.Array]
+    k_arrays: dict[str, jax.Array]
+    q_start: jax.Array
+    k_start: jax.Array
+
+
+# (params, pair, prepared, carry) -> (bias_BNQK float32, carry). Off ``allowed`` the bias may be
+# anything finite: the engine masks the scores.
+BiasFn = Callable[[Pytree, PairBlock, Pytree, Pytree], tuple[jax.Array, Pytree]]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTerm:
+    """A scheme's logit term in block form: pure functions plus the arrays they read.
+
+    Everything an array-valued function reads must be in ``params``, ``q_arrays`` or
+    ``k_arrays`` (so that the flash backward can differentiate it); the functions close over
+    static values only.
+
+    Attributes:
+      bias: the term for one pair; see ``BiasFn``.
+      params: arrays read whole (tables, MLP weights, slopes); differentiable.
+      q_arrays: per-query float arrays (B, T, ...), cut into query blocks (FoX's prefix sums).
+      k_arrays: per-key float arrays (B, S, ...), cut into key blocks (CoPE's gate keys).
+      prepare: (params, q_BQNH, q_arrays of the block) -> what ``bias`` reads as ``prepared``,
+        computed once per query block (CoPE's and Shaw's ``z = q . e``). None: nothing.
+      init: (B, N, Q) -> the term's walk carry, for terms that count across key blocks (CoPE).
+        None: no carry (the flash backward applies).
+      position_only: the bias reads positions and params only, never q, k or per-token arrays
+        (ALiBi, T5, Kerple, FIRE): a fused kernel may take it as a precomputed bias.
+    """
+
+    bias: BiasFn
+    params: Pytree = None
+    q_arrays: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    k_arrays: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    prepare: Callable[[Pytree, jax.Array, dict[str, jax.Array]], Pytree] | None = None
+    init: Callable[[int, int, int], Pytree] | None = None
+    position_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalizer:
+    """How the pairs' scores become weights: "softmax" (always over keys up to and including
+    the query's own), or "stickbreaking" (with or without the query's own key,
+    ``include_self``)."""
+
+    kind: str = "softmax"
+    include_self: bool = True
+
+
+SOFTMAX = Normalizer()
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def num_blocks(length: int, block: int) -> int:
+    """G = ceil(length / block); raises ValueError for a non-positive block."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block size must be a positive integer, got {block!r}")
+    return -(-length // block)
+
+
+def to_blocks(x_BT: jax.Array, block: int) -> jax.Array:
+    """(B, T, ...) -> (G, B, block, ...), padding T up to a multiple of ``block`` (integers
+    repeat the last value, floats get zeros)."""
+    length = x_BT.shape[1]
+    pad = num_blocks(length, block) * block - length
+    if pad:
+        widths = [(0, 0)] * x_BT.ndim
+        widths[1] = (0, pad)
+        x_BT = jnp.pad(x_BT, widths, mode="edge" if x_BT.dtype.kind in "iub" else "constant")
+    x_BGQ = x_BT.reshape(x_BT.shape[0], -1, block, *x_BT.shape[2:])
+    return jnp.moveaxis(x_BGQ, 1, 0)
+
+
+def from_blocks(x_GBQ: jax.Array, length: int) -> jax.Array:
+    """(G, B, Q, ...) -> (B, T, ...), dropping the padding."""
+    x_BGQ = jnp.moveaxis(x_GBQ, 0, 1)
+    x_BT = x_BGQ.reshape(x_BGQ.shape[0], -1, *x_BGQ.shape[3:])
+    return x_BT[:, :length]
+
+
+def content_logits_BNQK(q_BQNH: jax.Array, k_BKNH: jax.Array) -> jax.Array:
+    """q . k / sqrt(H) in float32, as the naive path computes them."""
+    scale = 1.0 / math.sqrt(q_BQNH.shape[-1])
+    logits = jnp.einsum("BQNH,BKNH->BNQK", q_BQNH, k_BKNH, preferred_element_type=jnp.float32)
+    return logits * scale
+
+
+# ----------------------------------------------------------------------------- online softmax
+
+
+def softmax_init(
+    batch: int, heads: int, size: int, width: int, sink_N: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Empty online-softmax state: max, denominator (B, N, Q), weighted values (B, Q, N, W).
+
+    ``sink_N`` (GPT-OSS's attention sink, a logit per head that joins the denominator and
+    mixes no value) seeds the state as a key with value zero: max = sink, denominator 1
+    (``exp(sink - stop_gradient(sink))``, so that the sink gets its gradient).
+    """
+    state = {
+        "max_BNQ": jnp.full((batch, heads, size), MASKED_LOGIT, jnp.float32),
+        "sum_BNQ": jnp.zeros((batch, heads, size), jnp.float32),
+        "acc_BQNW": jnp.zeros((batch, size, heads, width), jnp.float32),
+    }
+    if sink_N is not None:
+        sink_BNQ = jnp.broadcast_to(sink_N.astype(jnp.float32)[None, :, None], (batch, heads, size))
+        state["max_BNQ"] = jax.lax.stop_gradient(sink_BNQ)
+        state["sum_BNQ"] = jnp.exp(sink_BNQ - jax.lax.stop_gradient(sink_BNQ))
+    return state
+
+
+def softmax_update(
+    state: dict[str, jax.Array], scores_BNQK: jax.Array, allowed_BQK: jax.Array, v_BKNW: jax.Array
+) -> dict[str, jax.Array]:
+    """Adds one key block; disallowed keys get exactly zero weight. The running max is only a
+    shift for exp: it carries no gradient."""
+    allowed_B1QK = allowed_BQK[:, None]
+    scores_BNQK = jnp.where(allowed_B1QK, scores_BNQK.astype(jnp.float32), MASKED_LOGIT)
+    new_max_BNQ = jax.lax.stop_gradient(
+        jnp.maximum(state["max_BNQ"], jnp.max(scores_BNQK, axis=-1))
+    )
+    rescale_BNQ = jnp.exp(state["max_BNQ"] - new_max_BNQ)
+    exp_BNQK = jnp.where(allowed_B1QK, jnp.exp(scores_BNQK - new_max_BNQ[..., None]), 0.0)
+    weighted_BQNW = jnp.einsum(
+        "BNQK,BKNW->BQNW", exp_BNQK.astype(v_BKNW.dtype), v_BKNW, preferred_element_type=jnp.float32
+    )
+    return {
+        "max_BNQ": new_max_BNQ,
+        "sum_BNQ": state["sum_BNQ"] * rescale_BNQ + jnp.sum(exp_BNQK, axis=-1),
+        "acc_BQNW": state["acc_BQNW"] * jnp.moveaxis(rescale_BNQ, 1, 2)[..., None] + weighted_BQNW,
+    }
+
+
+def softmax_finish(state: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(weighted values / denominator (B, Q, N, W) float32, log-sum-exp (B, N, Q)). A query
+    with no allowed key gets zeros and a log-sum-exp of MASKED_LOGIT."""
+    sum_BNQ = state["sum_BNQ"]
+    sum_BQN1 = jnp.moveaxis(sum_BNQ, 1, 2)[..., None]
+    out_BQNW = state["acc_BQNW"] / jnp.where(sum_BQN1 > 0, sum_BQN1, 1.0)
+    lse_BNQ = jnp.where(
+        sum_BNQ > 0, state["max_BNQ"] + jnp.log(jnp.where(sum_BNQ > 0, sum_BNQ, 1.0)), MASKED_LOGIT
+    )
+    return out_BQNW, lse_BNQ
+
+
+# ----------------------------------------------------------------------------- stick-breaking
+
+
+def stickbreaking_init(batch: int, heads: int, size: int, width: int) -> dict[str, jax.Array]:
+    return {
+        "acc_BQNW": jnp.zeros((batch, size, heads, width), jnp.float32),
+        "remainder_BNQ": jnp.zeros((batch, heads, size), jnp.float32),
+    }
+
+
+def stickbreaking_update(
+    state: dict[str, jax.Array],
+    z_BNQK: jax.Array,
+    allowed_BQK: jax.Array,
+    v_BKNW: jax.Array,
+    scan_impl: str,
+) -> dict[str, jax.Array]:
+    """``log A_ij = log_sigmoid(z_ij) - sum_{k in (j, i)} softplus(z_ik)``: within the block a
+    suffix sum shifted by one key, plus the carried softplus total of the newer blocks."""
+    allowed_B1QK = allowed_BQK[:, None]
+    z_BNQK = jnp.where(allowed_B1QK, z_BNQK.astype(jnp.float32), 0.0)
+    softplus_BNQK = jnp.where(allowed_B1QK, jax.nn.softplus(z_BNQK), 0.0)
+    suffix_BNQK = scan.cumsum(softplus_BNQK, axis=-1, reverse=True, impl=scan_impl)
+    after_BNQK = jnp.pad(suffix_BNQK[..., 1:], ((0, 0), (0, 0), (0, 0), (0, 1)))
+    after_BNQK = after_BNQK + state["remainder_BNQ"][..., None]
+    weights_BNQK = jnp.where(allowed_B1QK, jnp.exp(jax.nn.log_sigmoid(z_BNQK) - after_BNQK), 0.0)
+    weighted_BQNW = jnp.einsum(
+        "BNQK,BKNW->BQNW",
+        weights_BNQK.astype(v_BKNW.dtype),
+        v_BKNW,
+        preferred_element_type=jnp.float32,
+    )
+    return {
+        "acc_BQNW": state["acc_BQNW"] + weighted_BQNW,
+        "remainder_BNQ": state["remainder_BNQ"] + suffix_BNQK[..., 0],
+    }

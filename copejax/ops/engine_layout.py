@@ -1,0 +1,138 @@
+"""The static layout of one blockwise-attention call (:mod:`copejax.ops.engine`).
+
+:class:`Layout` holds the block sizes and counts, the scheme's terms and normalizer, and the
+window / sink plan, and computes what every walk of the engine shares: which key blocks a
+query block walks (all older ones, or the band that meets its window, plus sink blocks),
+which (query, key) pairs are allowed, and the scores of one pair (content logits plus the
+terms, with their carries). Shape letters as in :mod:`copejax.ops.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from copejax import segments
+from copejax.ops.engine_blocks import BlockTerm, Normalizer, PairBlock, Pytree, content_logits_BNQK
+
+# ----------------------------------------------------------------------------- scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static facts of one call: block sizes, counts, the terms and the normalizer."""
+
+    terms: tuple[BlockTerm, ...]
+    normalizer: Normalizer
+    size_q: int
+    size_k: int
+    count_q: int
+    count_k: int
+    scan_impl: str
+    window: int | None = None
+    sink_tokens: int = 0
+    explicit_index: bool = False
+
+    @property
+    def banded(self) -> bool:
+        """Whether query blocks walk only the key blocks that meet their window."""
+        return self.window is not None and not self.explicit_index
+
+    @property
+    def band_blocks(self) -> int:
+        """The most key blocks a window of W keys meets from a query block of Q queries."""
+        return min(self.count_k, (self.window + self.size_q - 2) // self.size_k + 2)
+
+    def walk_plan(self, offset: jax.Array, qi: jax.Array, kn: dict) -> tuple[jax.Array, ...]:
+        """The key blocks query block qi walks, newest first, and whether each is live:
+        the band that meets the window, then (with sink tokens) every older block, live
+        where it holds a key among its segment's first ``sink_tokens``."""
+        q_first = self.q_start(offset, qi)
+        newest = jnp.minimum((q_first + self.size_q - 1) // self.size_k, self.count_k - 1)
+        band = newest - jnp.arange(self.band_blocks)
+        live = (band >= 0) & ((band + 1) * self.size_k - 1 >= q_first - self.window + 1)
+        if not self.sink_tokens:
+            return band, live
+        has_sink_G = jnp.any(kn["rank"] < self.sink_tokens, axis=(1, 2))
+        live = live | ((band >= 0) & has_sink_G[jnp.clip(band, 0, self.count_k - 1)])
+        older = jnp.arange(self.count_k)[::-1]
+        older_live = (older < newest - self.band_blocks + 1) & has_sink_G[older]
+        return jnp.concatenate([band, older]), jnp.concatenate([live, older_live])
+
+    def gather(self, tree: Pytree, kj: jax.Array) -> Pytree:
+        """Key block kj (clipped to the blocks) of blocked arrays (G, ...)."""
+        kj = jnp.clip(kj, 0, self.count_k - 1)
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, kj, 0, False), tree)
+
+    def q_start(self, offset: jax.Array, qi: jax.Array) -> jax.Array:
+        return offset + qi * self.size_q
+
+    def live(self, offset: jax.Array, qi: jax.Array, kj: jax.Array) -> jax.Array:
+        """Whether key block kj holds any key at or before query block qi's last query
+        (always, with explicit key indices: a ring buffer's slots are not in key order)."""
+        if self.explicit_index:
+            return jnp.asarray(True)
+        return kj * self.size_k <= self.q_start(offset, qi) + self.size_q - 1
+
+    def prepare(self, params: Sequence[Pytree], qf: dict) -> list[Pytree]:
+        return [
+            None if t.prepare is None else t.prepare(p, qf["q"], x)
+            for t, p, x in zip(self.terms, params, qf["x"], strict=True)
+        ]
+
+    def allowed(self, offset: jax.Array, qi: jax.Array, qn: dict, kj: jax.Array, kn: dict):
+        return segments.pair_allowed_BQK(
+            qn["seg"],
+            kn["seg"],
+            self.q_start(offset, qi),
+            kj * self.size_k,
+            self.normalizer.include_self,
+            window=self.window,
+            sink_tokens=self.sink_tokens,
+            k_index_BK=kn.get("idx"),
+            k_rank_BK=kn.get("rank"),
+        )
+
+    def scores(
+        self,
+        params: Sequence[Pytree],
+        prepared: Sequence[Pytree],
+        carries: Sequence[Pytree],
+        *,
+        qf: dict,
+        qn: dict,
+        kf: dict,
+        kn: dict,
+        allowed_BQK: jax.Array,
+        offset: jax.Array,
+        qi: jax.Array,
+        kj: jax.Array,
+    ) -> tuple[jax.Array, list[Pytree]]:
+        """The pair's scores (content logits plus every term), float32, and the new carries."""
+        logits_BNQK = content_logits_BNQK(qf["q"], kf["k"])
+        scores_BNQK = logits_BNQK
+        new_carries = []
+        for term, p, prep, old_carry, qx, kx in zip(
+            self.terms, params, prepared, carries, qf["x"], kf["x"], strict=True
+        ):
+            pair = PairBlock(
+                q_BQNH=qf["q"],
+                k_BKNH=kf["k"],
+                q_positions_BQ=qn["pos"],
+                k_positions_BK=kn["pos"],
+                allowed_BQK=allowed_BQK,
+                logits_BNQK=logits_BNQK,
+                q_arrays=qx,
+                k_arrays=kx,
+                q_start=self.q_start(offset, qi),
+                k_start=kj * self.size_k,
+            )
+            bias_BNQK, carry = term.bias(p, pair, prep, old_carry)
+            scores_BNQK = scores_BNQK + jnp.where(
+                allowed_BQK[:, None], bias_BNQK.astype(jnp.float32), 0.0
+            )
+            new_carries.append(carry)
+        return scores_BNQK, new_carries

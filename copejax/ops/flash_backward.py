@@ -1,0 +1,179 @@
+"""The flash backward of the blockwise engine (FlashAttention-2, Dao 2023, arXiv 2307.08691).
+
+:func:`flash_backward` recomputes each pair's scores from the saved output and per-query
+log-sum-exp and pulls ``dS = P (dP - D)`` back through the pair's score function; the
+equations are in :mod:`copejax.ops.engine`'s docstring, which wires this function into a
+``jax.custom_vjp``. Shape letters as there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.engine_blocks import Pytree
+from copejax.ops.engine_layout import Layout
+
+# ----------------------------------------------------------------------------- flash
+
+
+def flash_backward(
+    layout: Layout, data: dict, out_GBQNW: jax.Array, lse_GBNQ: jax.Array, d_out_GBQNW: jax.Array
+) -> dict:
+    """FlashAttention-2's backward (module docstring), one query block at a time; returns the
+    cotangent of ``data`` (None for its integer parts)."""
+    params, qf, qn, kf, kn = (data[key] for key in ("params", "qf", "qn", "kf", "kn"))
+    v_GBKNW, offset = data["v"], data["offset"]
+    d_out_GBQNW = d_out_GBQNW.astype(jnp.float32)
+    delta_GBNQ = jnp.moveaxis(jnp.sum(d_out_GBQNW * out_GBQNW, axis=-1), 3, 2)
+    zeros = _zeros_like
+
+    def per_query_block(carry: tuple, q_in: tuple) -> tuple[tuple, dict]:
+        if layout.banded:
+            return per_query_band(carry, q_in)
+        d_params, d_kf, d_v = carry
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
+        prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
+
+        pair_grads = pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))
+
+        def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
+            d_params_i, d_qf_i, d_prep_i = inner
+            kj, kf_j, kn_j, v_j = k_in
+
+            def live(_: None) -> tuple:
+                return pair_grads(kj, kf_j, kn_j, v_j)
+
+            def dead(_: None) -> tuple:
+                return (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j))
+
+            dp, dq, dk, dprep, dv = jax.lax.cond(layout.live(offset, qi, kj), live, dead, None)
+            inner = (
+                _add(d_params_i, dp),
+                _add(d_qf_i, dq),
+                _add(d_prep_i, dprep),
+            )
+            return inner, (dk, dv)
+
+        inner0 = (zeros(params), zeros(qf_i), zeros(prepared))
+        (d_params_i, d_qf_i, d_prep_i), (d_kf_i, d_v_i) = jax.lax.scan(
+            body, inner0, (jnp.arange(layout.count_k), kf, kn, v_GBKNW)
+        )
+        d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
+        d_qf_i = _add(d_qf_i, d_qf_prep)
+        carry = (
+            _add(d_params, _add(d_params_i, d_params_prep)),
+            _add(d_kf, d_kf_i),
+            d_v + d_v_i,
+        )
+        return carry, d_qf_i
+
+    def per_query_band(carry: tuple, q_in: tuple) -> tuple[tuple, dict]:
+        """The same for a window: the band's key blocks, gathered by index, their gradients
+        added back at their index."""
+        d_params, d_kf, d_v = carry
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
+        prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
+
+        def body(inner: tuple, k_in: tuple) -> tuple[tuple, None]:
+            d_params_i, d_qf_i, d_prep_i, d_kf, d_v = inner
+            kj, live = k_in
+            kj = jnp.clip(kj, 0, layout.count_k - 1)
+            kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
+            dp, dq, dk, dprep, dv = jax.lax.cond(
+                live,
+                lambda _: pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))(
+                    kj, kf_j, kn_j, v_j
+                ),
+                lambda _: (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j)),
+                None,
+            )
+            d_kf = jax.tree.map(lambda a, g: a.at[kj].add(g.astype(a.dtype)), d_kf, dk)
+            inner = (
+                _add(d_params_i, dp),
+                _add(d_qf_i, dq),
+                _add(d_prep_i, dprep),
+                d_kf,
+                d_v.at[kj].add(dv),
+            )
+            return inner, None
+
+        inner0 = (zeros(params), zeros(qf_i), zeros(prepared), d_kf, d_v)
+        (d_params_i, d_qf_i, d_prep_i, d_kf, d_v), _ = jax.lax.scan(
+            body, inner0, layout.walk_plan(offset, qi, kn)
+        )
+        d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
+        d_qf_i = _add(d_qf_i, d_qf_prep)
+        return (_add(d_params, _add(d_params_i, d_params_prep)), d_kf, d_v), d_qf_i
+
+    def pair_grads_of(q_side: tuple) -> Callable:
+        """The gradients of one (query block, key block) pair for query block ``q_side``:
+        (qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared)."""
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared = q_side
+
+        def grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
+            allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
+
+            def score_fn(p: list, q_side: dict, k_side: dict, prep: list) -> jax.Array:
+                return layout.scores(
+                    p,
+                    prep,
+                    [None] * len(layout.terms),
+                    qf=q_side,
+                    qn=qn_i,
+                    kf=k_side,
+                    kn=kn_j,
+                    allowed_BQK=allowed_BQK,
+                    offset=offset,
+                    qi=qi,
+                    kj=kj,
+                )[0]
+
+            scores_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
+            p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
+            d_v_j = jnp.einsum(
+                "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
+            ).astype(v_j.dtype)
+            d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
+            d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
+            return (*score_vjp(d_s_BNQK), d_v_j)
+
+        return grads
+
+    init = (zeros(params), zeros(kf), jnp.zeros_like(v_GBKNW))
+    q_in = (
+        jnp.arange(layout.count_q),
+        qf,
+        qn,
+        d_out_GBQNW,
+        lse_GBNQ,
+        delta_GBNQ,
+    )
+    (d_params, d_kf, d_v), d_qf = jax.lax.scan(per_query_block, init, q_in)
+    d_sink = None
+    if data["sink"] is not None:
+        # The sink is a key with value 0 in every row: dS = P_sink (0 - D_i).
+        sink_1N1 = data["sink"].astype(jnp.float32)[None, :, None]
+        p_sink_GBNQ = jnp.exp(sink_1N1 - lse_GBNQ)
+        d_sink = -jnp.sum(p_sink_GBNQ * delta_GBNQ, axis=(0, 1, 3)).astype(data["sink"].dtype)
+    return {
+        "sink": d_sink,
+        "params": d_params,
+        "qf": d_qf,
+        "qn": None,
+        "kf": d_kf,
+        "kn": None,
+        "v": d_v,
+        "offset": None,
+    }
+
+
+def _zeros_like(tree: Pytree) -> Pytree:
+    """Zeros shaped like ``tree`` (None leaves stay None)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _add(a: Pytree, b: Pytree) -> Pytree:
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)

@@ -24,7 +24,7 @@ PAPER_T3 = {
 PAPER_T4 = {"relative": (8.8, 34.1), "cope": (0.0, 4.0)}
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "relative", "rope", "cope", "path", "path+fox", "selective", "dape"),
+    "cpu": ("learned", "relative", "rope", "cope", *sweep.CONTEXTUAL_SINCE_COPE),
     "paper": (
         "learned",
         "relative",
@@ -32,10 +32,7 @@ SCHEMES = {
         "cope",
         "fox",
         "stickbreaking",
-        "path",
-        "path+fox",
-        "selective",
-        "dape",
+        *sweep.CONTEXTUAL_SINCE_COPE,
     ),
 }
 VARS = {"smoke": (1,), "cpu": (1, 3, 5), "paper": (1, 3, 5)}

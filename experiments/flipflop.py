@@ -32,7 +32,7 @@ PATH_PAPER = {
 }
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "rope", "cope", "path", "path+fox", "selective", "dape"),
+    "cpu": ("learned", "rope", "cope", *sweep.CONTEXTUAL_SINCE_COPE),
     "paper": (
         "learned",
         "rope",
@@ -42,10 +42,7 @@ SCHEMES = {
         "fox",
         "stickbreaking",
         "tape",
-        "path",
-        "path+fox",
-        "selective",
-        "dape",
+        *sweep.CONTEXTUAL_SINCE_COPE,
     ),
 }
 SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}

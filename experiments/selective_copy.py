@@ -23,7 +23,7 @@ PAPER = {
 }
 SCHEMES = {
     "smoke": ("cope",),
-    "cpu": ("learned", "rope", "cope", "path", "path+fox", "selective", "dape"),
+    "cpu": ("learned", "rope", "cope", *sweep.CONTEXTUAL_SINCE_COPE),
     "paper": (
         "learned",
         "rope",
@@ -32,10 +32,7 @@ SCHEMES = {
         "fox",
         "stickbreaking",
         "tape",
-        "path",
-        "path+fox",
-        "selective",
-        "dape",
+        *sweep.CONTEXTUAL_SINCE_COPE,
     ),
 }
 ARGS = {"smoke": "smoke", "cpu": "cpu,steps=300", "paper": "paper"}

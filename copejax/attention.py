@@ -161,7 +161,13 @@ class Attention(nn.Module):
         # values (O(S) memory); the projections and the cache hold K heads.
         k_BSNH = repeat_kv_heads(k_BSKH, cfg.num_heads)
         v_BSNH = repeat_kv_heads(v_BSKH, cfg.num_heads)
-        impl = choose_impl(cfg, k_BSNH.shape[1], self.is_mutable_collection("intermediates"))
+        batch, length_q, heads = q_BTNH.shape[:3]
+        impl = choose_impl(
+            cfg,
+            k_BSNH.shape[1],
+            self.is_mutable_collection("intermediates"),
+            pairs=batch * heads * length_q * k_BSNH.shape[1],
+        )
         block = cfg.attention_block_for(k_BSNH.shape[1])
         ctx = ctx.replace(impl=impl, block=block, scan_impl=cfg.scan_impl)
         extra_BSNC = site.mixed_values(ctx)

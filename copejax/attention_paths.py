@@ -21,17 +21,35 @@ from copejax.positions.base import AttentionContext, AttentionSite
 # for nope, CoPE and FoX (causal block skipping halves the work); 512 keeps short task
 # sequences on the simpler path.
 AUTO_BLOCKWISE_FROM = 512
+# On a GPU, "auto" keeps the naive path of a position-only scheme (the ones cuDNN's kernel
+# can express) while its float32 (B, N, T, S) logits take at most this many bytes, and cuDNN's
+# kernel with a position bias while the bias does: on an H200 (experiments/results/
+# bench_gpu.md) the engine's block walk was 6.5x the naive nope layer at T = 4096 (B x N = 8,
+# 512 MiB of logits), while at T = 16384 (8 GiB) the naive and biased fused paths pass the
+# benchmark's 10 GiB buffer cap. Contextual schemes keep the length rule: their naive paths
+# hold several (T, S) arrays each (CoPE 8 GiB, DAPE 11 GiB, PaTH 76 GiB at T = 4096 there).
+GPU_NAIVE_MAX_BYTES = 2**30
 
 
-def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | None = None) -> str:
+def choose_impl(
+    cfg: ModelConfig,
+    length_k: int,
+    sowing: bool,
+    backend: str | None = None,
+    pairs: int | None = None,
+) -> str:
     """The attention path of one call from ``model.attention_impl``.
 
-    "auto": the naive path while intermediates (attention maps, gates) are being sown; on a
-    GPU in bfloat16, ``jax.nn.dot_product_attention`` (cuDNN's fused kernel) for the schemes
-    it can express (``ModelConfig.dot_product_attention_allowed``); otherwise the naive path
-    below ``AUTO_BLOCKWISE_FROM`` keys (faster there on CPU, measured by
-    ``experiments/bench.py``) and the blockwise engine from it on, decoding steps included
-    (a step then reads the cache block by block).
+    "auto": the naive path while intermediates (attention maps, gates) are being sown. On a
+    GPU, with ``pairs`` = B N T S of the call, for the schemes cuDNN's kernel can express
+    (``ModelConfig.dot_product_attention_allowed``): in bfloat16,
+    ``jax.nn.dot_product_attention`` (cuDNN), for a scheme with a position bias only while
+    that (B, N, T, S) bias takes at most ``GPU_NAIVE_MAX_BYTES``; otherwise the naive path
+    while its float32 logits take at most ``GPU_NAIVE_MAX_BYTES``, and the blockwise engine
+    beyond. Other schemes, other backends, or ``pairs`` unknown: the naive path below
+    ``AUTO_BLOCKWISE_FROM`` keys (faster there on CPU, measured by ``experiments/bench.py``)
+    and the blockwise engine from it on, decoding steps included (a step then reads the
+    cache block by block).
     """
     impl = cfg.attention_impl
     if impl != "auto":
@@ -39,8 +57,13 @@ def choose_impl(cfg: ModelConfig, length_k: int, sowing: bool, backend: str | No
     if sowing:
         return "naive"
     backend = jax.default_backend() if backend is None else backend
-    if backend == "gpu" and cfg.dtype == "bfloat16" and cfg.dot_product_attention_allowed():
-        return "dot_product_attention"
+    position_only = backend == "gpu" and cfg.dot_product_attention_allowed()
+    if position_only and cfg.dtype == "bfloat16":
+        no_bias = "bias" not in cfg.scheme.sites
+        if no_bias or pairs is None or 2 * pairs <= GPU_NAIVE_MAX_BYTES:
+            return "dot_product_attention"
+    if position_only and pairs is not None:
+        return "naive" if 4 * pairs <= GPU_NAIVE_MAX_BYTES else "blockwise"
     return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
 
 

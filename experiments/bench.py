@@ -79,7 +79,7 @@ LONG_ARMS = ("nope", "cope", "fox", "stickbreaking")
 # The schemes the 32K target names (issue 13).
 LONG_SCHEMES = ("nope", "rope", "alibi", "t5", "kerple", "cope", "fox", "stickbreaking")
 # Keys of an arm's options that are model options, not the scheme's.
-MODEL_KEYS = ("attention_impl", "attention_block", "attention_backward", "scan_impl")
+MODEL_KEYS = ("attention_impl", "attention_block", "attention_backward", "scan_impl", "dtype")
 QUICK_SCHEMES = ("nope", "cope")
 # The "since_cope" side-by-side group: the schemes since CoPE (issue 15), default and naive,
 # beside the nope arms that every ratio is taken against.

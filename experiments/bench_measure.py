@@ -27,10 +27,10 @@ from experiments.bench import (
 def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields of a benchmarked name: ``dpa`` is ``nope`` on the
     ``jax.nn.dot_product_attention`` kernel (the same layer, projections and mask); the
-    ``MODEL_KEYS`` of ``options`` are model-level attention options."""
-    if scheme == "dpa":
-        return {"position": "nope", "attention_impl": "dot_product_attention"}
+    ``MODEL_KEYS`` of ``options`` are model-level options (attention path, dtype)."""
     model = {k: v for k, v in options.items() if k in MODEL_KEYS}
+    if scheme == "dpa":  # the arm's other model options (its dtype) still apply
+        return {**model, "position": "nope", "attention_impl": "dot_product_attention"}
     own = {k: v for k, v in options.items() if k not in MODEL_KEYS}
     return {"position": scheme, "position_options": own, **model}
 

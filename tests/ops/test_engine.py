@@ -99,6 +99,26 @@ def test_auto_takes_the_fused_kernel_on_gpu_in_bfloat16_where_it_applies() -> No
     assert attention_paths.choose_impl(rope32, 64, sowing=False, backend="gpu") == "naive"
 
 
+def test_auto_on_gpu_keeps_the_naive_and_biased_fused_paths_while_their_pairs_fit() -> None:
+    budget = attention_paths.GPU_NAIVE_MAX_BYTES
+    choose = lambda cfg, pairs: attention_paths.choose_impl(
+        cfg, 1 << 14, sowing=False, backend="gpu", pairs=pairs
+    )
+    rope32, alibi32 = tiny_config("rope"), tiny_config("alibi")
+    for cfg in (rope32, alibi32):
+        assert choose(cfg, budget // 4) == "naive"  # float32 logits of exactly the budget
+        assert choose(cfg, budget // 4 + 1) == "blockwise"
+    for contextual in ("cope", "fox", "path"):  # naive paths with several (T, S) arrays
+        assert choose(tiny_config(contextual, dtype="bfloat16"), 1 << 10) == "blockwise"
+    alibi16 = tiny_config("alibi", dtype="bfloat16")
+    assert choose(alibi16, budget // 2) == "dot_product_attention"  # a bf16 bias of the budget
+    assert choose(alibi16, budget // 2 + 1) == "blockwise"  # its bias would not fit
+    rope16 = tiny_config("rope", dtype="bfloat16")
+    assert choose(rope16, 1 << 40) == "dot_product_attention"  # no bias: cuDNN is O(T)
+    # Elsewhere the length rule holds whatever the pairs.
+    assert attention_paths.choose_impl(rope32, 64, False, backend="cpu", pairs=1 << 40) == "naive"
+
+
 def _engine_inputs(length: int = 6) -> dict:
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(1, length, 2, 4)), jnp.float32) for _ in range(3))

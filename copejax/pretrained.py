@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from copejax import workdir
+from copejax.model_config import ModelConfig
 
 MODEL_FILE = "model.json"
 PARAMS_DIR = "params"
@@ -48,6 +49,18 @@ class Pretrained:
 
     def flat_params(self) -> dict[tuple[str, ...], np.ndarray]:
         return traverse_util.flatten_dict(self.params)
+
+
+def block_of(cfg: ModelConfig) -> dict[str, Any]:
+    """The ``model`` config block of a resolved ModelConfig (plain JSON data)."""
+    block = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+    block.pop("vocab_size")
+    block["position_options"] = {
+        key: list(value) if isinstance(value, tuple) else value
+        for key, value in cfg.position_options
+    }
+    block["layer_pattern"] = list(cfg.layer_pattern)
+    return block
 
 
 def save(
@@ -80,6 +93,34 @@ def is_converted(path: str | os.PathLike) -> bool:
     return (Path(path) / MODEL_FILE).exists()
 
 
+def read_model(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """(model block, V) of a converted checkpoint or workdir, without reading the weights.
+
+    Raises:
+      ValueError: ``path`` is neither (named).
+    """
+    root = Path(path).absolute()
+    if is_converted(root):
+        record = json.loads((root / MODEL_FILE).read_text(encoding="utf-8"))
+        return record["model"], int(record["vocab_size"])
+    saved = workdir.read_config(root)
+    if saved is None:
+        raise ValueError(_neither(root))
+    import ml_collections
+
+    from copejax.plan import validate
+
+    cfg = validate(ml_collections.ConfigDict(saved)).model_config
+    return block_of(cfg), cfg.vocab_size
+
+
+def _neither(root: Path) -> str:
+    return (
+        f"{root} holds neither {MODEL_FILE} (a checkpoint converted by python -m "
+        f"copejax.convert) nor {workdir.CONFIG_FILE} (a copejax workdir)"
+    )
+
+
 def load(path: str | os.PathLike) -> Pretrained:
     """A converted checkpoint or a copejax workdir's latest checkpoint.
 
@@ -100,11 +141,8 @@ def load(path: str | os.PathLike) -> Pretrained:
         from copejax.trained_run import load_run
 
         run = load_run(root)
-        model = dict(run.config.model.to_dict())
+        model = block_of(run.model_config)
         params = jax.tree.map(np.asarray, run.params)
         source = f"{root} (copejax run, step {run.step})"
         return Pretrained(model, run.model_config.vocab_size, params, source)
-    raise ValueError(
-        f"{root} holds neither {MODEL_FILE} (a checkpoint converted by python -m "
-        f"copejax.convert) nor {workdir.CONFIG_FILE} (a copejax workdir)"
-    )
+    raise ValueError(_neither(root))

@@ -63,6 +63,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "lm_eval",
             "tape_retrofit",
             "pretrained",
+            "finetune",
         ),
     ),
     ("programs", ("main", "convert", "extrapolate", "sample", "plots", "positions.__main__")),

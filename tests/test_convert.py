@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,6 +162,25 @@ def test_tied_embeddings(hf_llama: Path, tmp_path: Path) -> None:
     tokens_BT = _tokens(LENGTH)
     expected = _hf_logits(root, tokens_BT)
     np.testing.assert_allclose(_copejax_logits(root, tokens_BT), expected, atol=1e-4, rtol=0)
+
+
+def test_tape_retrofit_of_a_converted_llama_equals_transformers(
+    hf_llama: Path, tmp_path: Path
+) -> None:
+    """HF -> copejax -> TAPE (copejax.finetune, W2 = 0): the logits at step 0 are HF's."""
+    from copejax import finetune
+
+    root = _variant(hf_llama, tmp_path, VARIANTS["default"])
+    converted = convert.from_hf(root, tmp_path / "converted")
+    block = finetune.model_block_for(pretrained.read_model(converted)[0], "tape")
+    cfg = ModelConfig.from_config(block, vocab_size=61, default_max_len=0).validate()
+    tokens_BT = _tokens(LENGTH)
+    positions_BT = jnp.broadcast_to(jnp.arange(LENGTH), tokens_BT.shape)
+    fresh = Transformer(cfg).init(jax.random.key(0), jnp.asarray(tokens_BT), positions_BT)
+    params, log = finetune.initial_params(nn.meta.unbox(fresh["params"]), cfg, converted)
+    assert "rope -> tape" in log
+    logits = Transformer(cfg).apply({"params": params}, jnp.asarray(tokens_BT), positions_BT)
+    np.testing.assert_allclose(np.asarray(logits), _hf_logits(root, tokens_BT), atol=1e-4, rtol=0)
 
 
 def test_config_mapping(hf_llama: Path) -> None:

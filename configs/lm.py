@@ -16,6 +16,7 @@ not run by us: GPT-2 blocks, 12 layers, D = 768, 12 heads, T = 1024, CoPE p_max 
 point ``corpus`` at a prepared ``tfds:wikipedia/...`` or ``files:`` corpus and set
 ``tokenizer=bpe``). Shortcuts: ``position=<scheme>``, ``corpus=<corpus>``, ``length=<T>``,
 ``tokenizer=byte|bpe``, ``tokenizer_dir=<dir>``, ``seed``, ``steps``, ``batch_size``, ``lr``,
+``warmup_steps``,
 ``layers``, ``heads``, ``d_model``, and any option of the chosen scheme (``python -m
 copejax.positions`` lists them), e.g. CoPE's ``p_max=<int>`` and its ablation options (Table 8,
 experiments/cope_ablations.py): ``gates=keys|sep_keys|values``, ``share_layers=<bool>``,
@@ -53,6 +54,7 @@ SHORTCUTS = {
     "length": "task.options.length",
     "tokenizer": "task.options.tokenizer",
     "tokenizer_dir": "task.options.tokenizer_dir",
+    "warmup_steps": "train.warmup_steps",
 }
 
 

@@ -9,10 +9,16 @@ with HF's ``rope_scaling`` / ``rope_parameters`` mapped to copejax's RoPE option
 transformers 5 writes. Every key of ``config.json`` is either mapped, checked to hold the value
 copejax computes with, or listed in ``IGNORED`` (token ids, caching, bookkeeping: no effect on
 the logits); anything else is refused by name, so nothing is dropped silently.
+
+SmolLM3 (``model_type="smollm3"``) is the same architecture with NoPE layers
+(``no_rope_layers``: 1 rotates, 0 does not; Hugging Face 2025): all 1 is ``rope``, all 0 is
+``nope`` and a mix is a ``layer_pattern`` of ``rope`` and ``nope`` layers. copejax writes NoPE
+and rope/nope patterns in that form, since Llama's config cannot turn RoPE off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -71,6 +77,19 @@ _ROPE_KEYS = {
 }
 
 
+MODEL_TYPES = ("llama", "smollm3")
+_DEFAULT_THETA = {"llama": 10000.0, "smollm3": 2000000.0}  # transformers' defaults
+_DEFAULT_TIED = {"llama": False, "smollm3": True}
+# SmolLM3's keys: which layers rotate, and its sliding window (not converted).
+_SMOLLM3_KEYS = (
+    "no_rope_layers",
+    "no_rope_layer_interval",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+)
+
+
 def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE settings in transformers 5's form, from either spelling."""
     params = dict(hf.get("rope_parameters") or {})
@@ -82,7 +101,8 @@ def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
         params.setdefault("rope_type", params.pop("type"))
     params.setdefault("rope_type", "default")
     if "rope_theta" not in params:
-        params["rope_theta"] = hf.get("rope_theta", 10000.0)
+        default = _DEFAULT_THETA.get(hf.get("model_type"), 10000.0)
+        params["rope_theta"] = hf.get("rope_theta", default)
     return params
 
 
@@ -178,10 +198,11 @@ def model_block_from_hf(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
     Raises:
       ValueError: naming the first key that copejax cannot reproduce.
     """
-    if hf.get("model_type") != "llama":
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
         raise ValueError(
-            f"model_type={hf.get('model_type')!r}: copejax.convert reads Llama checkpoints "
-            "(model_type='llama')"
+            f"model_type={model_type!r}: copejax.convert reads Llama-architecture checkpoints; "
+            f"allowed: {list(MODEL_TYPES)}"
         )
     for key, allowed, why in FIXED:
         if key in hf and hf[key] != allowed:
@@ -197,13 +218,15 @@ def model_block_from_hf(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         "head_dim": head_dim,
         "mlp_dim": int(hf["intermediate_size"]),
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", _DEFAULT_TIED[model_type])),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "max_len": int(hf["max_position_embeddings"]),
         "init_std": float(hf.get("initializer_range", 0.02)),
         "position": "rope",
         "position_options": rope_options(hf),
     }
+    if model_type == "smollm3":
+        block.update(_nope_layers(hf, block["num_layers"], block["position_options"]))
     mapped = {
         "hidden_size", "num_attention_heads", "num_hidden_layers", "head_dim",
         "intermediate_size", "num_key_value_heads", "tie_word_embeddings", "rms_norm_eps",
@@ -211,6 +234,8 @@ def model_block_from_hf(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
         "original_max_position_embeddings", "vocab_size",
     }  # fmt: skip
     known = mapped | set(IGNORED) | {key for key, _, _ in FIXED}
+    if model_type == "smollm3":
+        known |= set(_SMOLLM3_KEYS)
     unknown = sorted(set(hf) - known)
     if unknown:
         raise ValueError(
@@ -218,6 +243,28 @@ def model_block_from_hf(hf: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
             "dropping them"
         )
     return block, int(hf["vocab_size"])
+
+
+def _nope_layers(hf: Mapping[str, Any], num_layers: int, rope: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's layers without RoPE as copejax's position / layer_pattern."""
+    if hf.get("use_sliding_window"):
+        raise ValueError(
+            "use_sliding_window=true: SmolLM3's sliding-window layers are not converted; "
+            "allowed: false"
+        )
+    flags = hf.get("no_rope_layers")
+    if flags is None:  # transformers' default: every interval-th layer is NoPE
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) != num_layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(
+            f"no_rope_layers={flags!r}: allowed: {num_layers} entries of 0 (NoPE) or 1 (RoPE)"
+        )
+    if all(flags):
+        return {}
+    if not any(flags):  # no layer reads the RoPE settings
+        return {"position": "nope", "position_options": {}}
+    return {"layer_pattern": ["rope" if f else "nope" for f in flags], "position_options": rope}
 
 
 def _rope_parameters_to_hf(
@@ -274,24 +321,32 @@ def hf_from_model_block(model: Mapping[str, Any], vocab_size: int) -> dict[str, 
       ValueError: naming what HF's Llama cannot express (another block, scheme, a window, ...).
     """
     from copejax.model_config import ModelConfig
+    from copejax.positions.rope import RoPE
 
     cfg = ModelConfig.from_config(dict(model), vocab_size=vocab_size, default_max_len=0)
     if cfg.block != "llama":
         raise ValueError(f"block={cfg.block!r}: HF Llama is block='llama'")
-    if cfg.position != "rope":
+    layers = [cfg.for_layer(i) for i in range(cfg.num_layers)]
+    schemes = {layer.position for layer in layers}
+    if not schemes <= {"rope", "nope"}:
         raise ValueError(
-            f"position={cfg.position!r}: HF Llama computes RoPE (copejax 'rope' with any HF "
-            "rope_type); export a rope model"
+            f"position={cfg.position!r}, layers {sorted(schemes)}: HF's Llama computes RoPE "
+            "(copejax 'rope' with any HF rope_type) and SmolLM3 RoPE or NoPE per layer; other "
+            "schemes have no HF form"
         )
+    rotating = {layer.scheme for layer in layers if layer.position == "rope"}
+    if len(rotating) > 1:
+        raise ValueError("the rope layers differ in their options; HF has one RoPE per model")
     defaults = ModelConfig(vocab_size=vocab_size)
-    for key in ("window", "layer_pattern", "layout", "attention_sink", "logit_scaling"):
-        if getattr(cfg, key) != getattr(defaults, key):
-            raise ValueError(f"model.{key}={getattr(cfg, key)!r}: HF Llama has no such option")
-    rope = cfg.scheme
+    for key in ("window", "attention_sink", "logit_scaling"):
+        if any(getattr(layer, key) != getattr(defaults, key) for layer in layers):
+            raise ValueError(f"model.{key}: HF Llama has no such option")
+    rope = next(iter(rotating)) if rotating else RoPE()
+    options = {f.name: getattr(rope, f.name) for f in dataclasses.fields(rope)}
     max_len = cfg.max_len
     if rope.scaling == "dynamic":  # HF's dynamic NTK reads L from max_position_embeddings
         max_len = rope.original_max_len or cfg.max_len
-    return {
+    hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -309,8 +364,19 @@ def hf_from_model_block(model: Mapping[str, Any], vocab_size: int) -> dict[str, 
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
-        "rope_parameters": _rope_parameters_to_hf(
-            dict(cfg.position_options), cfg.resolved_head_dim, cfg.max_len
-        ),
+        "rope_parameters": _rope_parameters_to_hf(options, cfg.resolved_head_dim, cfg.max_len),
         "dtype": "float32",
+        # copejax keeps no special token ids (the tokenizer's); None, not the class defaults
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
     }
+    if schemes != {"rope"}:
+        flags = [int(layer.position == "rope") for layer in layers]
+        hf.update(
+            architectures=["SmolLM3ForCausalLM"],
+            model_type="smollm3",
+            no_rope_layers=flags,
+            use_sliding_window=False,
+        )
+    return hf

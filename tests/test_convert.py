@@ -88,6 +88,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "legacy_linear": {"rope_theta": 2000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    # SmolLM3: Llama with NoPE layers (no_rope_layers: 1 rotates, 0 does not)
+    "smollm3_mixed": {
+        "model_type": "smollm3",
+        "no_rope_layers": [1, 0],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 300.0},
+    },
+    "smollm3_nope": {
+        "model_type": "smollm3",
+        "no_rope_layers": [0, 0],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 300.0},
+    },
 }
 
 
@@ -113,6 +124,8 @@ def _variant(base: Path, tmp_path: Path, rope: dict[str, Any], **changes: Any) -
     for key in ("rope_parameters", "rope_scaling", "rope_theta"):
         hf.pop(key, None)
     hf.update(rope, **changes)
+    if hf.get("model_type") == "smollm3":
+        hf["architectures"] = ["SmolLM3ForCausalLM"]
     (root / "config.json").write_text(json.dumps(hf))
     return root
 
@@ -122,7 +135,7 @@ def _tokens(length: int) -> np.ndarray:
 
 
 def _hf_logits(root: Path, tokens_BT: np.ndarray) -> np.ndarray:
-    model = transformers.LlamaForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         root, dtype=torch.float32, attn_implementation="eager"
     )
     model.eval()
@@ -192,7 +205,16 @@ def test_config_mapping(hf_llama: Path) -> None:
     assert model["position"] == "rope" and model["position_options"]["layout"] == "half"
 
 
-@pytest.mark.parametrize("name", ["default", "yarn_mscale", "llama3", "longrope"])
+def test_nope_layers_map_to_schemes(hf_llama: Path, tmp_path: Path) -> None:
+    mixed, _, _ = convert.read_hf(_variant(hf_llama, tmp_path / "a", VARIANTS["smollm3_mixed"]))
+    assert mixed["layer_pattern"] == ["rope", "nope"] and mixed["position"] == "rope"
+    nope, _, _ = convert.read_hf(_variant(hf_llama, tmp_path / "b", VARIANTS["smollm3_nope"]))
+    assert nope["position"] == "nope" and "layer_pattern" not in nope
+
+
+@pytest.mark.parametrize(
+    "name", ["default", "yarn_mscale", "llama3", "longrope", "smollm3_mixed", "smollm3_nope"]
+)
 def test_round_trip_is_exact(hf_llama: Path, tmp_path: Path, name: str) -> None:
     from safetensors.numpy import load_file
 
@@ -241,14 +263,17 @@ def test_refuses_extra_tensors(hf_llama: Path, tmp_path: Path) -> None:
 
 
 def test_export_refuses_what_hf_cannot_express(tmp_path: Path) -> None:
-    block = {"d_model": 16, "num_heads": 2, "num_layers": 1, "max_len": 16}
+    block = {"d_model": 16, "num_heads": 2, "num_layers": 2, "max_len": 16}
     params = {"unused": np.zeros(1, np.float32)}
-    for position, named in (("cope", "position='cope'"), ("nope", "position='nope'")):
-        path = pretrained.save(
-            tmp_path / position, {**block, "position": position}, 11, params, "test"
-        )
+    path = pretrained.save(tmp_path / "cope", {**block, "position": "cope"}, 11, params, "test")
+    with pytest.raises(ValueError, match="position='cope'"):
+        convert.to_hf(path, tmp_path / "cope_hf")
+    for refused, named in (
+        ({"position_options": {"scaling": "yarn", "factor": 2.0}}, "yarn_ramp"),
+        ({"position_options": {"layout": "interleaved"}}, "layout='interleaved'"),
+        ({"layer_pattern": ["rope", "fox"]}, "fox"),
+        ({"window": 4}, "window"),
+        ({"block": "gpt2"}, "block='gpt2'"),
+    ):
         with pytest.raises(ValueError, match=named):
-            convert.to_hf(path, tmp_path / f"{position}_hf")
-    wavelength = {"scaling": "yarn", "factor": 2.0}
-    with pytest.raises(ValueError, match="yarn_ramp"):
-        hf_config.hf_from_model_block({**block, "position_options": wavelength}, 11)
+            hf_config.hf_from_model_block({**block, **refused}, 11)

@@ -96,6 +96,12 @@ def check_architecture(source: ModelConfig, target: ModelConfig) -> None:
     """Raises ValueError naming the first architecture field a fine-tune changed."""
     for key in ARCHITECTURE:
         before, after = getattr(source, key), getattr(target, key)
+        if before != after and key == "vocab_size":
+            raise ValueError(
+                f"train.init_from: the pretrained model has a vocabulary of {before} ids, this "
+                f"task {after}; fine-tune on a task that tokenizes with the checkpoint's "
+                "tokenizer"
+            )
         if before != after:
             name = key.removeprefix("resolved_")
             raise ValueError(

@@ -124,6 +124,9 @@ def test_refusals(source_dir: Path, tmp_path: Path) -> None:
     wider = _cfg({**SOURCE, "d_model": 64})
     with pytest.raises(ValueError, match="d_model=32"):
         finetune.initial_params(_init(wider, 0), wider, source_dir)
+    other_vocab = ModelConfig.from_config(SOURCE, vocab_size=100, default_max_len=64)
+    with pytest.raises(ValueError, match="vocabulary of 259 ids, this task 100"):
+        finetune.check_source(source_dir, other_vocab)
     yarn = {**SOURCE, "position_options": {"scaling": "yarn", "factor": 2.0}}
     with pytest.raises(ValueError, match="retrofit cannot carry rope scaling='yarn'"):
         finetune.model_block_for(yarn, "tape")

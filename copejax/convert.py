@@ -104,6 +104,7 @@ def to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         command_line.fail(f"unexpected arguments: {argv[1:]} (flags are --name=value)")
+    command_line.quiet_logging()
     if (_FROM_HF.value is None) == (_TO_HF.value is None) or _OUT.value is None:
         command_line.fail("give --out and one of --from_hf=<hf_dir> or --to_hf=<dir>")
     try:

@@ -16,18 +16,29 @@ not run by us: GPT-2 blocks, 12 layers, D = 768, 12 heads, T = 1024, CoPE p_max 
 point ``corpus`` at a prepared ``tfds:wikipedia/...`` or ``files:`` corpus and set
 ``tokenizer=bpe``). Shortcuts: ``position=<scheme>``, ``corpus=<corpus>``, ``length=<T>``,
 ``tokenizer=byte|bpe``, ``tokenizer_dir=<dir>``, ``seed``, ``steps``, ``batch_size``, ``lr``,
+``warmup_steps``,
 ``layers``, ``heads``, ``d_model``, and any option of the chosen scheme (``python -m
 copejax.positions`` lists them), e.g. CoPE's ``p_max=<int>`` and its ablation options (Table 8,
 experiments/cope_ablations.py): ``gates=keys|sep_keys|values``, ``share_layers=<bool>``,
 ``position_term=<term>``, ``alibi_slopes=press``.
 
 Every scheme trains with its default options (CoPE: p_max = 64, the paper's Wikitext value).
+
+Fine-tuning pretrained weights (``copejax.finetune``): ``init_from=<dir>`` (a checkpoint
+converted by ``python -m copejax.convert`` or a copejax workdir) takes the pretrained model
+block and sets ``train.init_from``; ``position=<scheme>`` and scheme options then change the
+scheme, e.g. ``init_from=<dir>,position=rope,scaling=yarn,factor=4,yarn_ramp=index`` or
+``init_from=<dir>,position=tape``:
+
+    python -m copejax.main --config=configs/lm.py:cpu,init_from=/tmp/llama,position=tape,\
+        length=512,steps=100 --workdir=workdirs/lm_tape_retrofit
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from copejax import finetune, pretrained
 from copejax.config_base import (
     COMMON_SHORTCUTS,
     apply_shortcuts,
@@ -43,12 +54,29 @@ SHORTCUTS = {
     "length": "task.options.length",
     "tokenizer": "task.options.tokenizer",
     "tokenizer_dir": "task.options.tokenizer_dir",
+    "warmup_steps": "train.warmup_steps",
 }
+
+
+def start_from(c: ml_collections.ConfigDict, init_from: str, args: dict) -> None:
+    """``c.model`` becomes the pretrained model block with the scheme that ``args`` ask for
+    (their ``position`` and scheme options, taken out of ``args``); ``train.init_from`` is set."""
+    position = args.pop("position", None)
+    options = {key: args.pop(key) for key in list(args) if key not in SHORTCUTS}
+    source, _ = pretrained.read_model(init_from)
+    block = finetune.model_block_for(source, position, options)
+    for key, value in block.items():
+        if key == "position_options":
+            c.model[key] = ml_collections.ConfigDict(dict(value))
+        else:
+            c.model[key] = tuple(value) if isinstance(value, list) else value
+    c.train.init_from = init_from
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     args = parse_arg(arg)
     variant = pop_variant(args)
+    init_from = args.pop("init_from", None)
 
     c = base_config()
     c.task.name = "lm"
@@ -79,5 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         )  # fmt: skip
         c.eval.update(batch_size=32, max_examples=0)
 
+    if init_from:
+        start_from(c, str(init_from), args)
     apply_shortcuts(c, args, SHORTCUTS)
     return c

@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.mlp_dim = ml_collections.config_dict.placeholder(int)  # None: the block's default
     c.model.block = "llama"
     c.model.tie_embeddings = True
+    c.model.norm_eps = 1e-6  # RMSNorm / LayerNorm epsilon (HF Llama: rms_norm_eps)
     c.model.dropout = 0.0
     c.model.dtype = "float32"
     c.model.position = "rope"
@@ -84,6 +85,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 500
     c.train.keep_checkpoints = 3
     c.train.nonfinite = "stop"
+    # Start from these weights (copejax.finetune): a converted checkpoint (python -m
+    # copejax.convert) or a copejax workdir; "" trains from scratch.
+    c.train.init_from = ""
 
     c.eval = ml_collections.ConfigDict()
     c.eval.splits = ()  # empty: every split except "train"

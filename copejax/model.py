@@ -23,12 +23,14 @@ from copejax.positions.base import AttentionContext, Carry, EmbedOutput
 def _norm(cfg: ModelConfig, name: str) -> nn.Module:
     if cfg.block == "gpt2":
         return nn.LayerNorm(
+            epsilon=cfg.norm_eps,
             dtype=cfg.compute_dtype,
             scale_init=nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (ax.EMBED,)),
             name=name,
         )
     return nn.RMSNorm(
+        epsilon=cfg.norm_eps,
         dtype=cfg.compute_dtype,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, (ax.EMBED,)),
         name=name,

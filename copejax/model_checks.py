@@ -45,6 +45,12 @@ def check_choices(cfg: ModelConfig) -> None:
         raise ValueError(f"model.block must be one of {BLOCKS}, got {cfg.block!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {DTYPES}, got {cfg.dtype!r}")
+    if (
+        isinstance(cfg.norm_eps, bool)
+        or not isinstance(cfg.norm_eps, int | float)
+        or not (0 < cfg.norm_eps < 1)
+    ):
+        raise ValueError(f"model.norm_eps must be a number in (0, 1), got {cfg.norm_eps!r}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"model.dropout must be in [0, 1), got {cfg.dropout!r}")
     for key, allowed in (

@@ -68,6 +68,8 @@ class ModelConfig:
       mlp_dim: hidden width of the MLP; defaults to 4D (gpt2) or 8D/3 rounded up to 8 (llama).
       block: "llama" (pre-RMSNorm, SwiGLU, no biases) or "gpt2" (LayerNorm, GELU, biases).
       tie_embeddings: share the token embedding with the output layer.
+      norm_eps: epsilon of every RMSNorm / LayerNorm (1e-6, flax's default; HF Llama
+        checkpoints set it as ``rms_norm_eps``, 1e-5 or 1e-6).
       dropout: residual and embedding dropout rate.
       dtype: compute dtype, "float32" or "bfloat16" (parameters are always float32).
       position: registered scheme name, e.g. "rope" or "cope+rope".
@@ -128,6 +130,7 @@ class ModelConfig:
     mlp_dim: int | None = None
     block: str = "llama"
     tie_embeddings: bool = True
+    norm_eps: float = 1e-6
     dropout: float = 0.0
     dtype: str = "float32"
     position: str = "rope"

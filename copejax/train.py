@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from copejax import input_pipeline, sharding, workdir
+from copejax import finetune, input_pipeline, sharding, workdir
 from copejax.checkpoint import Checkpointer
 from copejax.metrics import MetricsWriter, truncate_after
 from copejax.model import Transformer
@@ -116,6 +116,8 @@ def run(
     a step's loss or gradient is not finite.
     """
     plan = validate(config, process_count=jax.process_count())
+    if config.train.get("init_from"):
+        finetune.check_source(config.train.init_from, plan.model_config)
     resolved = workdir.config_to_dict(config)
     root = Path(workdir_path)
     main_process = jax.process_index() == 0
@@ -230,6 +232,8 @@ def _train(
     restored = ckpt.restore_latest(steps.abstract_state, data, check_config)
     if restored is None:
         state, start = steps.init(), 0
+        if train.get("init_from"):
+            state = _start_from(state, steps, plan, train.init_from, main_process)
     else:
         start, state, saved_host = restored
         host = saved_host or host
@@ -305,6 +309,18 @@ def _train(
         step = start
     _report_skipped(int(state.nonfinite_count), step, root)
     return last
+
+
+def _start_from(state: Any, steps: Steps, plan: Plan, init_from: str, main_process: bool) -> Any:
+    """The initial state with ``train.init_from``'s weights (``copejax.finetune``); logs
+    what was copied and which of the new scheme's parameters were added."""
+    params, log = finetune.initial_params(
+        jax.device_get(state.params), plan.model_config, init_from
+    )
+    if main_process:
+        print(log, flush=True)
+    place = lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda i: np.asarray(x)[i])
+    return state.replace(params=jax.tree.map(place, params, steps.state_shardings.params))
 
 
 def _empty_window() -> dict[str, float]:

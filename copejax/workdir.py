@@ -52,7 +52,13 @@ UNSET_AS_ZERO = (
 )
 
 
+# Keys added to the schema after runs were saved, with the value that reproduces those runs:
+# a saved config without the key equals a new one that holds this value.
+ADDED_KEYS: dict[str, Any] = {"model.norm_eps": 1e-6, "train.init_from": ""}
+
+
 def _unset_zero_as_none(flat: dict[str, Any]) -> dict[str, Any]:
+    flat = {**{k: v for k, v in ADDED_KEYS.items() if k not in flat}, **flat}
     return {k: (None if k in UNSET_AS_ZERO and v == 0 else v) for k, v in flat.items()}
 
 

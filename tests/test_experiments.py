@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import (
+    context_extension,
     cope_ablations,
     counting,
     flipflop,
@@ -123,6 +124,25 @@ def test_hybrids(dirs: tuple[Path, Path]) -> None:
     sink = json.loads((workdir(dirs, "hybrids", "rope___sink") / "config.json").read_text())
     assert sink["model"]["attention_sink"] is True
     assert "The papers' claims beside these numbers" in page
+
+
+@pytest.mark.slow  # a pretraining, HF export and import, seven fine-tunes and their evaluation
+def test_context_extension(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(context_extension, dirs)
+    pretrained = "pretrained rope (no fine-tune)"
+    assert set(data["perplexity"]) == {pretrained, *context_extension.ARMS}
+    root = dirs[1] / "context_extension" / "smoke"
+    assert (root / "pretrained_hf" / "model.safetensors").exists()
+    tape = json.loads((root / "TAPE_retrofit_seed0" / "config.json").read_text())
+    assert tape["model"]["position"] == "tape"
+    assert tape["train"]["init_from"] == str(root / "pretrained_converted")
+    cached = json.loads((root / "TAPE_retrofit_seed0" / "extrapolation_T64.json").read_text())
+    assert sorted(int(r["length"]) for r in cached.values()) == [64, 128, 256, 512]
+    for length, stats in data["perplexity"]["TAPE retrofit"].items():
+        (ppl,) = stats["per_seed"]
+        (entry,) = [r for r in cached.values() if r["length"] == int(length)]
+        assert ppl == pytest.approx(math.exp(entry["loss"]), rel=1e-5)
+    assert "python -m copejax.convert --to_hf=" in page and "10x less tokens" in page
 
 
 @pytest.mark.slow  # two tasks, two compiles each

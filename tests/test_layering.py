@@ -48,6 +48,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "config_base",
             "optim",
             "input_pipeline",
+            "hf_config",
+            "hf_weights",
         ),
     ),
     (
@@ -60,9 +62,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "decode",
             "lm_eval",
             "tape_retrofit",
+            "pretrained",
+            "finetune",
         ),
     ),
-    ("programs", ("main", "extrapolate", "sample", "plots", "positions.__main__")),
+    ("programs", ("main", "convert", "extrapolate", "sample", "plots", "positions.__main__")),
 )
 
 

@@ -81,6 +81,20 @@ def test_a_saved_config_with_zero_for_unset_sizes_loads_and_resumes() -> None:
     ]
 
 
+def test_a_saved_config_without_keys_added_later_resumes() -> None:
+    """Configs saved before model.norm_eps and train.init_from existed equal today's at the
+    values that reproduce them (workdir.ADDED_KEYS), and differ at any other value."""
+    from copejax import workdir
+    from copejax.config_base import base_config
+
+    new = workdir.config_to_dict(base_config())
+    old = {**new, "model": dict(new["model"]), "train": dict(new["train"])}
+    del old["model"]["norm_eps"], old["train"]["init_from"]
+    assert workdir.same_run(old, new)
+    new["model"]["norm_eps"] = 1e-5
+    assert workdir.config_differences(old, new) == ["model.norm_eps: 1e-06 -> 1e-05"]
+
+
 def test_unknown_model_keys_are_refused_by_name() -> None:
     from copejax.model_config import ModelConfig
 

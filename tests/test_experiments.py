@@ -16,6 +16,7 @@ from experiments import (
     counting,
     flipflop,
     hybrids,
+    length_generalization,
     lm,
     selective_copy,
     sweep,
@@ -154,3 +155,43 @@ def test_mean_std_and_arm_command() -> None:
         "python -m copejax.main --config=configs/lm.py:cpu,position=cope,gates=values,seed=2"
         " --workdir=/w"
     )
+
+
+def test_length_generalization_summary_and_step_time() -> None:
+    """The study's page numbers from records written here: per-task accuracy over seeds and
+    ms/step from the logged steps/s without the first (compiling) window."""
+    lg = length_generalization
+
+    def records(long: float, test: float, speeds: list[float]) -> list[dict[str, float]]:
+        logs = [{"step": 5 * (i + 1), "train/steps_per_sec": v} for i, v in enumerate(speeds)]
+        return [*logs, {"step": 99, "eval/long/accuracy": long, "eval/test/accuracy": test}]
+
+    key = lg.label("parity_check", "rope")
+    result = sweep.Sweep(
+        study=lg.STUDY,
+        scale="smoke",
+        seeds=[0, 1],
+        records={key: [records(0.5, 1.0, [1.0, 10.0, 20.0, 40.0]), records(0.7, 0.9, [2.0, 50.0])]},
+        commands=[],
+        wall_time_s=1.0,
+        workdirs={},
+    )
+    summary = lg.summarize(result, ["parity_check"])
+    cell = summary["rope"]["parity_check"]
+    assert cell["long"]["per_seed"] == [0.5, 0.7]
+    assert cell["long"]["mean"] == pytest.approx(0.6) and cell["long"]["std"] == pytest.approx(0.1)
+    assert cell["step_ms"]["per_seed"] == [pytest.approx(50.0), pytest.approx(20.0)]
+    assert "| `rope` | 60.0 ± 10.0 |" in lg.table(summary, ["parity_check"], "long")
+    assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
+    assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long")
+
+
+@pytest.mark.slow  # eight arms, one compile each (about a minute on 2 cores)
+def test_length_generalization(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(length_generalization, dirs)
+    record = last_eval_of(workdir(dirs, "length_generalization", "reverse_string__cope"))
+    got = data["results"]["cope"]["reverse_string"]["long"]
+    assert got["per_seed"] == [record["eval/long/accuracy"]]
+    assert f"{100 * record['eval/long/accuracy']:.1f} ± 0.0" in page
+    assert set(data["results"]) == set(length_generalization.ARMS)
+    assert "Not run yet: the x-transformers" in page

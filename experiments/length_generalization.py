@@ -133,6 +133,13 @@ def reading(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> s
             continue
         ranked = sorted(scores, key=lambda arm: -scores[arm]["mean"])
         best, second = ranked[0], ranked[1]
+        tied = [arm for arm in ranked if scores[arm]["mean"] == scores[best]["mean"]]
+        if len(tied) > 1:
+            lines.append(
+                f"`{task}`: {len(tied)} arms tie on the test lengths at "
+                f"{100 * scores[best]['mean']:.1f} % ({', '.join(f'`{a}`' for a in tied)})."
+            )
+            continue
         clear = min(scores[best]["per_seed"]) > max(scores[second]["per_seed"])
         lines.append(
             f"`{task}`: best on the test lengths `{best}` {100 * scores[best]['mean']:.1f} %, "

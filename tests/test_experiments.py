@@ -184,6 +184,16 @@ def test_length_generalization_summary_and_step_time() -> None:
     assert "| `rope` | 60.0 ± 10.0 |" in lg.table(summary, ["parity_check"], "long")
     assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
     assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long")
+    fox = {"long": sweep.spread(0.4, 0.0, [0.4, 0.4])}
+    ranked = lg.reading({"rope": summary["rope"], "fox": {"parity_check": fox}}, ["parity_check"])
+    assert ranked == (
+        "`parity_check`: best on the test lengths `rope` 60.0 %, then `fox` 40.0 % "
+        "(ahead on every seed)."
+    )
+    tie = lg.reading(
+        {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}}, ["parity_check"]
+    )
+    assert tie == "`parity_check`: 2 arms tie on the test lengths at 40.0 % (`rope`, `fox`)."
 
 
 @pytest.mark.slow  # eight arms, one compile each (about a minute on 2 cores)

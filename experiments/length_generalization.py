@@ -4,6 +4,7 @@
     python -m experiments.length_generalization --scale=smoke  # about a minute: 1 task, 8 arms
     python -m experiments.length_generalization --scale=cpu    # the page (hours on 2 cores)
     python -m experiments.length_generalization --scale=paper  # their example's sizes
+    python -m experiments.length_generalization --scale=cpu --peer  # plus x-transformers
 
 Every task of ``configs/length_generalization.py`` with every copejax arm (NoPE, sinusoidal,
 RoPE, ALiBi, learned, CoPE, FoX, randomized positions) over seeds: train on input lengths 1
@@ -12,12 +13,16 @@ split, 41 and up) and over the training lengths (``test``), mean ± std over see
 arm's training step time (median of the logged steps/s after the first window, which holds
 the compilation).
 
-Not done yet (issue 19's second half): the x-transformers peer run side by side on the same
-data, sizes, steps and seeds. The page says so rather than leaving an empty column.
+``--peer`` also trains x-transformers (PyTorch; ``experiments/length_generalization_peer.py``,
+in a side venv it creates) on the same batches with the same sizes, schedule, steps and seeds
+for the arms both have, and puts its accuracy and step time beside copejax's. Without it the
+page says that the peer was not run.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -66,6 +71,16 @@ their code samples random positions at test time too.
 
 Published numbers: the paper's results table is not retrievable offline (only its abstract
 and introduction are), so no published column is shown."""
+
+
+PEER_NOTE = """x-transformers 2.31.10 (torch 2.13.0, CPU) trained by
+`experiments/length_generalization_peer.py` on the batches copejax's trainer feeds, in the
+same order, with the same model sizes, AdamW settings, schedule, clipping, steps and seeds;
+scored with the task's own metric. Its block: pre-norm RMSNorm, SwiGLU MLP of copejax's width,
+tied embeddings, x-transformers' defaults otherwise; `sinusoidal` is its scaled sinusoidal
+embedding (one learned scale) and `fox` its data-dependent ALiBi (forgetting-transformer
+gate). Accuracies agree when the means differ by no more than the larger seed std. Step times
+are medians after five steps, with torch's and XLA's default threads, on a shared machine."""
 
 
 def label(task: str, arm: str) -> str:
@@ -149,8 +164,73 @@ def reading(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> s
     return " ".join(lines)
 
 
+def run_peer(
+    tasks: Sequence[str], scale: str, seeds: Sequence[int], workroot: str, threads: int
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """x-transformers results: arm -> task -> one result dict per seed (cached as JSON under
+    ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them)."""
+    from experiments import length_generalization_peer as peer
+
+    cache = Path(workroot) / STUDY / scale / "peer"
+    cache.mkdir(parents=True, exist_ok=True)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for task in tasks:
+        for arm in peer.ARMS:
+            for seed in seeds:
+                path = cache / f"{task}_{arm}_seed{seed}.json"
+                if not path.exists():
+                    print(f"== peer x-transformers {task}, {arm} seed {seed}", flush=True)
+                    arg = f"{task},{ARGS[scale]},seed={seed}"
+                    path.write_text(json.dumps(peer.run(arg, arm, threads)))
+                out.setdefault(arm, {}).setdefault(task, []).append(json.loads(path.read_text()))
+    return out
+
+
+def peer_section(
+    summary: Mapping[str, Mapping[str, Any]],
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    tasks: Sequence[str],
+) -> str:
+    """copejax beside x-transformers per shared arm and task: test-length accuracy and ms per
+    step, and whether the means agree within the larger of the two seed spreads."""
+    rows = []
+    for arm, by_task in peer.items():
+        for task in tasks:
+            if task not in by_task or task not in summary.get(arm, {}):
+                continue
+            mine = summary[arm][task]
+            values = [r["long/accuracy"] for r in by_task[task]]
+            theirs = sweep.mean_std(values)
+            times = sweep.mean_std([r["step_ms"] for r in by_task[task]])
+            gap = abs(mine["long"]["mean"] - theirs[0])
+            if min(len(values), len(mine["long"]["per_seed"])) < 2:
+                verdict = f"n/a, one seed (gap {100 * gap:.1f})"
+            elif gap <= max(mine["long"]["std"], theirs[1]):
+                verdict = "yes"
+            else:
+                verdict = f"no (gap {100 * gap:.1f})"
+            rows.append(
+                [
+                    f"`{arm}`",
+                    task,
+                    _cell(mine["long"]),
+                    sweep.percent(theirs),
+                    verdict,
+                    _cell(mine["step_ms"], 1.0),
+                    sweep.percent(times, scale=1.0),
+                ]
+            )
+    header = ["arm", "task", "copejax %", "x-transformers %", "within the seed spread",
+              "copejax ms/step", "x-transformers ms/step"]  # fmt: skip
+    return sweep.markdown_table(header, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
-    args = sweep.parse_args(argv, STUDY)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--peer", action="store_true", help="also run x-transformers")
+    extra.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: default)")
+    own, rest = extra.parse_known_args(argv)
+    args = sweep.parse_args(rest, STUDY)
     tasks = SCALE_TASKS[args.scale]
     arms = [
         sweep.Arm(label(task, arm), CONFIG, f"{task},{ARGS[args.scale]},position={arm}")
@@ -161,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
         STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
     )
     summary = summarize(result, tasks)
+    peer = {}
+    if own.peer:
+        seeds = sweep.seeds_for(args, SEEDS[args.scale])
+        peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads)
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),
@@ -204,10 +288,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "",
             time_table(summary, tasks),
             "",
-            "## Peer implementation",
+            "## Peer implementation: x-transformers",
             "",
-            "Not run yet: the x-transformers (PyTorch) arms on the same generated data, sizes, "
-            "steps and seeds, with their step times beside these, are issue 19's second half.",
+            PEER_NOTE
+            if peer
+            else "Not run yet: the x-transformers (PyTorch) arms on the same "
+            "generated data, sizes, steps and seeds (`--peer`).",
+            "",
+            peer_section(summary, peer, tasks) if peer else "",
             "",
             sweep.commands_block(STUDY, args.scale, result),
         ]

@@ -17,6 +17,7 @@ from experiments import (
     flipflop,
     hybrids,
     length_generalization,
+    length_generalization_peer,
     lm,
     selective_copy,
     sweep,
@@ -205,3 +206,63 @@ def test_length_generalization(dirs: tuple[Path, Path]) -> None:
     assert f"{100 * record['eval/long/accuracy']:.1f} ± 0.0" in page
     assert set(data["results"]) == set(length_generalization.ARMS)
     assert "Not run yet: the x-transformers" in page
+
+
+def test_length_generalization_peer_side_by_side() -> None:
+    """The peer table: agreement within the larger seed std, one-seed cells marked n/a."""
+    lg = length_generalization
+    ours = {"long": sweep.spread(0.6, 0.1, [0.5, 0.7]), "step_ms": sweep.spread(5.0, 1.0, [4, 6])}
+    theirs = [{"long/accuracy": a, "step_ms": 20.0} for a in (0.65, 0.75)]
+    far = [{"long/accuracy": a, "step_ms": 30.0} for a in (0.9, 0.9)]
+    table = lg.peer_section(
+        {"rope": {"parity_check": ours, "bucket_sort": ours}},
+        {"rope": {"parity_check": theirs, "bucket_sort": far}},
+        ["parity_check", "bucket_sort"],
+    )
+    assert (
+        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes | 5.0 ± 1.0 | 20.0 ± 0.0 |"
+        in table
+    )
+    assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0) |" in table
+    one = lg.peer_section(
+        {"rope": {"parity_check": {**ours, "long": sweep.spread(0.6, 0.0, [0.6])}}},
+        {"rope": {"parity_check": theirs[:1]}},
+        ["parity_check"],
+    )
+    assert "n/a, one seed (gap 5.0)" in one
+
+
+def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
+    """The peer's learning rate is copejax's schedule; its data are the trainer's batches."""
+    from copejax import input_pipeline, optim
+    from copejax.config_base import load_config
+    from copejax.data.base import make_task
+
+    peer = length_generalization_peer
+    config = load_config(peer.CONFIG, "parity_check,smoke,steps=6,seed=2")
+    for schedule in ("cosine", "linear", "constant"):
+        config.train.update(schedule=schedule, warmup_steps=2, steps=6)
+        reference = optim.learning_rate_schedule(config.train)
+        for step in range(8):
+            got = peer.learning_rate(config.train.to_dict(), step)
+            assert got == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-9)
+    spec = peer.spec_of("parity_check,smoke,steps=3,seed=2", "cope")
+    assert spec["arm"] == "cope" and spec["cope_p_max"] == 64 and spec["seed"] == 2
+    assert spec["mlp_dim"] > 0 and spec["head_dim"] * spec["num_heads"] == spec["d_model"]
+    peer.write_data(spec, tmp_path / "data.npz")
+    data = np.load(tmp_path / "data.npz")
+    task = make_task("parity_check", spec["task_options"])
+    stream = input_pipeline.train_dataset(task, 2, spec["train"]["batch_size"])
+    for step in range(3):
+        np.testing.assert_array_equal(data["train_inputs"][step], stream[step]["inputs"])
+    assert data["long_inputs"].shape[-1] == task.split_length("long")
+    with pytest.raises(ValueError, match="unknown peer arm"):
+        peer.spec_of("parity_check,smoke", "randomized")
+
+
+@pytest.mark.slow  # creates the side venv (torch, x-transformers) on first use
+def test_length_generalization_peer_trains() -> None:
+    results = length_generalization_peer.run("parity_check,smoke,steps=3", "rope", threads=1)
+    for split in ("test", "long"):
+        assert 0.0 <= results[f"{split}/accuracy"] <= 1.0
+    assert results["step_ms"] > 0 and results["threads"] == 1

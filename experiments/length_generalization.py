@@ -42,6 +42,8 @@ TASKS = (
     "parity_check",
 )
 ARMS = ("nope", "sinusoidal", "rope", "alibi", "learned", "cope", "fox", "randomized")
+# Arm options beyond ``position=<arm>``: the randomized arm samples at evaluation as well.
+ARM_OPTIONS = {"randomized": ",sample_at_eval=True"}
 SCALE_TASKS = {"smoke": ("reverse_string",), "cpu": TASKS, "paper": TASKS}
 ARGS = {"smoke": "smoke,steps=10", "cpu": "cpu", "paper": "paper"}
 SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
@@ -65,9 +67,8 @@ argmax scored per token, as their accuracy is). Their batches share one length (
 batch); here lengths are drawn per example and padded. Their `experiments/example.py` trains
 the randomised relative encoding (`NOISY_RELATIVE`, Transformer-XL's with randomised
 positions); copejax's `randomized` arm randomises sinusoidal absolute positions (its default
-`encoding`) and is evaluated at positions 0 to T - 1: the scheme's default
-(`sample_at_eval=False`), because copejax's evaluation step passes no positions rng, where
-their code samples random positions at test time too.
+`encoding`) and, as their code does, samples positions at evaluation too
+(`sample_at_eval=True`, one fixed key per evaluation).
 
 Published numbers: the paper's results table is not retrievable offline (only its abstract
 and introduction are), so no published column is shown."""
@@ -233,7 +234,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
     args = sweep.parse_args(rest, STUDY)
     tasks = SCALE_TASKS[args.scale]
     arms = [
-        sweep.Arm(label(task, arm), CONFIG, f"{task},{ARGS[args.scale]},position={arm}")
+        sweep.Arm(
+            label(task, arm),
+            CONFIG,
+            f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}",
+        )
         for task in tasks
         for arm in ARMS
     ]

@@ -136,10 +136,13 @@ def test_length_generalization_task_word_and_shortcuts() -> None:
 
 
 def test_length_generalization_smoke_trains(tmp_path: Path) -> None:
-    """End to end: a few steps of the smoke config train, evaluate both splits per length."""
+    """End to end: a few steps of the smoke config train, evaluate both splits per length;
+    with the randomized arm sampling positions at evaluation too, as Ruoss et al. do (the
+    evaluation step passes a positions rng)."""
     from copejax import train
 
-    config = load("length_generalization").get_config("binary_addition,smoke,steps=3")
+    arg = "binary_addition,smoke,steps=3,position=randomized,sample_at_eval=True"
+    config = load("length_generalization").get_config(arg)
     config.train.update(eval_every=3, checkpoint_every=3, log_every=1)
     metrics = train.run(config, tmp_path / "run")
     for split in ("test", "long"):

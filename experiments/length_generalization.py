@@ -114,6 +114,22 @@ def summarize(result: sweep.Sweep, tasks: Sequence[str]) -> dict[str, dict[str, 
     return out
 
 
+def length_curves(result: sweep.Sweep, task: str) -> dict[str, list[list[tuple[float, float]]]]:
+    """arm -> per seed, (input length, accuracy) over the training and test lengths of the
+    last evaluation (``test/accuracy/<n>`` and ``long/accuracy/<n>``)."""
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for arm in ARMS:
+        for records in result.records.get(label(task, arm), []):
+            final = sweep.last_eval(records)
+            points = {
+                int(key.rsplit("/", 1)[1]): float(value)
+                for key, value in final.items()
+                if key.startswith(("test/accuracy/", "long/accuracy/"))
+            }
+            curves.setdefault(arm, []).append(sorted(points.items()))
+    return curves
+
+
 def table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], split: str) -> str:
     """Rows: arms; columns: tasks; cells: accuracy % mean ± std over seeds."""
     rows = []
@@ -261,6 +277,17 @@ def main(argv: Sequence[str] | None = None) -> Path:
         ylabel="accuracy on the test lengths",
         title="Length generalisation (Ruoss et al. 2023 tasks)",
     )
+    curve_images = []
+    for task in tasks:
+        path = sweep.plot_path(args.out, STUDY, args.scale, task)
+        sweep.curve_plot(
+            length_curves(result, task),
+            path,
+            xlabel="input length n",
+            ylabel="per-token accuracy",
+            title=f"{task}: accuracy by input length",
+        )
+        curve_images.append(f"![{task}]({path.name})")
     page = "\n".join(
         [
             sweep.header(
@@ -281,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
             f"![accuracy]({plot.name})",
             "",
             reading(summary, tasks),
+            "",
+            "Accuracy by input length (mean over seeds, band: one std), last evaluation:",
+            "",
+            *curve_images,
             "",
             "## Accuracy on the training lengths",
             "",

@@ -165,7 +165,9 @@ def test_length_generalization_summary_and_step_time() -> None:
 
     def records(long: float, test: float, speeds: list[float]) -> list[dict[str, float]]:
         logs = [{"step": 5 * (i + 1), "train/steps_per_sec": v} for i, v in enumerate(speeds)]
-        return [*logs, {"step": 99, "eval/long/accuracy": long, "eval/test/accuracy": test}]
+        final = {"eval/long/accuracy": long, "eval/test/accuracy": test}
+        final.update({"eval/test/accuracy/2": test, "eval/long/accuracy/50": long})
+        return [*logs, {"step": 99, **final}]
 
     key = lg.label("parity_check", "rope")
     result = sweep.Sweep(
@@ -185,6 +187,9 @@ def test_length_generalization_summary_and_step_time() -> None:
     assert "| `rope` | 60.0 ± 10.0 |" in lg.table(summary, ["parity_check"], "long")
     assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
     assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long")
+    assert lg.length_curves(result, "parity_check") == {
+        "rope": [[(2, 1.0), (50, 0.5)], [(2, 0.9), (50, 0.7)]]
+    }
     fox = {"long": sweep.spread(0.4, 0.0, [0.4, 0.4])}
     ranked = lg.reading({"rope": summary["rope"], "fox": {"parity_check": fox}}, ["parity_check"])
     assert ranked == (

@@ -23,9 +23,12 @@ split is padded to the split's longest document, T = max over n of n + (outputs 
 
 Metrics: per input length n, sums ``correct/<n>`` and ``count/<n>`` of scored tokens and
 ``exact/<n>``, ``sequences/<n>`` of whole outputs; :meth:`LengthTask.summarize` gives
-``accuracy`` = the per-output-token accuracy of each length averaged over the split's lengths
-(their score: ``np.mean`` of per-length accuracies over lengths 41 and up), ``error`` = 1 -
-accuracy, ``exact_match`` (whole outputs, pooled) and ``accuracy/<n>`` per length.
+``accuracy`` = the per-output-token accuracy of each length averaged over the split's lengths,
+``error`` = 1 - accuracy, ``exact_match`` (whole outputs, pooled) and ``accuracy/<n>`` per
+length. Their score is the same mean of per-length accuracies (each pooled over the tokens of
+a 64-sequence sub-batch, then averaged over sub-batches; here pooled over all sequences of the
+length), but ``experiments/example.py`` takes ``accuracies[41:]`` of a list that starts at
+length 1, i.e. lengths 42 and up; the ``long`` split starts at 41.
 """
 
 from __future__ import annotations

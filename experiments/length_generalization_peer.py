@@ -5,12 +5,13 @@ the same generated data, with the same sizes, steps, schedule and seeds as a cop
         --config=reverse_string,smoke --out=/tmp/peer_rope.json
 
 Nobody here wrote x-transformers; it runs in a side venv this module creates
-(``workdirs/.venv-xtransformers``: ``torch==2.13.0``, ``x-transformers==2.31.10``), so the
-core package never depends on it. The copejax side (this process) writes the exact batches
-copejax's trainer feeds (``copejax.input_pipeline.train_dataset``, the seed's shuffle) and the
-evaluation batches to an ``.npz``; the worker (``--worker``, run by the side venv's Python)
-trains on them in order and scores greedy predictions with the task's own ``metrics`` and
-``summarize`` (NumPy only, imported from ``copejax/data``).
+(``workdirs/.venv-xtransformers``: ``torch==2.13.0``, ``x-transformers==2.31.10`` and their
+dependencies, pinned in ``PINS``), so the core package never depends on it. The copejax side
+(this process) writes the exact batches copejax's trainer feeds
+(``copejax.input_pipeline.train_dataset``, the seed's shuffle) and the evaluation batches to
+an ``.npz``; the worker (``--worker``, run by the side venv's Python) trains on them in order
+and scores greedy predictions with the task's own ``metrics`` and ``summarize`` (NumPy only,
+imported from ``copejax/data``).
 
 Arms (``--arm``, copejax's scheme names) and the x-transformers switches they set:
 ``nope`` (no absolute embedding), ``sinusoidal`` (``scaled_sinu_pos_emb``: sinusoidal with one
@@ -40,19 +41,30 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_VENV = ROOT / "workdirs" / ".venv-xtransformers"
-PINS = ("torch==2.13.0", "x-transformers==2.31.10", "numpy")
+PINS = (
+    "torch==2.13.0",
+    "x-transformers==2.31.10",
+    "einops==0.8.2",
+    "einx==0.4.3",
+    "loguru==0.7.3",
+    "torch-einops-utils==0.2.0",
+    "numpy==2.4.6",
+)
 CONFIG = ROOT / "configs" / "length_generalization.py"
 ARMS = ("nope", "sinusoidal", "learned", "rope", "alibi", "cope", "fox")
 EVAL_SPLITS = ("test", "long")
 
 
 def ensure_venv() -> Path:
-    """The side venv's Python, created and installed on first use."""
-    python = PEER_VENV / "bin" / "python"
+    """The side venv's Python, created on first use and (re)installed whenever ``PINS``
+    differ from the ones it was installed with (``pins.txt`` in the venv)."""
+    python, marker = PEER_VENV / "bin" / "python", PEER_VENV / "pins.txt"
     if not python.exists():
         venv.EnvBuilder(with_pip=True).create(PEER_VENV)
+    if not marker.exists() or marker.read_text().split() != list(PINS):
         install = [str(python), "-m", "pip", "install", "--quiet", *PINS]
         subprocess.run(install, check=True)
+        marker.write_text("\n".join(PINS) + "\n")
     return python
 
 

@@ -189,3 +189,12 @@ def test_bad_options_are_refused(options: dict, match: str) -> None:
         make_task("reverse_string", options)
     with pytest.raises(ValueError, match="allowed splits"):
         make_task("parity_check").source("valid", seed=0)
+
+
+@pytest.mark.parametrize("name", ["binary_addition", "missing_duplicate"])
+def test_decode_example_reads_input_and_output(name: str) -> None:
+    task = make_task(name, SMALL)
+    source = task.source("long", seed=4)
+    for index in range(5):
+        inputs, outputs, _ = read(task.vocab, source[index])
+        assert task.decode_example(source[index]) == (inputs, outputs)

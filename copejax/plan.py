@@ -66,6 +66,8 @@ def check_lengths(cfg: ModelConfig, lengths: Mapping[str, int], params: Any) -> 
     """Traces the model at every split length longer than training; raises ValueError naming
     the split when the scheme cannot take it (e.g. a learned table shorter than the split)."""
     model = Transformer(cfg)
+    # a positions rng for schemes that sample at evaluation (randomized, sample_at_eval)
+    rngs = {"positions": jax.random.key(0)}
     done = {lengths["train"]}
     for split, length in sorted(lengths.items(), key=lambda item: item[1]):
         if length in done:
@@ -74,7 +76,10 @@ def check_lengths(cfg: ModelConfig, lengths: Mapping[str, int], params: Any) -> 
         tokens, positions = _tokens(length)
         try:
             jax.eval_shape(
-                lambda p, t, q: model.apply({"params": p}, t, q), params, tokens, positions
+                lambda p, t, q: model.apply({"params": p}, t, q, rngs=rngs),
+                params,
+                tokens,
+                positions,
             )
         except ValueError as error:
             raise ValueError(

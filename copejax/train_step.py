@@ -41,6 +41,16 @@ def rngs_for_step(seed: int, step: jax.Array) -> dict[str, jax.Array]:
     return {"dropout": dropout_key, "positions": positions_key}
 
 
+EVAL_STREAM = 2**31 - 1  # fold_in data of the evaluation rngs (a step no run reaches)
+
+
+def eval_rngs(seed: int) -> dict[str, jax.Array]:
+    """The evaluation rngs: a fixed ``positions`` key of the seed, for schemes that sample at
+    evaluation too (``randomized`` with ``sample_at_eval=True``, as Ruoss et al. 2023 do);
+    every evaluation batch draws with it, so evaluations are reproducible."""
+    return {"positions": jax.random.fold_in(jax.random.key(seed), EVAL_STREAM)}
+
+
 def masked_loss_sums(
     logits_BTV: jax.Array, targets_BT: jax.Array, loss_mask_BT: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -185,6 +195,7 @@ def make_steps(
             batch["positions"],
             batch["segment_ids"],
             deterministic=True,
+            rngs=eval_rngs(seed),
         )
         loss_sum, scored = masked_loss_sums(logits_BTV, batch["targets"], batch["loss_mask"])
         predictions_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)

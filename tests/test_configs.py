@@ -101,3 +101,50 @@ def test_paper_tape_uses_the_appendix_sizes(name: str) -> None:
     assert plan.model_config.resolved_head_dim == 64  # B = 64
     assert scheme.hidden == 48 and scheme.psi_input == "head"
     assert not load(name).get_config("cpu,position=tape").model.position_options
+
+
+LG_TASKS = load("length_generalization").TASKS
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("task_name", LG_TASKS)
+def test_length_generalization_configs_validate(task_name: str, variant: str) -> None:
+    """Every suite task at every size: a valid plan, the protocol's training lengths (1 to 40
+    outside smoke) and every eval split fitting ``model.max_len``."""
+    config = load("length_generalization").get_config(f"{task_name},{variant}")
+    assert config.task.name == task_name
+    plan = validate(config, device_count=1)
+    task = make_task(task_name, config.task.options.to_dict())
+    assert plan.eval_splits == ("test", "long")
+    assert max(task.split_length(s) for s in plan.eval_splits) == plan.model_config.max_len
+    if variant != "smoke":
+        assert task.lengths("train") == tuple(range(1, 41))
+        assert task.lengths("long")[0] == 41
+
+
+def test_length_generalization_task_word_and_shortcuts() -> None:
+    module = load("length_generalization")
+    assert module.get_config(None).task.name == "reverse_string"
+    arg = "parity_check,smoke,position=cope,train_max=5,test_max=9,test_step=1"
+    config = module.get_config(arg)
+    assert config.task.name == "parity_check" and config.model.position == "cope"
+    assert config.task.options.max_train_length == 5 and config.model.max_len == 9 + 1
+    with pytest.raises(ValueError, match="at most one task"):
+        module.get_config("parity_check,bucket_sort")
+    with pytest.raises(ValueError, match="nonsense"):
+        module.get_config("smoke,nonsense=1")
+
+
+def test_length_generalization_smoke_trains(tmp_path: Path) -> None:
+    """End to end: a few steps of the smoke config train, evaluate both splits per length;
+    with the randomized arm sampling positions at evaluation too, as Ruoss et al. do (the
+    evaluation step passes a positions rng)."""
+    from copejax import train
+
+    arg = "binary_addition,smoke,steps=3,position=randomized,sample_at_eval=True"
+    config = load("length_generalization").get_config(arg)
+    config.train.update(eval_every=3, checkpoint_every=3, log_every=1)
+    metrics = train.run(config, tmp_path / "run")
+    for split in ("test", "long"):
+        assert 0.0 <= metrics[f"eval/{split}/accuracy"] <= 1.0
+    assert {f"eval/long/accuracy/{n}" for n in (9, 13, 17)} <= set(metrics)

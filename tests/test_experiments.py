@@ -17,6 +17,8 @@ from experiments import (
     counting,
     flipflop,
     hybrids,
+    length_generalization,
+    length_generalization_peer,
     lm,
     selective_copy,
     sweep,
@@ -174,3 +176,118 @@ def test_mean_std_and_arm_command() -> None:
         "python -m copejax.main --config=configs/lm.py:cpu,position=cope,gates=values,seed=2"
         " --workdir=/w"
     )
+
+
+def test_length_generalization_summary_and_step_time() -> None:
+    """The study's page numbers from records written here: per-task accuracy over seeds and
+    ms/step from the logged steps/s without the first (compiling) window."""
+    lg = length_generalization
+
+    def records(long: float, test: float, speeds: list[float]) -> list[dict[str, float]]:
+        logs = [{"step": 5 * (i + 1), "train/steps_per_sec": v} for i, v in enumerate(speeds)]
+        final = {"eval/long/accuracy": long, "eval/test/accuracy": test}
+        final.update({"eval/test/accuracy/2": test, "eval/long/accuracy/50": long})
+        return [*logs, {"step": 99, **final}]
+
+    key = lg.label("parity_check", "rope")
+    result = sweep.Sweep(
+        study=lg.STUDY,
+        scale="smoke",
+        seeds=[0, 1],
+        records={key: [records(0.5, 1.0, [1.0, 10.0, 20.0, 40.0]), records(0.7, 0.9, [2.0, 50.0])]},
+        commands=[],
+        wall_time_s=1.0,
+        workdirs={},
+    )
+    summary = lg.summarize(result, ["parity_check"])
+    cell = summary["rope"]["parity_check"]
+    assert cell["long"]["per_seed"] == [0.5, 0.7]
+    assert cell["long"]["mean"] == pytest.approx(0.6) and cell["long"]["std"] == pytest.approx(0.1)
+    assert cell["step_ms"]["per_seed"] == [pytest.approx(50.0), pytest.approx(20.0)]
+    assert "| `rope` | 60.0 ± 10.0 |" in lg.table(summary, ["parity_check"], "long")
+    assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
+    assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long")
+    assert lg.length_curves(result, "parity_check") == {
+        "rope": [[(2, 1.0), (50, 0.5)], [(2, 0.9), (50, 0.7)]]
+    }
+    fox = {"long": sweep.spread(0.4, 0.0, [0.4, 0.4])}
+    ranked = lg.reading({"rope": summary["rope"], "fox": {"parity_check": fox}}, ["parity_check"])
+    assert ranked == (
+        "`parity_check`: best on the test lengths `rope` 60.0 %, then `fox` 40.0 % "
+        "(ahead on every seed)."
+    )
+    tie = lg.reading(
+        {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}}, ["parity_check"]
+    )
+    assert tie == "`parity_check`: 2 arms tie on the test lengths at 40.0 % (`rope`, `fox`)."
+
+
+@pytest.mark.slow  # eight arms, one compile each (about a minute on 2 cores)
+def test_length_generalization(dirs: tuple[Path, Path]) -> None:
+    page, data = run_study(length_generalization, dirs)
+    record = last_eval_of(workdir(dirs, "length_generalization", "reverse_string__cope"))
+    got = data["results"]["cope"]["reverse_string"]["long"]
+    assert got["per_seed"] == [record["eval/long/accuracy"]]
+    assert f"{100 * record['eval/long/accuracy']:.1f} ± 0.0" in page
+    assert set(data["results"]) == set(length_generalization.ARMS)
+    assert "Not run yet: the x-transformers" in page
+
+
+def test_length_generalization_peer_side_by_side() -> None:
+    """The peer table: agreement within the larger seed std, one-seed cells marked n/a."""
+    lg = length_generalization
+    ours = {"long": sweep.spread(0.6, 0.1, [0.5, 0.7]), "step_ms": sweep.spread(5.0, 1.0, [4, 6])}
+    theirs = [{"long/accuracy": a, "step_ms": 20.0} for a in (0.65, 0.75)]
+    far = [{"long/accuracy": a, "step_ms": 30.0} for a in (0.9, 0.9)]
+    table = lg.peer_section(
+        {"rope": {"parity_check": ours, "bucket_sort": ours}},
+        {"rope": {"parity_check": theirs, "bucket_sort": far}},
+        ["parity_check", "bucket_sort"],
+    )
+    assert (
+        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes | 5.0 ± 1.0 | 20.0 ± 0.0 |"
+        in table
+    )
+    assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0) |" in table
+    one = lg.peer_section(
+        {"rope": {"parity_check": {**ours, "long": sweep.spread(0.6, 0.0, [0.6])}}},
+        {"rope": {"parity_check": theirs[:1]}},
+        ["parity_check"],
+    )
+    assert "n/a, one seed (gap 5.0)" in one
+
+
+def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
+    """The peer's learning rate is copejax's schedule; its data are the trainer's batches."""
+    from copejax import input_pipeline, optim
+    from copejax.config_base import load_config
+    from copejax.data.base import make_task
+
+    peer = length_generalization_peer
+    config = load_config(peer.CONFIG, "parity_check,smoke,steps=6,seed=2")
+    for schedule in ("cosine", "linear", "constant"):
+        config.train.update(schedule=schedule, warmup_steps=2, steps=6)
+        reference = optim.learning_rate_schedule(config.train)
+        for step in range(8):
+            got = peer.learning_rate(config.train.to_dict(), step)
+            assert got == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-9)
+    spec = peer.spec_of("parity_check,smoke,steps=3,seed=2", "cope")
+    assert spec["arm"] == "cope" and spec["cope_p_max"] == 64 and spec["seed"] == 2
+    assert spec["mlp_dim"] > 0 and spec["head_dim"] * spec["num_heads"] == spec["d_model"]
+    peer.write_data(spec, tmp_path / "data.npz")
+    data = np.load(tmp_path / "data.npz")
+    task = make_task("parity_check", spec["task_options"])
+    stream = input_pipeline.train_dataset(task, 2, spec["train"]["batch_size"])
+    for step in range(3):
+        np.testing.assert_array_equal(data["train_inputs"][step], stream[step]["inputs"])
+    assert data["long_inputs"].shape[-1] == task.split_length("long")
+    with pytest.raises(ValueError, match="unknown peer arm"):
+        peer.spec_of("parity_check,smoke", "randomized")
+
+
+@pytest.mark.slow  # creates the side venv (torch, x-transformers) on first use
+def test_length_generalization_peer_trains() -> None:
+    results = length_generalization_peer.run("parity_check,smoke,steps=3", "rope", threads=1)
+    for split in ("test", "long"):
+        assert 0.0 <= results[f"{split}/accuracy"] <= 1.0
+    assert results["step_ms"] > 0 and results["threads"] == 1

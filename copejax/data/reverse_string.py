@@ -1,0 +1,32 @@
+"""Reverse string (Ruoss et al. 2023, arXiv 2305.16843; task of Deletang et al. 2023, arXiv
+2207.02098): a uniform binary string s_1 ... s_n, output s_n ... s_1 (n outputs).
+
+Framing, splits and metrics: :mod:`copejax.data._length_suite`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from copejax.data._length_suite import LengthTask, random_symbols
+from copejax.data.base import register_task
+
+
+@register_task
+@dataclasses.dataclass(frozen=True)
+class ReverseString(LengthTask):
+    """s -> reversed(s), binary."""
+
+    name: ClassVar[str] = "reverse_string"
+    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
+    symbols: ClassVar[tuple[str, ...]] = ("0", "1")
+
+    def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:
+        string = random_symbols(rng, length, 2)
+        return string, string[::-1]
+
+    def output_length(self, length: int) -> int:
+        return length

@@ -1,0 +1,343 @@
+"""Study: length generalisation on the task suite of Ruoss et al. 2023 (arXiv 2305.16843),
+"Randomized positional encodings boost length generalization of transformers".
+
+    python -m experiments.length_generalization --scale=smoke  # about a minute: 1 task, 8 arms
+    python -m experiments.length_generalization --scale=cpu    # the page (hours on 2 cores)
+    python -m experiments.length_generalization --scale=paper  # their example's sizes
+    python -m experiments.length_generalization --scale=cpu --peer  # plus x-transformers
+
+Every task of ``configs/length_generalization.py`` with every copejax arm (NoPE, sinusoidal,
+RoPE, ALiBi, learned, CoPE, FoX, randomized positions) over seeds: train on input lengths 1
+to 40, report the per-output-token accuracy averaged over the test lengths (the ``long``
+split, 41 and up) and over the training lengths (``test``), mean ± std over seeds, and each
+arm's training step time (median of the logged steps/s after the first window, which holds
+the compilation).
+
+``--peer`` also trains x-transformers (PyTorch; ``experiments/length_generalization_peer.py``,
+in a side venv it creates) on the same batches with the same sizes, schedule, steps and seeds
+for the arms both have, and puts its accuracy and step time beside copejax's. Without it the
+page says that the peer was not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments import sweep
+
+STUDY = "length_generalization"
+CONFIG = "configs/length_generalization.py"
+TASKS = (
+    "reverse_string",
+    "duplicate_string",
+    "odds_first",
+    "bucket_sort",
+    "missing_duplicate",
+    "binary_addition",
+    "parity_check",
+)
+ARMS = ("nope", "sinusoidal", "rope", "alibi", "learned", "cope", "fox", "randomized")
+# Arm options beyond ``position=<arm>``: the randomized arm samples at evaluation as well.
+ARM_OPTIONS = {"randomized": ",sample_at_eval=True"}
+SCALE_TASKS = {"smoke": ("reverse_string",), "cpu": TASKS, "paper": TASKS}
+ARGS = {"smoke": "smoke,steps=10", "cpu": "cpu", "paper": "paper"}
+SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
+SPLITS = {"long": "test lengths (41 and up)", "test": "training lengths (1 to 40)"}
+NOTES = {
+    "smoke": "Smoke scale: 10 steps of a tiny model on inputs of 1 to 8 symbols, tested at 9, "
+    "13 and 17; checks the pipeline only.",
+    "cpu": """The `cpu` scale: the protocol's training lengths (1 to 40, drawn per example),
+tested at 41 to 161 in steps of 8 with 16 sequences per length; a 3-layer, D = 64, 4-head
+model, 2,000 steps of batch 32 at lr 1e-3. Their example trains a 5-layer model for 10,000
+steps of batch 128 (the `paper` scale) and evaluates 512 sequences per length.""",
+    "paper": """The `paper` scale: their `experiments/example.py` (5 layers, D = 64, 8 heads,
+MLP 4 D, dropout 0.1, batch 128, 10,000 steps, Adam lr 1e-3, clip 1), tested at 41 to 500
+with 512 sequences per length; meant for an accelerator.""",
+}
+DIFFERENCES = """How this differs from Ruoss et al.: their model is an encoder (post-norm,
+bidirectional attention) that reads the input followed by one empty query per output token and
+emits all outputs at once; copejax's is a causal pre-norm decoder that reads `input <sep>
+output` and predicts each output token from the true previous ones (teacher forcing; greedy
+argmax scored per token, as their accuracy is). Their batches share one length (drawn per
+batch); here lengths are drawn per example and padded. Their `experiments/example.py` trains
+the randomised relative encoding (`NOISY_RELATIVE`, Transformer-XL's with randomised
+positions); copejax's `randomized` arm randomises sinusoidal absolute positions (its default
+`encoding`) and, as their code does, samples positions at evaluation too
+(`sample_at_eval=True`, one fixed key per evaluation).
+
+Published numbers: the paper's results table is not retrievable offline (only its abstract
+and introduction are), so no published column is shown."""
+
+
+PEER_NOTE = """x-transformers 2.31.10 (torch 2.13.0, CPU) trained by
+`experiments/length_generalization_peer.py` on the batches copejax's trainer feeds, in the
+same order, with the same model sizes, AdamW settings, schedule, clipping, steps and seeds;
+scored with the task's own metric. Its block: pre-norm RMSNorm, SwiGLU MLP of copejax's width,
+tied embeddings, x-transformers' defaults otherwise; `sinusoidal` is its scaled sinusoidal
+embedding (one learned scale) and `fox` its data-dependent ALiBi (forgetting-transformer
+gate). Accuracies agree when the means differ by no more than the larger seed std. Step times
+are medians after five steps, with torch's and XLA's default threads, on a shared machine."""
+
+
+def label(task: str, arm: str) -> str:
+    return f"{task}, {arm}"
+
+
+def step_ms(records: Sequence[Mapping[str, float]]) -> float:
+    """Milliseconds per training step: 1000 / the median logged steps/s, the first logged
+    window (compilation) left out when there are others."""
+    speeds = [r["train/steps_per_sec"] for r in records if "train/steps_per_sec" in r]
+    speeds = speeds[1:] if len(speeds) > 1 else speeds
+    return 1000.0 / statistics.median(speeds) if speeds else float("nan")
+
+
+def summarize(result: sweep.Sweep, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """arm -> task -> {split: spread of accuracy, "step_ms": spread}."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        for task in tasks:
+            key = label(task, arm)
+            if key not in result.records:
+                continue
+            cell: dict[str, Any] = {}
+            for split in SPLITS:
+                values = result.final(key, f"{split}/accuracy")
+                cell[split] = sweep.spread(*sweep.mean_std(values), values)
+            times = [step_ms(r) for r in result.records[key]]
+            cell["step_ms"] = sweep.spread(*sweep.mean_std(times), times)
+            out.setdefault(arm, {})[task] = cell
+    return out
+
+
+def length_curves(result: sweep.Sweep, task: str) -> dict[str, list[list[tuple[float, float]]]]:
+    """arm -> per seed, (input length, accuracy) over the training and test lengths of the
+    last evaluation (``test/accuracy/<n>`` and ``long/accuracy/<n>``)."""
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    for arm in ARMS:
+        for records in result.records.get(label(task, arm), []):
+            final = sweep.last_eval(records)
+            points = {
+                int(key.rsplit("/", 1)[1]): float(value)
+                for key, value in final.items()
+                if key.startswith(("test/accuracy/", "long/accuracy/"))
+            }
+            curves.setdefault(arm, []).append(sorted(points.items()))
+    return curves
+
+
+def table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], split: str) -> str:
+    """Rows: arms; columns: tasks; cells: accuracy % mean ± std over seeds."""
+    rows = []
+    for arm, by_task in summary.items():
+        cells = []
+        for task in tasks:
+            cell = by_task.get(task)
+            cells.append("-" if cell is None else _cell(cell[split]))
+        rows.append([f"`{arm}`", *cells])
+    return sweep.markdown_table(["arm", *(f"{t} %" for t in tasks)], rows)
+
+
+def time_table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> str:
+    """Rows: arms; columns: tasks; cells: ms per training step, mean ± std over seeds."""
+    rows = [
+        [f"`{arm}`", *(_cell(by_task[t]["step_ms"], 1.0) if t in by_task else "-" for t in tasks)]
+        for arm, by_task in summary.items()
+    ]
+    return sweep.markdown_table(["arm", *(f"{t} ms/step" for t in tasks)], rows)
+
+
+def _cell(spread: Mapping[str, Any], scale: float = 100.0) -> str:
+    return sweep.percent((spread["mean"], spread["std"]), scale=scale)
+
+
+def reading(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> str:
+    """Per task, the arms ranked by accuracy on the test lengths, and whether the best is
+    ahead of the runner-up on every seed."""
+    lines = []
+    for task in tasks:
+        scores = {arm: by_task[task]["long"] for arm, by_task in summary.items() if task in by_task}
+        if len(scores) < 2:
+            continue
+        ranked = sorted(scores, key=lambda arm: -scores[arm]["mean"])
+        best, second = ranked[0], ranked[1]
+        tied = [arm for arm in ranked if scores[arm]["mean"] == scores[best]["mean"]]
+        if len(tied) > 1:
+            lines.append(
+                f"`{task}`: {len(tied)} arms tie on the test lengths at "
+                f"{100 * scores[best]['mean']:.1f} % ({', '.join(f'`{a}`' for a in tied)})."
+            )
+            continue
+        clear = min(scores[best]["per_seed"]) > max(scores[second]["per_seed"])
+        lines.append(
+            f"`{task}`: best on the test lengths `{best}` {100 * scores[best]['mean']:.1f} %, "
+            f"then `{second}` {100 * scores[second]['mean']:.1f} % "
+            f"({'ahead on every seed' if clear else 'the seeds overlap'})."
+        )
+    return " ".join(lines)
+
+
+def run_peer(
+    tasks: Sequence[str], scale: str, seeds: Sequence[int], workroot: str, threads: int
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """x-transformers results: arm -> task -> one result dict per seed (cached as JSON under
+    ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them)."""
+    from experiments import length_generalization_peer as peer
+
+    cache = Path(workroot) / STUDY / scale / "peer"
+    cache.mkdir(parents=True, exist_ok=True)
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for task in tasks:
+        for arm in peer.ARMS:
+            for seed in seeds:
+                path = cache / f"{task}_{arm}_seed{seed}.json"
+                if not path.exists():
+                    print(f"== peer x-transformers {task}, {arm} seed {seed}", flush=True)
+                    arg = f"{task},{ARGS[scale]},seed={seed}"
+                    path.write_text(json.dumps(peer.run(arg, arm, threads)))
+                out.setdefault(arm, {}).setdefault(task, []).append(json.loads(path.read_text()))
+    return out
+
+
+def peer_section(
+    summary: Mapping[str, Mapping[str, Any]],
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    tasks: Sequence[str],
+) -> str:
+    """copejax beside x-transformers per shared arm and task: test-length accuracy and ms per
+    step, and whether the means agree within the larger of the two seed spreads."""
+    rows = []
+    for arm, by_task in peer.items():
+        for task in tasks:
+            if task not in by_task or task not in summary.get(arm, {}):
+                continue
+            mine = summary[arm][task]
+            values = [r["long/accuracy"] for r in by_task[task]]
+            theirs = sweep.mean_std(values)
+            times = sweep.mean_std([r["step_ms"] for r in by_task[task]])
+            gap = abs(mine["long"]["mean"] - theirs[0])
+            if min(len(values), len(mine["long"]["per_seed"])) < 2:
+                verdict = f"n/a, one seed (gap {100 * gap:.1f})"
+            elif gap <= max(mine["long"]["std"], theirs[1]):
+                verdict = "yes"
+            else:
+                verdict = f"no (gap {100 * gap:.1f})"
+            rows.append(
+                [
+                    f"`{arm}`",
+                    task,
+                    _cell(mine["long"]),
+                    sweep.percent(theirs),
+                    verdict,
+                    _cell(mine["step_ms"], 1.0),
+                    sweep.percent(times, scale=1.0),
+                ]
+            )
+    header = ["arm", "task", "copejax %", "x-transformers %", "within the seed spread",
+              "copejax ms/step", "x-transformers ms/step"]  # fmt: skip
+    return sweep.markdown_table(header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--peer", action="store_true", help="also run x-transformers")
+    extra.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: default)")
+    own, rest = extra.parse_known_args(argv)
+    args = sweep.parse_args(rest, STUDY)
+    tasks = SCALE_TASKS[args.scale]
+    arms = [
+        sweep.Arm(
+            label(task, arm),
+            CONFIG,
+            f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}",
+        )
+        for task in tasks
+        for arm in ARMS
+    ]
+    result = sweep.run_sweep(
+        STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
+    )
+    summary = summarize(result, tasks)
+    peer = {}
+    if own.peer:
+        seeds = sweep.seeds_for(args, SEEDS[args.scale])
+        peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads)
+    plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
+    sweep.bar_plot(
+        list(tasks),
+        {
+            arm: [(c["long"]["mean"], c["long"]["std"]) for c in by.values()]
+            for arm, by in summary.items()
+        },
+        plot,
+        ylabel="accuracy on the test lengths",
+        title="Length generalisation (Ruoss et al. 2023 tasks)",
+    )
+    curve_images = []
+    for task in tasks:
+        path = sweep.plot_path(args.out, STUDY, args.scale, task)
+        sweep.curve_plot(
+            length_curves(result, task),
+            path,
+            xlabel="input length n",
+            ylabel="per-token accuracy",
+            title=f"{task}: accuracy by input length",
+        )
+        curve_images.append(f"![{task}]({path.name})")
+    page = "\n".join(
+        [
+            sweep.header(
+                "Length generalisation on the Ruoss et al. 2023 tasks (arXiv 2305.16843)",
+                args.scale,
+                result,
+                NOTES[args.scale],
+            ),
+            DIFFERENCES,
+            "",
+            "## Accuracy on the test lengths",
+            "",
+            "Per-output-token accuracy of each test length, averaged over the lengths (their "
+            "score), last evaluation, mean ± std over seeds.",
+            "",
+            table(summary, tasks, "long"),
+            "",
+            f"![accuracy]({plot.name})",
+            "",
+            reading(summary, tasks),
+            "",
+            "Accuracy by input length (mean over seeds, band: one std), last evaluation:",
+            "",
+            *curve_images,
+            "",
+            "## Accuracy on the training lengths",
+            "",
+            table(summary, tasks, "test"),
+            "",
+            "## Step time",
+            "",
+            "Milliseconds per training step (1000 / the median logged steps/s after the "
+            "first window), mean ± std over seeds.",
+            "",
+            time_table(summary, tasks),
+            "",
+            "## Peer implementation: x-transformers",
+            "",
+            PEER_NOTE
+            if peer
+            else "Not run yet: the x-transformers (PyTorch) arms on the same "
+            "generated data, sizes, steps and seeds (`--peer`).",
+            "",
+            peer_section(summary, peer, tasks) if peer else "",
+            "",
+            sweep.commands_block(STUDY, args.scale, result),
+        ]
+    )
+    return sweep.write_outputs(args.out, STUDY, args.scale, page, result, results=summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The peer of the length-generalisation study: x-transformers (lucidrains, PyTorch) trained on
+the same generated data, with the same sizes, steps, schedule and seeds as a copejax run.
+
+    python -m experiments.length_generalization_peer --arm=rope \
+        --config=reverse_string,smoke --out=/tmp/peer_rope.json
+
+Nobody here wrote x-transformers; it runs in a side venv this module creates
+(``workdirs/.venv-xtransformers``: ``torch==2.13.0``, ``x-transformers==2.31.10`` and their
+dependencies, pinned in ``PINS``), so the core package never depends on it. The copejax side
+(this process) writes the exact batches copejax's trainer feeds
+(``copejax.input_pipeline.train_dataset``, the seed's shuffle) and the evaluation batches to
+an ``.npz``; the worker (``--worker``, run by the side venv's Python) trains on them in order
+and scores greedy predictions with the task's own ``metrics`` and ``summarize`` (NumPy only,
+imported from ``copejax/data``).
+
+Arms (``--arm``, copejax's scheme names) and the x-transformers switches they set:
+``nope`` (no absolute embedding), ``sinusoidal`` (``scaled_sinu_pos_emb``: sinusoidal with one
+learned scale), ``learned`` (its absolute embedding table), ``rope`` (``rotary_pos_emb``),
+``alibi`` (``alibi_pos_bias``), ``cope`` (``attn_use_cope``, ``cope_max_pos`` = copejax's
+p_max), ``fox`` (``attn_data_dependent_alibi``, its forgetting-transformer gate). The block
+is pre-norm RMSNorm with a SwiGLU MLP of copejax's width and tied embeddings, as copejax's
+``llama`` block; everything else is x-transformers' default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import venv
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_VENV = ROOT / "workdirs" / ".venv-xtransformers"
+PINS = (
+    "torch==2.13.0",
+    "x-transformers==2.31.10",
+    "einops==0.8.2",
+    "einx==0.4.3",
+    "loguru==0.7.3",
+    "torch-einops-utils==0.2.0",
+    "numpy==2.4.6",
+)
+CONFIG = ROOT / "configs" / "length_generalization.py"
+ARMS = ("nope", "sinusoidal", "learned", "rope", "alibi", "cope", "fox")
+EVAL_SPLITS = ("test", "long")
+
+
+def ensure_venv() -> Path:
+    """The side venv's Python, created on first use and (re)installed whenever ``PINS``
+    differ from the ones it was installed with (``pins.txt`` in the venv)."""
+    python, marker = PEER_VENV / "bin" / "python", PEER_VENV / "pins.txt"
+    if not python.exists():
+        venv.EnvBuilder(with_pip=True).create(PEER_VENV)
+    if not marker.exists() or marker.read_text().split() != list(PINS):
+        install = [str(python), "-m", "pip", "install", "--quiet", *PINS]
+        subprocess.run(install, check=True)
+        marker.write_text("\n".join(PINS) + "\n")
+    return python
+
+
+def spec_of(config_arg: str, arm: str) -> dict[str, Any]:
+    """Everything the worker needs from the copejax config of ``config_arg`` with ``arm``."""
+    from copejax.config_base import load_config
+    from copejax.train import validate
+
+    if arm not in ARMS:
+        raise ValueError(f"unknown peer arm {arm!r}; allowed: {ARMS}")
+    config = load_config(CONFIG, f"{config_arg},position={arm}")
+    model = validate(config, device_count=1).model_config
+    train = config.train
+    return {
+        "task": config.task.name,
+        "task_options": config.task.options.to_dict(),
+        "arm": arm,
+        "seed": int(config.seed),
+        "vocab_size": model.vocab_size,
+        "max_len": model.max_len,
+        "d_model": model.d_model,
+        "num_layers": model.num_layers,
+        "num_heads": model.num_heads,
+        "head_dim": model.resolved_head_dim,
+        "mlp_dim": model.resolved_mlp_dim,
+        "dropout": model.dropout,
+        "cope_p_max": int(model.scheme.p_max) if arm == "cope" else 0,
+        "train": {k: train[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps",
+                                        "schedule", "end_learning_rate_fraction",
+                                        "weight_decay", "b1", "b2", "eps", "grad_clip")},
+        "eval": {"batch_size": config.eval.batch_size, "max_examples": config.eval.max_examples},
+    }  # fmt: skip
+
+
+def write_data(spec: dict[str, Any], path: Path) -> None:
+    """The training batches copejax feeds, in order, and the evaluation batches, as uint8/int16
+    arrays: ``train_<key>`` (steps, B, T) and ``<split>_<key>`` (batches, B, T_split)."""
+    from copejax import input_pipeline
+    from copejax.data.base import make_task
+
+    task = make_task(spec["task"], spec["task_options"])
+    train = spec["train"]
+    stream = input_pipeline.train_dataset(task, spec["seed"], train["batch_size"])
+    batches = [stream[i] for i in range(train["steps"])]
+    arrays = {}
+    for key in ("inputs", "targets", "loss_mask"):
+        arrays[f"train_{key}"] = np.stack([b[key] for b in batches]).astype(np.int16)
+    for split in EVAL_SPLITS:
+        found = list(
+            input_pipeline.eval_batches(
+                task,
+                split,
+                spec["seed"],
+                spec["eval"]["batch_size"],
+                max_examples=spec["eval"]["max_examples"],
+            )
+        )
+        for key in ("inputs", "targets", "loss_mask"):
+            arrays[f"{split}_{key}"] = np.stack([b[key] for b, _ in found]).astype(np.int16)
+    np.savez_compressed(path, **arrays)
+
+
+def run(config_arg: str, arm: str, threads: int = 0) -> dict[str, Any]:
+    """Trains and evaluates the peer for one copejax config and arm; returns its results.
+
+    ``threads``: torch's intra-op threads (0: torch's default, all cores, as XLA's CPU client
+    uses). On a loaded machine the default spin-waits: a 2-layer D = 32 step measured 73 to
+    1,150 ms with 2 threads and 5 to 38 ms with 1 at a load average of 13 on 2 cores."""
+    python = ensure_venv()
+    spec = {**spec_of(config_arg, arm), "threads": threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        data, spec_path, out = Path(tmp, "data.npz"), Path(tmp, "spec.json"), Path(tmp, "out.json")
+        write_data(spec, data)
+        spec_path.write_text(json.dumps(spec))
+        command = [str(python), str(Path(__file__).resolve()), "--worker", str(spec_path),
+                   str(data), str(out)]  # fmt: skip
+        subprocess.run(command, check=True, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
+# ----- the worker: runs in the side venv (torch, x-transformers, numpy; no jax) -----
+
+
+def learning_rate(train: dict[str, Any], step: int) -> float:
+    """copejax.optim.learning_rate_schedule's value at ``step`` (warmup, then decay)."""
+    peak, warmup = float(train["learning_rate"]), int(train["warmup_steps"])
+    end = peak * float(train["end_learning_rate_fraction"])
+    if step < warmup:
+        return peak * step / warmup
+    decay = max(int(train["steps"]) - warmup, 1)
+    t = min(step - warmup, decay) / decay
+    if train["schedule"] == "cosine":
+        return end + (peak - end) * 0.5 * (1.0 + math.cos(math.pi * t))
+    if train["schedule"] == "linear":
+        return peak + (end - peak) * t
+    return peak
+
+
+def build_model(spec: dict[str, Any]) -> Any:
+    """x-transformers' causal decoder for ``spec``'s arm and sizes."""
+    from x_transformers import Decoder, TransformerWrapper
+
+    arm = spec["arm"]
+    layers: dict[str, Any] = {
+        "dim": spec["d_model"],
+        "depth": spec["num_layers"],
+        "heads": spec["num_heads"],
+        "attn_dim_head": spec["head_dim"],
+        "use_rmsnorm": True,
+        "ff_glu": True,
+        "ff_swish": True,
+        "ff_mult": spec["mlp_dim"] / spec["d_model"],
+        "attn_dropout": spec["dropout"],
+        "ff_dropout": spec["dropout"],
+        "rotary_pos_emb": arm == "rope",
+        "alibi_pos_bias": arm == "alibi",
+    }
+    if arm == "cope":
+        layers.update(attn_use_cope=True, attn_cope_max_pos=spec["cope_p_max"])
+    if arm == "fox":
+        layers.update(attn_data_dependent_alibi=True)
+    return TransformerWrapper(
+        num_tokens=spec["vocab_size"],
+        max_seq_len=spec["max_len"],
+        attn_layers=Decoder(**layers),
+        use_abs_pos_emb=arm in ("learned", "sinusoidal"),
+        scaled_sinu_pos_emb=arm == "sinusoidal",
+        tie_embedding=True,
+        emb_dropout=spec["dropout"],
+    )
+
+
+def _task(spec: dict[str, Any]) -> Any:
+    """The copejax task object, importing only its own module (NumPy only)."""
+    sys.path.insert(0, str(ROOT))
+    base = importlib.import_module("copejax.data.base")
+    importlib.import_module(f"copejax.data.{spec['task']}")
+    return base._TASKS[spec["task"]](**spec["task_options"])
+
+
+def worker(spec_path: str, data_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    data = np.load(data_path)
+    torch.manual_seed(spec["seed"])
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    model = build_model(spec)
+    train = spec["train"]
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=learning_rate(train, 0),
+        betas=(train["b1"], train["b2"]),
+        eps=train["eps"],
+        weight_decay=train["weight_decay"],
+    )
+    step_seconds, losses = [], []
+    model.train()
+    for step in range(train["steps"]):
+        start = time.perf_counter()
+        inputs, targets, mask = (
+            torch.from_numpy(data[f"train_{key}"][step].astype(np.int64))
+            for key in ("inputs", "targets", "loss_mask")
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(train, step)
+        logits = model(inputs)
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2).float(), targets, reduction="none"
+        )
+        loss = (token_loss * mask).sum() / mask.sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train["grad_clip"])
+        optimizer.step()
+        step_seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    task, results = _task(spec), {}
+    model.eval()
+    with torch.no_grad():
+        for split in EVAL_SPLITS:
+            totals: dict[str, float] = {}
+            arrays = {k: data[f"{split}_{k}"] for k in ("inputs", "targets", "loss_mask")}
+            for index in range(len(arrays["inputs"])):
+                batch = {k: v[index].astype(np.int32) for k, v in arrays.items()}
+                logits = model(torch.from_numpy(batch["inputs"].astype(np.int64)))
+                predictions = logits.argmax(-1).numpy().astype(np.int32)
+                for key, value in task.metrics(batch, predictions).items():
+                    totals[key] = totals.get(key, 0.0) + value
+            for key, value in task.summarize(totals).items():
+                results[f"{split}/{key}"] = value
+    timed = step_seconds[min(5, len(step_seconds) - 1) :]
+    results["step_ms"] = 1000.0 * statistics.median(timed)
+    results["final_loss"] = losses[-1]
+    results["threads"] = torch.get_num_threads()
+    Path(out_path).write_text(json.dumps(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m experiments.length_generalization_peer")
+    parser.add_argument("--worker", nargs=3, metavar=("SPEC", "DATA", "OUT"))
+    parser.add_argument("--arm", choices=ARMS, default="rope")
+    parser.add_argument("--config", default="reverse_string,smoke", help="config argument")
+    parser.add_argument("--out", default="", help="JSON file for the results (else stdout)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(*args.worker)
+        return
+    results = run(args.config, args.arm, args.threads)
+    text = json.dumps(results, indent=1)
+    Path(args.out).write_text(text) if args.out else print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,14 @@
 """PaTH attention: accumulated data-dependent Householder-like transforms (Yang et al. 2025,
 arXiv 2505.16381).
 
-Each token t has a transform ``H_t = I - beta_t w_t w_t^T`` per head, with
+Each token t has a transform ``H_t = I - beta_t w_t w_t^T`` per key/value head, with
 ``beta_t = 2 sigmoid(W_beta x_t + b_beta)`` in (0, 2) (an eigenvalue 1 - beta_t in (-1, 1)
 along w_t) and ``w_t`` the L2-normalised output of a low-rank projection of the layer input
-(D -> rank -> N H), a short causal depthwise convolution (kernel 3) and SiLU, as the authors'
-code (fla-org/flash-linear-attention ``fla/layers/path_attn.py``). The logits are
+(D -> rank -> K H), a short causal depthwise convolution (kernel 3) and SiLU, as the authors'
+code (fla-org/flash-linear-attention ``fla/layers/path_attn.py``, whose w and beta have
+``num_kv_heads`` heads). With grouped key/value heads (K < N) the transforms act on the K key
+heads: query head n reads key head n // (N / K) and that head's H_t (K = N: one per head).
+The logits are
 
     A_ij = q_i^T (H_i H_{i-1} ... H_{j+1}) k_j / sqrt(H)        (j <= i; empty product at j = i)
 
@@ -25,10 +28,12 @@ walk (remat backward: the carry rules out the flash backward).
 Decoding follows the paper's rank-1 key updates: the cache keeps every key k_j transformed by
 all H_u that arrived after it; a call with new tokens attends with those keys (the transforms
 of older tokens count as identity, beta = 0) and then applies the new tokens' H to the cached
-keys (``cache_update``), O(S N H) per new token. Packed documents: the convolution never reads
-across a segment start, and a product H_i ... H_{j+1} is only used for j, i in one segment.
+keys (``cache_update``), O(S K H) per new token: the cache holds the K key heads. Packed
+documents: the convolution never reads across a segment start, and a product
+H_i ... H_{j+1} is only used for j, i in one segment.
 
-Shape letters: B batch, T queries, S keys, N heads, H head dim, D model dim, R rank, C conv.
+Shape letters: B batch, T queries, S keys, N heads, K key/value heads, H head dim, D model dim,
+R rank, C conv.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from copejax import segments
 from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
+from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
 
 L2_EPS = 1e-6  # w / sqrt(|w|^2 + eps), as fla's l2_norm
@@ -200,7 +206,7 @@ class PaTH(PositionScheme):
     name = "path"
     sites = ("bias",)
     cache_in_key_order = True
-    grouped_kv = False  # w and beta are per query head; see validate
+    grouped_kv = True  # w and beta per key/value head (fla's layer); the sites repeat them
     window_sinks = False  # the product from a sink to a query spans unwalked key blocks
     paper = "Yang et al. 2025, arXiv 2505.16381"
     walk_carry = True
@@ -229,7 +235,7 @@ class _PaTHSite(AttentionSite):
     scheme: PaTH = PaTH()
 
     def setup(self) -> None:
-        s, d, n, h = self.scheme, self.dims.d_model, self.dims.num_heads, self.dims.head_dim
+        s, d, n, h = self.scheme, self.dims.d_model, self.dims.kv_heads, self.dims.head_dim
         lecun = nn.initializers.lecun_normal()
         self.w_down = self.param(
             "w_down", nn.with_logical_partitioning(lecun, (ax.EMBED, None)), (d, s.rank)
@@ -240,7 +246,7 @@ class _PaTHSite(AttentionSite):
                 nn.initializers.variance_scaling(
                     1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2)
                 ),
-                (None, ax.HEADS, ax.HEAD_DIM),
+                (None, ax.KV_HEADS, ax.HEAD_DIM),
             ),
             (s.rank, n, h),
         )
@@ -248,51 +254,54 @@ class _PaTHSite(AttentionSite):
         # default for a depthwise Conv1d (fla's ShortConvolution).
         self.conv = self.param(
             "w_conv",
-            nn.with_logical_partitioning(_uniform_conv_init, (None, ax.HEADS, ax.HEAD_DIM)),
+            nn.with_logical_partitioning(_uniform_conv_init, (None, ax.KV_HEADS, ax.HEAD_DIM)),
             (s.conv_size, n, h),
         )
         self.beta_w = self.param(
-            "beta_w", nn.with_logical_partitioning(lecun, (ax.EMBED, ax.HEADS)), (d, n)
+            "beta_w", nn.with_logical_partitioning(lecun, (ax.EMBED, ax.KV_HEADS)), (d, n)
         )
         self.beta_b = self.param(
-            "beta_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.HEADS,)), (n,)
+            "beta_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.KV_HEADS,)), (n,)
         )
 
     def _u_beta(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Low-rank projection u (B, T, N, H) and beta = 2 sigmoid(.) (B, T, N), float32."""
+        """Low-rank projection u (B, T, K, H) and beta = 2 sigmoid(.) (B, T, K), float32."""
         x_BTD = x_BTD.astype(jnp.float32)
-        u_BTNH = jnp.einsum("BTD,DR,RNH->BTNH", x_BTD, self.w_down, self.w_up)
-        beta_BTN = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x_BTD, self.beta_w) + self.beta_b)
-        return u_BTNH, beta_BTN
+        u_BTKH = jnp.einsum("BTD,DR,RKH->BTKH", x_BTD, self.w_down, self.w_up)
+        beta_BTK = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DK->BTK", x_BTD, self.beta_w) + self.beta_b)
+        return u_BTKH, beta_BTK
 
     def cache_state(
-        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+        self, k_BTKH: jax.Array, v_BTKH: jax.Array, ctx: AttentionContext
     ) -> dict[str, jax.Array]:
-        """Per key: u (for later tokens' convolution), w and beta."""
-        u_BTNH, beta_BTN = self._u_beta(ctx.x_BTD)
+        """Per key and key/value head: u (for later tokens' convolution), w and beta."""
+        u_BTKH, beta_BTK = self._u_beta(ctx.x_BTD)
         batch, length = ctx.k_positions_BS.shape
         if ctx.key_state is not None and "path_u" in ctx.key_state:
-            old_BSNH = ctx.key_state["path_u"]
+            old_BSKH = ctx.key_state["path_u"]
         else:
-            old_BSNH = jnp.zeros((batch, length, *u_BTNH.shape[2:]), jnp.float32)
-        u_BSNH = jax.lax.dynamic_update_slice_in_dim(old_BSNH, u_BTNH, ctx.cache_index, axis=1)
+            old_BSKH = jnp.zeros((batch, length, *u_BTKH.shape[2:]), jnp.float32)
+        u_BSKH = jax.lax.dynamic_update_slice_in_dim(old_BSKH, u_BTKH, ctx.cache_index, axis=1)
         _, ids_BS = ctx.ids()
-        slots_T = ctx.cache_index + jnp.arange(u_BTNH.shape[1])
-        w_BTNH = path_w(u_BSNH, self.conv, segments.segment_starts_BT(ids_BS), slots_T)
-        return {"path_u": u_BTNH, "path_w": w_BTNH, "path_beta": beta_BTN}
+        slots_T = ctx.cache_index + jnp.arange(u_BTKH.shape[1])
+        w_BTKH = path_w(u_BSKH, self.conv, segments.segment_starts_BT(ids_BS), slots_T)
+        return {"path_u": u_BTKH, "path_w": w_BTKH, "path_beta": beta_BTK}
 
     def _w_beta(self, ctx: AttentionContext) -> tuple[jax.Array, jax.Array]:
-        """(w (B, S, N, H), beta (B, S, N)) of the keys. Decoding: the cached ones, with beta = 0
-        before this call's first token (the cached keys already carry those transforms)."""
+        """(w (B, S, N, H), beta (B, S, N)) of the keys, each key/value head's repeated to its
+        query heads. Decoding: the cached ones, with beta = 0 before this call's first token
+        (the cached keys already carry those transforms)."""
         if ctx.decode:
             slots_S = jnp.arange(ctx.k_positions_BS.shape[1])
             fresh_1S1 = (slots_S >= ctx.cache_index)[None, :, None]
-            return ctx.key_state["path_w"], jnp.where(fresh_1S1, ctx.key_state["path_beta"], 0.0)
-        u_BTNH, beta_BTN = self._u_beta(ctx.x_BTD)
-        ids_BT = ctx.segment_ids_BT
-        slots_T = jnp.arange(u_BTNH.shape[1])
-        w_BTNH = path_w(u_BTNH, self.conv, segments.segment_starts_BT(ids_BT), slots_T)
-        return w_BTNH, beta_BTN
+            w_BSKH = ctx.key_state["path_w"]
+            beta_BSK = jnp.where(fresh_1S1, ctx.key_state["path_beta"], 0.0)
+        else:
+            u_BSKH, beta_BSK = self._u_beta(ctx.x_BTD)
+            starts_BS = segments.segment_starts_BT(ctx.segment_ids_BT)
+            w_BSKH = path_w(u_BSKH, self.conv, starts_BS, jnp.arange(u_BSKH.shape[1]))
+        heads = self.dims.num_heads
+        return repeat_kv_heads(w_BSKH, heads), repeat_kv_heads(beta_BSK[..., None], heads)[..., 0]
 
     def bias(
         self,
@@ -336,9 +345,11 @@ class _PaTHSite(AttentionSite):
 
     def cache_update(self, cached: dict[str, jax.Array], ctx: AttentionContext) -> dict[str, Any]:
         """The paper's decode: each new token u's H_u is applied to every cached key before it,
-        k_s <- H_u k_s for s < u, in order of u (rank-1 updates, O(S N H) per token)."""
-        w_BSNH, beta_BSN = ctx.key_state["path_w"], ctx.key_state["path_beta"]
-        k_BSNH = cached["key"]
+        k_s <- H_u k_s for s < u, in order of u (rank-1 updates, O(S K H) per token). The cache
+        holds the K key/value heads' keys, and w, beta are per key/value head."""
+        k_BSNH = cached["key"]  # K heads (N where a qk site made per-query-head keys: TAPE)
+        w_BSNH = repeat_kv_heads(ctx.key_state["path_w"], k_BSNH.shape[2])
+        beta_BSN = repeat_kv_heads(ctx.key_state["path_beta"][..., None], k_BSNH.shape[2])[..., 0]
         slots_S = jnp.arange(k_BSNH.shape[1])
 
         def step(k_BSNH: jax.Array, t: jax.Array) -> tuple[jax.Array, None]:

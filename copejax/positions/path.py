@@ -19,11 +19,12 @@ no special path.
 
 Since every H_s is symmetric, ``A_ij = (H_{j+1} ... H_i q_i)^T k_j``: walking keys from the
 newest to the oldest, a query is transformed by each key's H after its logit is taken. The
-naive path walks all S keys at once. The engine's block term carries the transformed queries
-from key block to older key block (:func:`path_pair`): a key block older than every query of
-the block uses the UT / WY form of its product (:func:`path_wy`, the paper's section 3.2), a
-block holding queries walks its keys one by one. O(T) memory; the engine differentiates the
-walk (remat backward: the carry rules out the flash backward).
+naive path walks all S keys at once (:func:`path_logits_BNQK`). The engine's block term
+(:mod:`copejax.ops.path_block`) carries the transformed queries from key block to older key
+block, every block in the UT / WY form of its product (the paper's section 3.2), the blocks
+holding queries too (as fla's intra-chunk part: matrix products, no walk over keys). O(T)
+memory; the engine differentiates the walk (remat backward: the carry rules out the flash
+backward).
 
 Decoding follows the paper's rank-1 key updates: the cache keeps every key k_j transformed by
 all H_u that arrived after it; a call with new tokens attends with those keys (the transforms
@@ -48,7 +49,8 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax import sharding as ax
-from copejax.ops.engine_blocks import BlockTerm, PairBlock
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.path_block import path_pair, path_wy
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
@@ -112,83 +114,6 @@ def path_logits_BNQK(
     )
     r_BQNH, logits_KBNQ = jax.lax.scan(step, r_BQNH.astype(f32), keys)
     return jnp.moveaxis(logits_KBNQ[::-1], 0, -1), r_BQNH
-
-
-def _blocked(x_BS: jax.Array, size: int) -> jax.Array:
-    """(B, S, ...) -> (B, G, size, ...), zero-padded."""
-    pad = -x_BS.shape[1] % size
-    x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2))
-    return x_BS.reshape(x_BS.shape[0], -1, size, *x_BS.shape[2:])
-
-
-def path_wy(
-    k_BSNH: jax.Array, w_BSNH: jax.Array, beta_BSN: jax.Array, size: int
-) -> tuple[jax.Array, jax.Array]:
-    """The UT / WY form of each key block of ``size`` keys (blocks from key 0), float32.
-
-    The block's product ``P = H_c H_{c+1} ... H_{c+K-1}`` is ``I - W^T T W`` with W the rows
-    w_s and T = (I + diag(beta) striu(W W^T))^{-1} diag(beta), upper triangular (the UT
-    transform; Joffrain et al. 2006, as PaTH's section 3.2 uses it). A contiguous sub-range of
-    the block has the sub-matrix of T (T^{-1} is triangular). Returns (T's row of each key
-    (B, S, N, K), each key's in-block suffix ``k'_j = H_{c+K-1} ... H_{j+1} k_j`` (B, S, N, H)).
-    """
-    length = k_BSNH.shape[1]
-    w_BGKNH = _blocked(w_BSNH.astype(jnp.float32), size)
-    k_BGKNH = _blocked(k_BSNH.astype(jnp.float32), size)
-    beta_BGNK = jnp.moveaxis(_blocked(beta_BSN.astype(jnp.float32), size), 2, 3)
-    gram_BGNKK = jnp.einsum("BGSNH,BGUNH->BGNSU", w_BGKNH, w_BGKNH)
-    upper_KK = jnp.triu(jnp.ones((size, size), bool), 1)
-    unit_BGNKK = jnp.eye(size) + jnp.where(upper_KK, beta_BGNK[..., None] * gram_BGNKK, 0.0)
-    t_BGNKK = jax.scipy.linalg.solve_triangular(
-        unit_BGNKK, jnp.eye(size) * beta_BGNK[..., None, :], lower=False, unit_diagonal=True
-    )
-    # k'_j = (H_{j+1} ... H_{e-1})^T k_j = k_j - sum_{s, u > j} w_s T_us (w_u . k_j)
-    later_KK = jnp.tril(jnp.ones((size, size), bool), -1)  # [u, j]: u > j
-    proj_BGNUJ = jnp.where(later_KK, jnp.einsum("BGUNH,BGJNH->BGNUJ", w_BGKNH, k_BGKNH), 0.0)
-    mixed_BGNSJ = jnp.where(later_KK, jnp.einsum("BGNUS,BGNUJ->BGNSJ", t_BGNKK, proj_BGNUJ), 0.0)
-    kp_BGKNH = k_BGKNH - jnp.einsum("BGSNH,BGNSJ->BGJNH", w_BGKNH, mixed_BGNSJ)
-    t_BSNK = jnp.moveaxis(t_BGNKK, 2, 3).reshape(k_BSNH.shape[0], -1, *t_BGNKK.shape[2:4])
-    kp_BSNH = kp_BGKNH.reshape(k_BSNH.shape[0], -1, *k_BSNH.shape[2:])
-    return t_BSNK[:, :length], kp_BSNH[:, :length]
-
-
-def path_pair(
-    params: None, pair: PairBlock, prepared: None, carry: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The engine's block term: PaTH logits minus the content logits for one pair; the carry is
-    ``r - q`` for the query block (zeros before its newest key block).
-
-    A key block entirely older than every query of the block (all but the diagonal in
-    self-attention) takes the WY form: logits ``r . k'`` from the keys' in-block suffixes and
-    the carry ``r <- P r = r - W^T T W r``. A block that holds some of the queries walks its
-    keys one by one (:func:`path_logits_BNQK`), since each query stops at its own key.
-    """
-    size_q, size_k = pair.q_BQNH.shape[1], pair.k_BKNH.shape[1]
-    q_BQNH = pair.q_BQNH.astype(jnp.float32)
-    r_BQNH = q_BQNH + carry
-
-    def older(r_BQNH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        w_BKNH = pair.k_arrays["w"].astype(jnp.float32)
-        logits_BNQK = jnp.einsum("BQNH,BKNH->BNQK", r_BQNH, pair.k_arrays["k_suffix"])
-        a_BQNK = jnp.einsum("BKNH,BQNH->BQNK", w_BKNH, r_BQNH)
-        b_BQNK = jnp.einsum("BSNK,BQNK->BQNS", pair.k_arrays["t"], a_BQNK)
-        return logits_BNQK, r_BQNH - jnp.einsum("BKNH,BQNK->BQNH", w_BKNH, b_BQNK)
-
-    def walked(r_BQNH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return path_logits_BNQK(
-            r_BQNH,
-            pair.k_BKNH,
-            pair.k_arrays["w"],
-            pair.k_arrays["beta"],
-            q_index_Q=pair.q_start + jnp.arange(size_q),
-            k_index_K=pair.k_start + jnp.arange(size_k),
-        )
-
-    logits_BNQK, r_BQNH = jax.lax.cond(
-        pair.q_start >= pair.k_start + size_k - 1, older, walked, r_BQNH
-    )
-    scale = 1.0 / math.sqrt(q_BQNH.shape[-1])
-    return logits_BNQK * scale - pair.logits_BNQK, r_BQNH - q_BQNH
 
 
 @register
@@ -338,7 +263,7 @@ class _PaTHSite(AttentionSite):
         return (
             BlockTerm(
                 path_pair,
-                k_arrays={"w": w_BSNH, "beta": beta_BSN, "t": t_BSNK, "k_suffix": kp_BSNH},
+                k_arrays={"w": w_BSNH, "t": t_BSNK, "k_suffix": kp_BSNH},
                 init=init,
             ),
         )

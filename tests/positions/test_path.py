@@ -19,8 +19,9 @@ import pytest
 
 from copejax import decode
 from copejax.attention import Attention
+from copejax.ops.path_block import path_block_logits, path_wy
 from copejax.positions.base import AttentionContext
-from copejax.positions.path import path_logits_BNQK, path_w, path_wy
+from copejax.positions.path import path_logits_BNQK, path_w
 from copejax.positions.registry import make_scheme
 from copejax.segments import segment_starts_BT
 from tests.conftest import tiny_config
@@ -228,6 +229,43 @@ def test_wy_form_equals_the_explicit_products() -> None:
             for s in range(j + 1, keys[-1] + 1):  # H_{j+1} first, H_{c+K-1} last
                 expected = h[s] @ expected
             np.testing.assert_allclose(np.asarray(suffix[0, j, 0]), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("q_start", "k_start"), [(0, 0), (2, 0), (5, 1), (0, 3)])
+def test_block_logits_equal_the_explicit_products(q_start: int, k_start: int) -> None:
+    """The matrix form of a key block holding queries (the engine's diagonal pair) against
+    explicit (H, H) products, float64: queries at ``q_start + i`` carrying r_i from newer
+    blocks, keys at ``k_start + j``; query i takes the H of the block's keys up to its own.
+    Offsets put queries before, inside and after the block (decoding, padded blocks)."""
+    size, queries, heads, width = 4, 5, 2, 3
+    rng = np.random.default_rng(11)
+    r = rng.normal(size=(1, queries, heads, width))
+    k = rng.normal(size=(1, size, heads, width))
+    w = _unit((1, size, heads, width), 12)
+    beta = rng.uniform(0.0, 2.0, size=(1, size, heads))
+    beta[0, 1] = 2.0  # a reflection
+    t, _ = path_wy(*(jnp.asarray(a, jnp.float32) for a in (k, w, beta)), size)
+    logits, r_after = path_block_logits(
+        *(jnp.asarray(a, jnp.float32) for a in (r, k, w)),
+        t,
+        q_index_Q=q_start + jnp.arange(queries),
+        k_index_K=k_start + jnp.arange(size),
+    )
+    eye = np.eye(width)
+    for n in range(heads):
+        h = [eye - beta[0, s, n] * np.outer(w[0, s, n], w[0, s, n]) for s in range(size)]
+        for i in range(queries):
+            last = q_start + i - k_start  # the block's last key the query takes
+            for j in range(size):
+                product = eye  # H_{j+1} ... H_last, increasing order
+                for s in range(j + 1, min(last, size - 1) + 1):
+                    product = product @ h[s]
+                want = (product @ r[0, i, n]) @ k[0, j, n]
+                np.testing.assert_allclose(float(logits[0, n, i, j]), want, atol=1e-5)
+            carried = r[0, i, n]
+            for s in range(min(last, size - 1), -1, -1):  # H_0 ... H_last r_i
+                carried = h[s] @ carried
+            np.testing.assert_allclose(np.asarray(r_after[0, i, n]), carried, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [2, pytest.param(1, marks=pytest.mark.slow)])

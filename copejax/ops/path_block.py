@@ -49,6 +49,38 @@ def _blocked(x_BS: jax.Array, size: int) -> jax.Array:
     return x_BS.reshape(x_BS.shape[0], -1, size, *x_BS.shape[2:])
 
 
+def unit_upper_inverse(u_XCC: jax.Array) -> jax.Array:
+    """The inverse of unit upper triangular matrices (..., C, C), by block doubling.
+
+    Starting from the 1 x 1 diagonal blocks (ones), each level joins neighbouring diagonal
+    blocks: ``[[A, B], [0, D]]^{-1} = [[A^{-1}, -A^{-1} B D^{-1}], [0, D^{-1}]]``, log2(C)
+    levels of batched matrix products. Every intermediate is a principal sub-block of the
+    inverse (so no value larger than the inverse's own), as in back substitution. Used instead
+    of ``jax.scipy.linalg.solve_triangular``, whose XLA CPU program intermittently hung (a
+    thread waiting forever) inside the PaTH layer's forward+backward on a loaded 2-core CPU.
+    """
+    size = u_XCC.shape[-1]
+    padded = 1 << max(size - 1, 0).bit_length()
+    batch = u_XCC.shape[:-2]
+    if padded != size:  # identity rows and columns after the last
+        pad = [(0, 0)] * len(batch) + [(0, padded - size)] * 2
+        u_XCC = jnp.pad(u_XCC, pad) + jnp.diag((jnp.arange(padded) >= size).astype(u_XCC.dtype))
+    inv_XMSS = jnp.ones((*batch, padded, 1, 1), u_XCC.dtype)
+    width = 1
+    while width < padded:
+        count = padded // (2 * width)
+        blocks_XMCC = u_XCC.reshape(*batch, count, 2 * width, count, 2 * width)
+        blocks_XMCC = jnp.moveaxis(jnp.diagonal(blocks_XMCC, axis1=-4, axis2=-2), -1, -3)
+        upper_XMSS = blocks_XMCC[..., :width, width:]
+        first_XMSS, second_XMSS = inv_XMSS[..., 0::2, :, :], inv_XMSS[..., 1::2, :, :]
+        corner_XMSS = -first_XMSS @ upper_XMSS @ second_XMSS
+        top_XMSC = jnp.concatenate([first_XMSS, corner_XMSS], axis=-1)
+        bottom_XMSC = jnp.concatenate([jnp.zeros_like(second_XMSS), second_XMSS], axis=-1)
+        inv_XMSS = jnp.concatenate([top_XMSC, bottom_XMSC], axis=-2)
+        width *= 2
+    return inv_XMSS[..., 0, :size, :size]
+
+
 def path_wy(
     k_BSNH: jax.Array, w_BSNH: jax.Array, beta_BSN: jax.Array, size: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -67,9 +99,7 @@ def path_wy(
     gram_BGNKK = jnp.einsum("BGSNH,BGUNH->BGNSU", w_BGKNH, w_BGKNH)
     upper_KK = jnp.triu(jnp.ones((size, size), bool), 1)
     unit_BGNKK = jnp.eye(size) + jnp.where(upper_KK, beta_BGNK[..., None] * gram_BGNKK, 0.0)
-    t_BGNKK = jax.scipy.linalg.solve_triangular(
-        unit_BGNKK, jnp.eye(size) * beta_BGNK[..., None, :], lower=False, unit_diagonal=True
-    )
+    t_BGNKK = unit_upper_inverse(unit_BGNKK) * beta_BGNK[..., None, :]
     # k'_j = (H_{j+1} ... H_{e-1})^T k_j = k_j - sum_{s, u > j} w_s T_us (w_u . k_j)
     later_KK = jnp.tril(jnp.ones((size, size), bool), -1)  # [u, j]: u > j
     proj_BGNUJ = jnp.where(later_KK, jnp.einsum("BGUNH,BGJNH->BGNUJ", w_BGKNH, k_BGKNH), 0.0)

@@ -19,7 +19,7 @@ import pytest
 
 from copejax import decode
 from copejax.attention import Attention
-from copejax.ops.path_block import path_block_logits, path_wy
+from copejax.ops.path_block import path_block_logits, path_wy, unit_upper_inverse
 from copejax.positions.base import AttentionContext
 from copejax.positions.path import path_logits_BNQK, path_w
 from copejax.positions.registry import make_scheme
@@ -229,6 +229,20 @@ def test_wy_form_equals_the_explicit_products() -> None:
             for s in range(j + 1, keys[-1] + 1):  # H_{j+1} first, H_{c+K-1} last
                 expected = h[s] @ expected
             np.testing.assert_allclose(np.asarray(suffix[0, j, 0]), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [1, 3, 8, 13])
+def test_unit_upper_inverse_equals_numpy(size: int) -> None:
+    """Block doubling against numpy.linalg.inv in float64, sizes padded and not; and the UT
+    matrix of equal reflections (w all equal, beta = 2), whose inverse is moderate although
+    its strict triangle's powers are not."""
+    rng = np.random.default_rng(13)
+    u = np.eye(size) + np.triu(rng.normal(size=(2, 3, size, size)), 1)
+    got = np.asarray(unit_upper_inverse(jnp.asarray(u, jnp.float32)))
+    np.testing.assert_allclose(got, np.linalg.inv(u), rtol=1e-4, atol=1e-4)
+    reflections = np.eye(size) + np.triu(np.full((size, size), 2.0), 1)
+    got = np.asarray(unit_upper_inverse(jnp.asarray(reflections, jnp.float32)))
+    np.testing.assert_allclose(got, np.linalg.inv(reflections), atol=1e-5)
 
 
 @pytest.mark.parametrize(("q_start", "k_start"), [(0, 0), (2, 0), (5, 1), (0, 3)])

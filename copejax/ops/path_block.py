@@ -49,6 +49,7 @@ def _blocked(x_BS: jax.Array, size: int) -> jax.Array:
     return x_BS.reshape(x_BS.shape[0], -1, size, *x_BS.shape[2:])
 
 
+@jax.custom_vjp
 def unit_upper_inverse(u_XCC: jax.Array) -> jax.Array:
     """The inverse of unit upper triangular matrices (..., C, C), by block doubling.
 
@@ -58,6 +59,7 @@ def unit_upper_inverse(u_XCC: jax.Array) -> jax.Array:
     inverse (so no value larger than the inverse's own), as in back substitution. Used instead
     of ``jax.scipy.linalg.solve_triangular``, whose XLA CPU program intermittently hung (a
     thread waiting forever) inside the PaTH layer's forward+backward on a loaded 2-core CPU.
+    The backward is the inverse's own (a custom VJP that keeps only the inverse).
     """
     size = u_XCC.shape[-1]
     padded = 1 << max(size - 1, 0).bit_length()
@@ -79,6 +81,21 @@ def unit_upper_inverse(u_XCC: jax.Array) -> jax.Array:
         inv_XMSS = jnp.concatenate([top_XMSC, bottom_XMSC], axis=-2)
         width *= 2
     return inv_XMSS[..., 0, :size, :size]
+
+
+def _inverse_forward(u_XCC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inv_XCC = unit_upper_inverse(u_XCC)
+    return inv_XCC, inv_XCC
+
+
+def _inverse_backward(inv_XCC: jax.Array, grad_XCC: jax.Array) -> tuple[jax.Array]:
+    """X = U^{-1}: dX = -X dU X, so dL/dU = -X^T (dL/dX) X^T. Keeps X only (the levels'
+    products would keep log2(C) arrays of the size of U for the backward)."""
+    inv_t_XCC = jnp.swapaxes(inv_XCC, -1, -2)
+    return (-(inv_t_XCC @ grad_XCC @ inv_t_XCC),)
+
+
+unit_upper_inverse.defvjp(_inverse_forward, _inverse_backward)
 
 
 def path_wy(

@@ -243,6 +243,16 @@ def test_unit_upper_inverse_equals_numpy(size: int) -> None:
     reflections = np.eye(size) + np.triu(np.full((size, size), 2.0), 1)
     got = np.asarray(unit_upper_inverse(jnp.asarray(reflections, jnp.float32)))
     np.testing.assert_allclose(got, np.linalg.inv(reflections), atol=1e-5)
+    # The custom backward against central differences of numpy's inverse (float64).
+    cot = rng.normal(size=u.shape)
+    grad = np.asarray(
+        jax.grad(lambda a: jnp.sum(unit_upper_inverse(a) * cot))(jnp.asarray(u, jnp.float32))
+    )
+    for index in [(0, 0, 0, size - 1), (1, 2, 0, 0), (0, 1, size // 2, size - 1)]:
+        step = np.zeros_like(u)
+        step[index] = 1e-6
+        want = np.sum((np.linalg.inv(u + step) - np.linalg.inv(u - step)) * cot) / 2e-6
+        np.testing.assert_allclose(grad[index], want, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(("q_start", "k_start"), [(0, 0), (2, 0), (5, 1), (0, 3)])

@@ -128,9 +128,7 @@ def check_attention_layout(cfg: ModelConfig) -> None:
     if kv is not None and kv != cfg.num_heads and not cfg.scheme.grouped_kv:
         raise ValueError(
             f"model.num_kv_heads={kv}: {cfg.scheme.name!r} does not support grouped "
-            "key/value heads (PaTH's transforms w, beta are per query head and rewrite the "
-            "cached keys of each head; per-KV-head transforms are not implemented); use "
-            "num_kv_heads=None"
+            "key/value heads (PositionScheme.grouped_kv); use num_kv_heads=None"
         )
     for key in ("attention_sink", "ssmax_learned"):
         if not isinstance(getattr(cfg, key), bool):

@@ -158,6 +158,7 @@ def _repeat_kv_params(boxed: dict, group: int) -> dict:
         ("fox", PRO_OPTIONS),
         ("tape", {}),
         ("stickbreaking", {}),
+        ("path", {}),  # w, beta per key/value head (fla's layer)
         pytest.param("cope+rope", {}, marks=pytest.mark.slow),
         pytest.param("xpos", {}, marks=pytest.mark.slow),
         pytest.param("fox", {"key_shift": True, "value_shift": True}, marks=pytest.mark.slow),

@@ -215,8 +215,6 @@ def layout_params(fast: tuple[str, ...] = CORE_SCHEMES, fast_layouts: tuple[str,
         for name, overrides in LAYOUTS.items():
             if set(SOFTMAX_ONLY) & set(overrides) and not softmax_scheme(position):
                 continue  # refused with a reason (test_attention_layout.py)
-            if "num_kv_heads" in overrides and not registry.make_scheme(position).grouped_kv:
-                continue  # refused with a reason (tests/positions/test_path.py)
             quick = position in fast and (not fast_layouts or name in fast_layouts)
             marks = () if quick else (pytest.mark.slow,)
             params.append(pytest.param(position, name, marks=marks, id=f"{position}-{name}"))

@@ -1,11 +1,14 @@
 """PaTH attention: accumulated data-dependent Householder-like transforms (Yang et al. 2025,
 arXiv 2505.16381).
 
-Each token t has a transform ``H_t = I - beta_t w_t w_t^T`` per head, with
+Each token t has a transform ``H_t = I - beta_t w_t w_t^T`` per key/value head, with
 ``beta_t = 2 sigmoid(W_beta x_t + b_beta)`` in (0, 2) (an eigenvalue 1 - beta_t in (-1, 1)
 along w_t) and ``w_t`` the L2-normalised output of a low-rank projection of the layer input
-(D -> rank -> N H), a short causal depthwise convolution (kernel 3) and SiLU, as the authors'
-code (fla-org/flash-linear-attention ``fla/layers/path_attn.py``). The logits are
+(D -> rank -> K H), a short causal depthwise convolution (kernel 3) and SiLU, as the authors'
+code (fla-org/flash-linear-attention ``fla/layers/path_attn.py``, whose w and beta have
+``num_kv_heads`` heads). With grouped key/value heads (K < N) the transforms act on the K key
+heads: query head n reads key head n // (N / K) and that head's H_t (K = N: one per head).
+The logits are
 
     A_ij = q_i^T (H_i H_{i-1} ... H_{j+1}) k_j / sqrt(H)        (j <= i; empty product at j = i)
 
@@ -16,19 +19,22 @@ no special path.
 
 Since every H_s is symmetric, ``A_ij = (H_{j+1} ... H_i q_i)^T k_j``: walking keys from the
 newest to the oldest, a query is transformed by each key's H after its logit is taken. The
-naive path walks all S keys at once. The engine's block term carries the transformed queries
-from key block to older key block (:func:`path_pair`): a key block older than every query of
-the block uses the UT / WY form of its product (:func:`path_wy`, the paper's section 3.2), a
-block holding queries walks its keys one by one. O(T) memory; the engine differentiates the
-walk (remat backward: the carry rules out the flash backward).
+naive path walks all S keys at once (:func:`path_logits_BNQK`). The engine's block term
+(:mod:`copejax.ops.path_block`) carries the transformed queries from key block to older key
+block, every block in the UT / WY form of its product (the paper's section 3.2), the blocks
+holding queries too (as fla's intra-chunk part: matrix products, no walk over keys). O(T)
+memory; the engine differentiates the walk (remat backward: the carry rules out the flash
+backward).
 
 Decoding follows the paper's rank-1 key updates: the cache keeps every key k_j transformed by
 all H_u that arrived after it; a call with new tokens attends with those keys (the transforms
 of older tokens count as identity, beta = 0) and then applies the new tokens' H to the cached
-keys (``cache_update``), O(S N H) per new token. Packed documents: the convolution never reads
-across a segment start, and a product H_i ... H_{j+1} is only used for j, i in one segment.
+keys (``cache_update``), O(S K H) per new token: the cache holds the K key heads. Packed
+documents: the convolution never reads across a segment start, and a product
+H_i ... H_{j+1} is only used for j, i in one segment.
 
-Shape letters: B batch, T queries, S keys, N heads, H head dim, D model dim, R rank, C conv.
+Shape letters: B batch, T queries, S keys, N heads, K key/value heads, H head dim, D model dim,
+R rank, C conv.
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax import sharding as ax
-from copejax.ops.engine_blocks import BlockTerm, PairBlock
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.path_block import path_pair, path_wy
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
+from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
 
 L2_EPS = 1e-6  # w / sqrt(|w|^2 + eps), as fla's l2_norm
@@ -108,83 +116,6 @@ def path_logits_BNQK(
     return jnp.moveaxis(logits_KBNQ[::-1], 0, -1), r_BQNH
 
 
-def _blocked(x_BS: jax.Array, size: int) -> jax.Array:
-    """(B, S, ...) -> (B, G, size, ...), zero-padded."""
-    pad = -x_BS.shape[1] % size
-    x_BS = jnp.pad(x_BS, [(0, 0), (0, pad)] + [(0, 0)] * (x_BS.ndim - 2))
-    return x_BS.reshape(x_BS.shape[0], -1, size, *x_BS.shape[2:])
-
-
-def path_wy(
-    k_BSNH: jax.Array, w_BSNH: jax.Array, beta_BSN: jax.Array, size: int
-) -> tuple[jax.Array, jax.Array]:
-    """The UT / WY form of each key block of ``size`` keys (blocks from key 0), float32.
-
-    The block's product ``P = H_c H_{c+1} ... H_{c+K-1}`` is ``I - W^T T W`` with W the rows
-    w_s and T = (I + diag(beta) striu(W W^T))^{-1} diag(beta), upper triangular (the UT
-    transform; Joffrain et al. 2006, as PaTH's section 3.2 uses it). A contiguous sub-range of
-    the block has the sub-matrix of T (T^{-1} is triangular). Returns (T's row of each key
-    (B, S, N, K), each key's in-block suffix ``k'_j = H_{c+K-1} ... H_{j+1} k_j`` (B, S, N, H)).
-    """
-    length = k_BSNH.shape[1]
-    w_BGKNH = _blocked(w_BSNH.astype(jnp.float32), size)
-    k_BGKNH = _blocked(k_BSNH.astype(jnp.float32), size)
-    beta_BGNK = jnp.moveaxis(_blocked(beta_BSN.astype(jnp.float32), size), 2, 3)
-    gram_BGNKK = jnp.einsum("BGSNH,BGUNH->BGNSU", w_BGKNH, w_BGKNH)
-    upper_KK = jnp.triu(jnp.ones((size, size), bool), 1)
-    unit_BGNKK = jnp.eye(size) + jnp.where(upper_KK, beta_BGNK[..., None] * gram_BGNKK, 0.0)
-    t_BGNKK = jax.scipy.linalg.solve_triangular(
-        unit_BGNKK, jnp.eye(size) * beta_BGNK[..., None, :], lower=False, unit_diagonal=True
-    )
-    # k'_j = (H_{j+1} ... H_{e-1})^T k_j = k_j - sum_{s, u > j} w_s T_us (w_u . k_j)
-    later_KK = jnp.tril(jnp.ones((size, size), bool), -1)  # [u, j]: u > j
-    proj_BGNUJ = jnp.where(later_KK, jnp.einsum("BGUNH,BGJNH->BGNUJ", w_BGKNH, k_BGKNH), 0.0)
-    mixed_BGNSJ = jnp.where(later_KK, jnp.einsum("BGNUS,BGNUJ->BGNSJ", t_BGNKK, proj_BGNUJ), 0.0)
-    kp_BGKNH = k_BGKNH - jnp.einsum("BGSNH,BGNSJ->BGJNH", w_BGKNH, mixed_BGNSJ)
-    t_BSNK = jnp.moveaxis(t_BGNKK, 2, 3).reshape(k_BSNH.shape[0], -1, *t_BGNKK.shape[2:4])
-    kp_BSNH = kp_BGKNH.reshape(k_BSNH.shape[0], -1, *k_BSNH.shape[2:])
-    return t_BSNK[:, :length], kp_BSNH[:, :length]
-
-
-def path_pair(
-    params: None, pair: PairBlock, prepared: None, carry: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The engine's block term: PaTH logits minus the content logits for one pair; the carry is
-    ``r - q`` for the query block (zeros before its newest key block).
-
-    A key block entirely older than every query of the block (all but the diagonal in
-    self-attention) takes the WY form: logits ``r . k'`` from the keys' in-block suffixes and
-    the carry ``r <- P r = r - W^T T W r``. A block that holds some of the queries walks its
-    keys one by one (:func:`path_logits_BNQK`), since each query stops at its own key.
-    """
-    size_q, size_k = pair.q_BQNH.shape[1], pair.k_BKNH.shape[1]
-    q_BQNH = pair.q_BQNH.astype(jnp.float32)
-    r_BQNH = q_BQNH + carry
-
-    def older(r_BQNH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        w_BKNH = pair.k_arrays["w"].astype(jnp.float32)
-        logits_BNQK = jnp.einsum("BQNH,BKNH->BNQK", r_BQNH, pair.k_arrays["k_suffix"])
-        a_BQNK = jnp.einsum("BKNH,BQNH->BQNK", w_BKNH, r_BQNH)
-        b_BQNK = jnp.einsum("BSNK,BQNK->BQNS", pair.k_arrays["t"], a_BQNK)
-        return logits_BNQK, r_BQNH - jnp.einsum("BKNH,BQNK->BQNH", w_BKNH, b_BQNK)
-
-    def walked(r_BQNH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return path_logits_BNQK(
-            r_BQNH,
-            pair.k_BKNH,
-            pair.k_arrays["w"],
-            pair.k_arrays["beta"],
-            q_index_Q=pair.q_start + jnp.arange(size_q),
-            k_index_K=pair.k_start + jnp.arange(size_k),
-        )
-
-    logits_BNQK, r_BQNH = jax.lax.cond(
-        pair.q_start >= pair.k_start + size_k - 1, older, walked, r_BQNH
-    )
-    scale = 1.0 / math.sqrt(q_BQNH.shape[-1])
-    return logits_BNQK * scale - pair.logits_BNQK, r_BQNH - q_BQNH
-
-
 @register
 @dataclasses.dataclass(frozen=True)
 class PaTH(PositionScheme):
@@ -200,7 +131,7 @@ class PaTH(PositionScheme):
     name = "path"
     sites = ("bias",)
     cache_in_key_order = True
-    grouped_kv = False  # w and beta are per query head; see validate
+    grouped_kv = True  # w and beta per key/value head (fla's layer); the sites repeat them
     window_sinks = False  # the product from a sink to a query spans unwalked key blocks
     paper = "Yang et al. 2025, arXiv 2505.16381"
     walk_carry = True
@@ -229,7 +160,7 @@ class _PaTHSite(AttentionSite):
     scheme: PaTH = PaTH()
 
     def setup(self) -> None:
-        s, d, n, h = self.scheme, self.dims.d_model, self.dims.num_heads, self.dims.head_dim
+        s, d, n, h = self.scheme, self.dims.d_model, self.dims.kv_heads, self.dims.head_dim
         lecun = nn.initializers.lecun_normal()
         self.w_down = self.param(
             "w_down", nn.with_logical_partitioning(lecun, (ax.EMBED, None)), (d, s.rank)
@@ -240,7 +171,7 @@ class _PaTHSite(AttentionSite):
                 nn.initializers.variance_scaling(
                     1.0, "fan_in", "normal", in_axis=0, out_axis=(1, 2)
                 ),
-                (None, ax.HEADS, ax.HEAD_DIM),
+                (None, ax.KV_HEADS, ax.HEAD_DIM),
             ),
             (s.rank, n, h),
         )
@@ -248,51 +179,54 @@ class _PaTHSite(AttentionSite):
         # default for a depthwise Conv1d (fla's ShortConvolution).
         self.conv = self.param(
             "w_conv",
-            nn.with_logical_partitioning(_uniform_conv_init, (None, ax.HEADS, ax.HEAD_DIM)),
+            nn.with_logical_partitioning(_uniform_conv_init, (None, ax.KV_HEADS, ax.HEAD_DIM)),
             (s.conv_size, n, h),
         )
         self.beta_w = self.param(
-            "beta_w", nn.with_logical_partitioning(lecun, (ax.EMBED, ax.HEADS)), (d, n)
+            "beta_w", nn.with_logical_partitioning(lecun, (ax.EMBED, ax.KV_HEADS)), (d, n)
         )
         self.beta_b = self.param(
-            "beta_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.HEADS,)), (n,)
+            "beta_b", nn.with_logical_partitioning(nn.initializers.zeros, (ax.KV_HEADS,)), (n,)
         )
 
     def _u_beta(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Low-rank projection u (B, T, N, H) and beta = 2 sigmoid(.) (B, T, N), float32."""
+        """Low-rank projection u (B, T, K, H) and beta = 2 sigmoid(.) (B, T, K), float32."""
         x_BTD = x_BTD.astype(jnp.float32)
-        u_BTNH = jnp.einsum("BTD,DR,RNH->BTNH", x_BTD, self.w_down, self.w_up)
-        beta_BTN = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", x_BTD, self.beta_w) + self.beta_b)
-        return u_BTNH, beta_BTN
+        u_BTKH = jnp.einsum("BTD,DR,RKH->BTKH", x_BTD, self.w_down, self.w_up)
+        beta_BTK = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DK->BTK", x_BTD, self.beta_w) + self.beta_b)
+        return u_BTKH, beta_BTK
 
     def cache_state(
-        self, k_BTNH: jax.Array, v_BTNH: jax.Array, ctx: AttentionContext
+        self, k_BTKH: jax.Array, v_BTKH: jax.Array, ctx: AttentionContext
     ) -> dict[str, jax.Array]:
-        """Per key: u (for later tokens' convolution), w and beta."""
-        u_BTNH, beta_BTN = self._u_beta(ctx.x_BTD)
+        """Per key and key/value head: u (for later tokens' convolution), w and beta."""
+        u_BTKH, beta_BTK = self._u_beta(ctx.x_BTD)
         batch, length = ctx.k_positions_BS.shape
         if ctx.key_state is not None and "path_u" in ctx.key_state:
-            old_BSNH = ctx.key_state["path_u"]
+            old_BSKH = ctx.key_state["path_u"]
         else:
-            old_BSNH = jnp.zeros((batch, length, *u_BTNH.shape[2:]), jnp.float32)
-        u_BSNH = jax.lax.dynamic_update_slice_in_dim(old_BSNH, u_BTNH, ctx.cache_index, axis=1)
+            old_BSKH = jnp.zeros((batch, length, *u_BTKH.shape[2:]), jnp.float32)
+        u_BSKH = jax.lax.dynamic_update_slice_in_dim(old_BSKH, u_BTKH, ctx.cache_index, axis=1)
         _, ids_BS = ctx.ids()
-        slots_T = ctx.cache_index + jnp.arange(u_BTNH.shape[1])
-        w_BTNH = path_w(u_BSNH, self.conv, segments.segment_starts_BT(ids_BS), slots_T)
-        return {"path_u": u_BTNH, "path_w": w_BTNH, "path_beta": beta_BTN}
+        slots_T = ctx.cache_index + jnp.arange(u_BTKH.shape[1])
+        w_BTKH = path_w(u_BSKH, self.conv, segments.segment_starts_BT(ids_BS), slots_T)
+        return {"path_u": u_BTKH, "path_w": w_BTKH, "path_beta": beta_BTK}
 
     def _w_beta(self, ctx: AttentionContext) -> tuple[jax.Array, jax.Array]:
-        """(w (B, S, N, H), beta (B, S, N)) of the keys. Decoding: the cached ones, with beta = 0
-        before this call's first token (the cached keys already carry those transforms)."""
+        """(w (B, S, N, H), beta (B, S, N)) of the keys, each key/value head's repeated to its
+        query heads. Decoding: the cached ones, with beta = 0 before this call's first token
+        (the cached keys already carry those transforms)."""
         if ctx.decode:
             slots_S = jnp.arange(ctx.k_positions_BS.shape[1])
             fresh_1S1 = (slots_S >= ctx.cache_index)[None, :, None]
-            return ctx.key_state["path_w"], jnp.where(fresh_1S1, ctx.key_state["path_beta"], 0.0)
-        u_BTNH, beta_BTN = self._u_beta(ctx.x_BTD)
-        ids_BT = ctx.segment_ids_BT
-        slots_T = jnp.arange(u_BTNH.shape[1])
-        w_BTNH = path_w(u_BTNH, self.conv, segments.segment_starts_BT(ids_BT), slots_T)
-        return w_BTNH, beta_BTN
+            w_BSKH = ctx.key_state["path_w"]
+            beta_BSK = jnp.where(fresh_1S1, ctx.key_state["path_beta"], 0.0)
+        else:
+            u_BSKH, beta_BSK = self._u_beta(ctx.x_BTD)
+            starts_BS = segments.segment_starts_BT(ctx.segment_ids_BT)
+            w_BSKH = path_w(u_BSKH, self.conv, starts_BS, jnp.arange(u_BSKH.shape[1]))
+        heads = self.dims.num_heads
+        return repeat_kv_heads(w_BSKH, heads), repeat_kv_heads(beta_BSK[..., None], heads)[..., 0]
 
     def bias(
         self,
@@ -329,16 +263,18 @@ class _PaTHSite(AttentionSite):
         return (
             BlockTerm(
                 path_pair,
-                k_arrays={"w": w_BSNH, "beta": beta_BSN, "t": t_BSNK, "k_suffix": kp_BSNH},
+                k_arrays={"w": w_BSNH, "t": t_BSNK, "k_suffix": kp_BSNH},
                 init=init,
             ),
         )
 
     def cache_update(self, cached: dict[str, jax.Array], ctx: AttentionContext) -> dict[str, Any]:
         """The paper's decode: each new token u's H_u is applied to every cached key before it,
-        k_s <- H_u k_s for s < u, in order of u (rank-1 updates, O(S N H) per token)."""
-        w_BSNH, beta_BSN = ctx.key_state["path_w"], ctx.key_state["path_beta"]
-        k_BSNH = cached["key"]
+        k_s <- H_u k_s for s < u, in order of u (rank-1 updates, O(S K H) per token). The cache
+        holds the K key/value heads' keys, and w, beta are per key/value head."""
+        k_BSNH = cached["key"]  # K heads (N where a qk site made per-query-head keys: TAPE)
+        w_BSNH = repeat_kv_heads(ctx.key_state["path_w"], k_BSNH.shape[2])
+        beta_BSN = repeat_kv_heads(ctx.key_state["path_beta"][..., None], k_BSNH.shape[2])[..., 0]
         slots_S = jnp.arange(k_BSNH.shape[1])
 
         def step(k_BSNH: jax.Array, t: jax.Array) -> tuple[jax.Array, None]:

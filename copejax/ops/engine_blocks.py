@@ -287,7 +287,8 @@ def _stick_block(
     (``d log_sigmoid(z) / dz = sigmoid(-z)``, ``d softplus(z) / dz = sigmoid(z)``, both read
     from the saved ``exp(-|z|)``). JAX's own derivative of the same forward evaluates the
     transcendental functions again and keeps more intermediates; this saves about a fifth of
-    stick-breaking's layer time on CPU.
+    stick-breaking's layer time on CPU (T = 1024, B x N = 8: 1.65x instead of 2.04x the
+    fastest nope path, process CPU time).
     """
     return _stick_forward(scan_impl, z_BNQK, allowed_B1QK, remainder_BNQ, v_BKNW)[0]
 

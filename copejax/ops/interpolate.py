@@ -8,9 +8,10 @@ so that the vectors e[p_ij] are never materialised.
 The two reads are gathers from the table flattened to one axis, at ``row * P + index``: XLA's
 CPU backend differentiates such a gather into a flat scatter-add, which measured about 20x
 faster than the batched scatter of ``jnp.take_along_axis``'s gradient (B x N x Q = 1024 rows of
-P = 64, 128 positions each: 2 ms against 45 ms forward+backward on a 2-core CPU; CoPE's whole
-layer at T = 1024, B x N = 8: 1.79x instead of 1.99x the fastest nope path, process CPU
-time). The values and gradients are the same sums.
+P = 64, 128 positions each: 2 ms against 45 ms forward+backward on a 2-core CPU). Most CoPE
+key blocks skip the interpolation (saturated positions), so CoPE's whole layer gained less:
+3-7 % of its process CPU time at T = 1024, 7-10 % at T = 4096 (B x N = 8). The values and
+gradients are the same sums.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _ids(variant: tuple[str, dict]) -> str:
 def _model(position: str, options: dict, impl: str, **overrides: object) -> Transformer:
     scheme = registry.make_scheme(position, options)
     layers = 2 if "carry" in scheme.sites or scheme.share_across_layers else 1
-    # The flash backward wherever it applies (auto would take remat for these 3 key blocks).
+    # The flash backward wherever it applies (as auto does).
     backward = "remat" if scheme.walk_carry else "flash"
     cfg = tiny_config(
         position,

@@ -35,8 +35,9 @@ Backward passes (``backward``):
   includes it and ``dz_n = -sum_i exp(z_n - L_i) D_i``.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
-  the backward keeps carries only. Needed by carries (CoPE, stick-breaking); timed against
-  "flash" by ``python -m experiments.bench`` (the "fox remat" arm).
+  the backward keeps carries only. Needed by carries (CoPE, stick-breaking); ``"auto"`` takes
+  it only there (flash measured faster from 4 key blocks on; timed against "flash" by
+  ``python -m experiments.bench``, the "fox remat" arm).
 
 The engine is four modules: this one (the entry point, the forward / remat walk and the
 custom VJP), :mod:`~copejax.ops.engine_blocks` (the pair, term and normalizer types, blocking
@@ -217,8 +218,8 @@ def blockwise_attention(
       normalizer: softmax, or stick-breaking.
       block: the block length (queries use ``min(block, T)``, keys ``min(block, S)``).
       scan_impl: suffix sums of stick-breaking (``copejax.ops.scan``).
-      backward: "auto" (flash where it applies, softmax and no term with a carry, over more
-        than ``REMAT_WALKS_ABOVE`` key blocks; remat otherwise), "flash" or "remat".
+      backward: "auto" (flash where it applies, softmax and no term with a carry; remat
+        otherwise), "flash" or "remat".
       window: a sliding window W (query i sees keys ``i - W < j <= i``); None: full causal.
       sink_tokens: with a window, the first n keys of each segment stay visible
         (StreamingLLM, arXiv 2309.17453).
@@ -298,12 +299,12 @@ def blockwise_attention(
         raise ValueError(
             "engine: backward='flash' needs softmax and no term with a carry; use 'remat'"
         )
-    # "auto": flash where it applies and the walk is long. Up to REMAT_WALKS_ABOVE key blocks
-    # the remat backward keeps every walk's carries and recomputes no walk, and measured
-    # faster (FoX at T = 1024: remat 326 ms, flash 419 ms; experiments/results/bench.md).
-    flash = backward == "flash" or (
-        backward == "auto" and flash_applies and layout.count_k > REMAT_WALKS_ABOVE
-    )
+    # "auto": flash wherever it applies. Side-by-side rounds on a 2-core CPU (B x N = 8,
+    # H = 64, one layer forward+backward, median over 11 rounds of process CPU time relative
+    # to the round's fastest nope arm) had it ahead of remat at 4 and 8 key blocks as well:
+    # T = 512 nope 1.00 vs 1.11, FoX 1.18 vs 1.31; T = 1024 nope 1.00 vs 1.08, FoX 1.12 vs
+    # 1.25. (An earlier wall-time reading at T = 1024, remat ahead, was within the load noise.)
+    flash = backward == "flash" or (backward == "auto" and flash_applies)
     if flash:
         out_GBQNW = _flash_walk(layout)(data)
         stat_GBNQ = None

@@ -11,8 +11,8 @@ from copejax.positions.base import PositionScheme
 
 def attention_paths(cls: type[PositionScheme]) -> str:
     """The attention paths a scheme runs on (``model.attention_impl``), and the blockwise
-    engine's backward: flash (custom VJP) past 8 key blocks unless a term carries state
-    across key blocks, remat otherwise."""
+    engine's backward: flash (custom VJP) unless a term carries state across key blocks,
+    remat otherwise."""
     paths = ["naive", "blockwise (remat)" if cls.walk_carry else "blockwise (flash / remat)"]
     extra = set(cls.sites) - KERNEL_SITES
     if not extra or (extra == {"bias"} and cls.position_only_bias):

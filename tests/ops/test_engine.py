@@ -178,3 +178,26 @@ def test_a_bias_site_without_block_terms_is_refused() -> None:
 
     with pytest.raises(NotImplementedError, match="BiasOnly defines a bias site but no"):
         check_block_terms(BiasOnly(Dims(8, 2, 4, 1, 8)))
+
+
+def test_auto_backward_is_flash_wherever_it_applies_and_remat_for_carries() -> None:
+    """Two key blocks: auto traces the same program as "flash" (the stat is None), and, with a
+    term that carries across key blocks, the same as "remat"."""
+    inputs = _engine_inputs()
+
+    def jaxpr(**kwargs: object) -> str:
+        return str(
+            jax.make_jaxpr(
+                lambda q: engine.blockwise_attention(**{**inputs, "q_BTNH": q}, block=3, **kwargs)[
+                    0
+                ]
+            )(inputs["q_BTNH"])
+        )
+
+    assert engine.blockwise_attention(**inputs, block=3)[1] is None
+    assert jaxpr(backward="auto") == jaxpr(backward="flash") != jaxpr(backward="remat")
+    term = engine_blocks.BlockTerm(
+        bias=lambda p, pair, prep, carry: (jnp.zeros_like(pair.logits_BNQK), carry),
+        init=lambda b, n, q: jnp.zeros((b, n, q), jnp.float32),
+    )
+    assert jaxpr(backward="auto", terms=[term]) == jaxpr(backward="remat", terms=[term])

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from copejax import ring_decode
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
@@ -32,6 +33,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Any:
         raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
     for layer_cfg in {cfg.for_layer(i) for i in range(cfg.num_layers)} | {cfg}:
         layer_cfg.scheme.check_decode(layer_cfg.dims, max_len)
+        ring_decode.check_ring(layer_cfg)
     tokens_BS = jnp.zeros((batch, max_len), jnp.int32)
     positions_BS = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
     model = Transformer(cfg)

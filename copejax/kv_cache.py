@@ -1,12 +1,14 @@
 """The "cache" collection for incremental decoding (a KV cache; Pope et al. 2022, arXiv 2211.05102).
 
-Two Linen modules keep their arrays in the ``cache`` collection, sized by the length S of the
-call that created them (``copejax.decode.init_cache`` creates them with zeros):
+Three Linen modules keep their arrays in the ``cache`` collection (``copejax.decode.init_cache``
+creates them with zeros), the first two sized by the length S of the call that created them:
 
 - :class:`DecodeCursor`, one per model: the write index, the positions and the segment ids of
   every cached token, and the decode mask of the new queries over the S cache slots;
 - :class:`KeyCache`, one per attention layer: the keys and values after the qk site and any
-  per-key arrays the position scheme keeps (``AttentionSite.cache_state``).
+  per-key arrays the position scheme keeps (``AttentionSite.cache_state``);
+- :class:`RingCache`, instead, in a sliding-window layer: the same per-key arrays in n + W
+  slots (``copejax.ring_decode``).
 
 A call with T new tokens writes slots ``index .. index + T - 1`` and advances the index by T
 (T > 1 is a prefill, T = 1 a step). New query t sits at slot ``index + t`` and may attend to
@@ -118,11 +120,13 @@ class RingCache(nn.Module):
     (arXiv 2309.17453): sink slot r holds the latest key whose index within its segment is r
     (r < n); a new segment's first keys replace the old segment's, which no later query of
     the new segment may see. Each slot also keeps its key's position, segment id, index
-    (``key_plus1``: index + 1, 0 for an empty slot) and rank within its segment.
+    (``key_plus1``: index + 1, 0 for an empty slot), rank within its segment and the scheme's
+    per-key decode state (``AttentionSite.cache_state``).
 
-    A call reads the slots as they were before its writes, the caller attends to them and to
-    the call's own T keys, and the call's keys are then written (the last W of them into the
-    ring, those with rank < n into the sink slots).
+    A call reads the slots as they were before its writes (:func:`copejax.ring_decode.
+    decode_ring` reads them in key order), the caller attends to them and to the call's own T
+    keys, rewrites slots if its scheme updates cached arrays, and the call's keys are then
+    written (the last W of them into the ring, those with rank < n into the sink slots).
     """
 
     window: int
@@ -130,11 +134,17 @@ class RingCache(nn.Module):
 
     @nn.compact
     def __call__(
-        self, new: dict[str, jax.Array], key_index_T: jax.Array, rank_BT: jax.Array
+        self,
+        new: dict[str, jax.Array],
+        key_index_T: jax.Array,
+        rank_BT: jax.Array,
+        rewritten: dict[str, jax.Array] | None = None,
     ) -> dict[str, jax.Array]:
         """Args: ``new`` (B, T, ...) arrays of the new keys (their key, value, positions,
-        segment ids); ``key_index_T`` their key indices; ``rank_BT`` their index within their
-        segment. Returns the slots before this call's writes, (B, n + W, ...), with
+        segment ids and the scheme's per-key state); ``key_index_T`` their key indices;
+        ``rank_BT`` their index within their segment; ``rewritten`` whole (B, n + W, ...)
+        arrays that replace the slots' before the new keys are written (PaTH's rank-1 updates
+        of cached keys). Returns the slots before this call's writes, (B, n + W, ...), with
         ``key_index`` (B, n + W) (``EMPTY`` for an empty slot) and ``rank``."""
         from copejax.ops.engine_blocks import EMPTY_KEY_INDEX
 
@@ -152,6 +162,8 @@ class RingCache(nn.Module):
             for name, a in arrays.items()
         }
         old = {name: slot.value for name, slot in slots.items()}
+        for name, full in (rewritten or {}).items():
+            slots[name].value = full.astype(slots[name].value.dtype)
         # The ring: the last min(T, W) new keys, at distinct slots n + j mod W; sinks stay out.
         tail = min(length, window)
         ring_slot_T = sinks + key_index_T[length - tail :] % window
@@ -176,3 +188,8 @@ class RingCache(nn.Module):
         plus1_BR = old.pop("key_plus1")
         old["key_index"] = jnp.where(plus1_BR > 0, plus1_BR - 1, EMPTY_KEY_INDEX)
         return old
+
+    def read(self) -> dict[str, jax.Array]:
+        """The slots as they are (before this call's writes; ``key_plus1`` as stored), each
+        (B, n + W, ...); empty before the cache exists (while initialising)."""
+        return dict(self.variables.get(CACHE, {}))

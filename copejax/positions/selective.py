@@ -130,6 +130,12 @@ class Selective(PositionScheme):
                 f"{self.name}: prune_budget must be None or an integer >= 1, got {budget!r}"
             )
 
+    def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
+        return (
+            "its accumulated penalties (and eviction flags) live in caches of their own, one "
+            "entry per full-cache slot, which a ring buffer does not index"
+        )
+
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _SelectiveSite(dims=dims, scheme=self)
 

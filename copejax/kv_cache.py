@@ -44,7 +44,15 @@ class DecodeView:
 
 
 class DecodeCursor(nn.Module):
-    """The model's write index, cached positions and segment ids (B, S)."""
+    """The model's write index, cached positions and segment ids (B, S).
+
+    ``unbounded``: the write index only, for a model whose every layer decodes from a ring
+    buffer (``copejax.ring_decode.unbounded_decode``), which keeps what it needs of each key in
+    its slots; the view's positions and ids are then the new tokens' (S = T) and decoding
+    may go on past the cache's ``max_len``.
+    """
+
+    unbounded: bool = False
 
     @nn.compact
     def __call__(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> DecodeView:
@@ -57,6 +65,15 @@ class DecodeCursor(nn.Module):
         if segment_ids_BT is None:
             segment_ids_BT = jnp.zeros((batch, length), jnp.int32)
         index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+        if self.unbounded:
+            start = index.value
+            index.value = start + length
+            return DecodeView(
+                index=start,
+                positions_BS=positions_BT.astype(jnp.int32),
+                segment_ids_BS=segment_ids_BT.astype(jnp.int32),
+                fits=jnp.asarray(True),
+            )
         positions = self.variable(CACHE, "positions", jnp.zeros, (batch, length), jnp.int32)
         segments = self.variable(CACHE, "segment_ids", jnp.zeros, (batch, length), jnp.int32)
         cache_batch, slots = positions.value.shape

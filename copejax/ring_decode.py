@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import segments
+from copejax.attention_paths import ring_cache_applies
 from copejax.kv_cache import RingCache
 from copejax.model_config import ModelConfig
 from copejax.ops.engine_blocks import EMPTY_KEY_INDEX
@@ -40,7 +41,8 @@ from copejax.positions.base import AttentionContext, AttentionSite
 
 # What the ring keeps for every key besides the scheme's own arrays.
 _META = ("positions", "segment_ids", "key_plus1", "rank")
-WINDOW_DECODE_CACHES = ("ring", "full")
+# The length probed by unbounded_decode: a scheme that decodes this far takes any length.
+ANY_LENGTH = 2**30
 
 
 def ring_refusal(cfg: ModelConfig) -> str | None:
@@ -61,6 +63,22 @@ def check_ring(cfg: ModelConfig) -> None:
             "model.window_decode_cache='full' to decode with the full cache and the window "
             "mask (exact; memory grows with the length)"
         )
+
+
+def unbounded_decode(cfg: ModelConfig) -> bool:
+    """Whether every layer of ``cfg`` decodes from a ring buffer and its scheme takes any
+    length (``PositionScheme.check_decode``), so that the model-wide cursor needs only the
+    write index and decoding may go past ``max_len`` (:class:`copejax.kv_cache.DecodeCursor`).
+    A scheme with a position table (learned positions, Shaw's distances) keeps the bounded
+    cursor, which refuses lengths beyond its table."""
+    for layer in {cfg.for_layer(i) for i in range(cfg.num_layers)}:
+        if not ring_cache_applies(layer) or ring_refusal(layer) is not None:
+            return False
+        try:
+            layer.scheme.check_decode(layer.dims, ANY_LENGTH)
+        except (ValueError, NotImplementedError):
+            return False
+    return True
 
 
 def _in_order(a_BR: jax.Array, order_BR: jax.Array) -> jax.Array:
@@ -93,10 +111,7 @@ def decode_ring(
     """
     batch, length = q_BTNH.shape[:2]
     slots = ring.window + ring.sink_tokens
-    q_ids_BT, cursor_ids_BS = ctx.ids()
-    rank_BT = jax.lax.dynamic_slice_in_dim(
-        segments.segment_rank_BS(cursor_ids_BS), ctx.cache_index, length, axis=1
-    ).astype(jnp.int32)
+    q_ids_BT = ctx.ids()[0]
     index_T = ctx.cache_index + jnp.arange(length, dtype=jnp.int32)
     old = ring.read()  # empty while the cache is being created
     plus1_BR = old.get("key_plus1", jnp.zeros((batch, slots), jnp.int32))
@@ -114,6 +129,13 @@ def decode_ring(
     ids_BV = ids_BV.at[:, :slots].set(
         jnp.where(empty_BR, jnp.min(ids_BV, axis=1, keepdims=True) - 1, ids_BV[:, :slots])
     )
+    # Each new key's rank in its segment from the last old key's (the ring keeps key
+    # index - 1 whatever W and n), so the ring needs nothing from the model-wide cursor.
+    starts_BT = segments.segment_starts_BT(q_ids_BT, ids_BV, slots)
+    t_T = jnp.arange(length, dtype=jnp.int32)
+    start_BT = jax.lax.cummax(jnp.where(starts_BT, t_T, -1), axis=1)
+    last_rank_B1 = view.get("rank", jnp.zeros((batch, slots), jnp.int32))[:, -1:]
+    rank_BT = jnp.where(start_BT >= 0, t_T - start_BT, last_rank_B1 + 1 + t_T)
     shift = slots - ctx.cache_index  # view index = key index + shift; query 0 at R
     index_BR = jnp.where(empty_BR, EMPTY_KEY_INDEX, plus1_BR - 1 + shift)
     ctx = ctx.replace(

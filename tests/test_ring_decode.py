@@ -7,6 +7,8 @@ allows it (``copejax.ring_decode``); the others are refused with the reason.
 - Decoding one token at a time far beyond the ring (W = 2, 14 tokens, packed documents)
   equals the full forward with the window, on the naive path and the blockwise engine (which
   reads the ring's keys by index).
+- A model whose every layer decodes from a ring keeps only the write index in its cursor and
+  decodes past ``max_len`` (4 slots, 14 tokens) exactly; any other keeps the bounded cursor.
 - A scheme that cannot decode from a ring (selective attention; PaTH with a window narrower
   than its convolution) is refused with the reason, and ``window_decode_cache="full"``
   decodes it exactly with the full cache.
@@ -53,13 +55,16 @@ def _ring_schemes() -> list[str]:
     return [p for p in registry.names() if ring_decode.ring_refusal(_config(p)) is None]
 
 
-def _decode_equals_forward(cfg: object) -> None:
+def _decode_equals_forward(cfg: object, max_len: int | None = None) -> None:
     model = Transformer(cfg)
     tokens_BT = jnp.asarray(np.random.default_rng(3).integers(0, 13, (2, LENGTH)), jnp.int32)
     positions_BT, ids_BT = jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     params = perturbed(model.init(jax.random.key(0), tokens_BT, positions_BT)["params"])
     full = model.apply({"params": params}, tokens_BT, positions_BT, ids_BT)
-    decoded = decode_in_chunks(model, params, tokens_BT, POSITIONS_BT, SEGMENTS_BT, chunks=STEPS)
+    decoded = decode_in_chunks(
+        model, params, tokens_BT, POSITIONS_BT, SEGMENTS_BT, chunks=STEPS, max_len=max_len
+    )
+    assert np.all(np.isfinite(decoded))
     np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5)
 
 
@@ -149,3 +154,27 @@ def test_ring_schemes_cover_the_registry_but_the_refused() -> None:
 def test_a_bad_window_decode_cache_is_refused() -> None:
     with pytest.raises(ValueError, match=re.escape("model.window_decode_cache must be one of")):
         tiny_config("rope", window=2, window_decode_cache="ring_buffer")
+
+
+@pytest.mark.parametrize("position", ["rope", "fox", "cope+rope"])
+def test_an_all_window_model_decodes_past_max_len(position: str) -> None:
+    cfg = _config(position, num_layers=2)
+    assert ring_decode.unbounded_decode(cfg)
+    assert set(decode.init_cache(cfg, 2, 4)["decode_cursor"]) == {"index"}
+    _decode_equals_forward(cfg, max_len=4)
+
+
+@pytest.mark.parametrize(
+    ("position", "overrides"),
+    [
+        ("rope", {"window": None, "layer_pattern": ("rope:window=2", "rope")}),  # a global layer
+        ("rope", {"window_decode_cache": "full"}),
+        ("learned", {}),  # its table ends at max_len
+        ("relative", {}),  # so do Shaw's distances
+        ("selective", {"window_decode_cache": "full"}),
+    ],
+)
+def test_other_models_keep_the_bounded_cursor(position: str, overrides: dict) -> None:
+    cfg = _config(position, num_layers=2, window_sink_tokens=0, **overrides)
+    assert not ring_decode.unbounded_decode(cfg)
+    assert decode.init_cache(cfg, 2, 4)["decode_cursor"]["positions"].shape == (2, 4)

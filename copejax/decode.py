@@ -2,7 +2,9 @@
 
 Every position scheme decodes exactly (the contextual ones through their cached per-key
 state, ``AttentionSite.cache_state``): the logits of prefill + steps equal those of one full
-forward pass over the whole sequence (``tests/test_decode.py``).
+forward pass over the whole sequence (``tests/test_decode.py``). Sliding-window layers keep
+a ring buffer of their window instead (``copejax.ring_decode``); a model of ring layers only
+decodes past ``max_len``.
 
     cache = init_cache(cfg, batch=1, max_len=64)
     logits_BTV, vars = model.apply({"params": p, "cache": cache}, tokens_BT, positions_BT,
@@ -27,7 +29,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Any:
     """An empty cache (all zeros, write index 0) for ``batch`` sequences of ``max_len`` tokens.
 
     Raises ValueError (NotImplementedError) when the position scheme cannot decode that far
-    (e.g. a learned table shorter than ``max_len``).
+    (e.g. a learned table shorter than ``max_len``), or when a window layer cannot decode from
+    a ring buffer (``copejax.ring_decode.check_ring``: the error names the reason).
     """
     if batch < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")

@@ -93,8 +93,9 @@ class ModelConfig:
         itself included (keys ``i - W < j <= i``; the convention of Mistral's and Gemma's
         ``sliding_window``). None (default): full causal attention. The blockwise engine
         walks only the key blocks in the window (O(T W)); decoding keeps a ring buffer of W
-        slots (``copejax.kv_cache.RingCache``). With CoPE the counts cover the visible keys
-        only, with stick-breaking the stick breaks over them only: valid variants.
+        slots (``copejax.kv_cache.RingCache``, ``copejax.ring_decode``). With CoPE the counts
+        cover the visible keys only, with stick-breaking the stick breaks over them only:
+        valid variants.
       window_sink_tokens: with a window, the first n tokens of each segment stay visible to
         every query (StreamingLLM's attention sinks, arXiv 2309.17453) and the ring buffer
         keeps them in n extra slots. Positions are not reassigned: keys keep the positions

@@ -18,10 +18,12 @@ see. Keys outside the window are never visible to this or any later query, so th
 equals the full forward with the window mask: ``tests/test_ring_decode.py``.
 
 With CoPE the counts then cover only the window plus the kept sinks, as in the full forward
-with a window (a valid variant, not the paper's full-context CoPE). A scheme whose decode
-state reaches further back than the ring keeps refuses the ring with the reason
-(``PositionScheme.ring_decode_refusal``); ``model.window_decode_cache = "full"`` decodes its
-window layers with the full cache and the window mask instead (exact; memory grows).
+with a window (a valid variant, not the paper's full-context CoPE). A scheme that cannot
+decode from the ring refuses it with the reason (``PositionScheme.ring_decode_refusal``):
+PaTH when its short convolution reads further back than the window, selective attention,
+whose penalty and eviction caches are kept per full-cache slot by its site (not moved into
+ring slots yet). ``model.window_decode_cache = "full"`` decodes window layers with the full
+cache and the window mask instead (exact; memory grows).
 
 Shape letters: B batch, T new tokens, R ring slots (n + W), V view slots (R + T), N heads,
 K key/value heads, H head dim.

@@ -178,3 +178,15 @@ def test_other_models_keep_the_bounded_cursor(position: str, overrides: dict) ->
     cfg = _config(position, num_layers=2, window_sink_tokens=0, **overrides)
     assert not ring_decode.unbounded_decode(cfg)
     assert decode.init_cache(cfg, 2, 4)["decode_cursor"]["positions"].shape == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"logit_scaling": "ssmax", "attention_sink": True},  # ssmax counts the visible keys
+        {"logit_scaling": "llama4", "llama4_floor_scale": 2.0},
+    ],
+    ids=["sink_ssmax", "llama4"],
+)
+def test_the_ring_with_a_sink_logit_and_length_scaling(layout: dict) -> None:
+    _decode_equals_forward(_config("fox", **layout), max_len=4)

@@ -50,9 +50,9 @@ def ring_cache_applies(cfg: ModelConfig) -> bool:
     :func:`copejax.ring_decode.decode_ring`): every window layer unless
     ``model.window_decode_cache`` is "full" (the full cache with the window mask). Every
     scheme's per-key decode state lives in the ring's slots (FoX's prefix sums, CoPE's gate
-    keys, TAPE's position tensors, PaTH's rewritten keys; stick-breaking reads the slots in
-    key order); a scheme that cannot decode from a ring is refused with the reason
-    (``copejax.ring_decode.check_ring``)."""
+    keys, TAPE's position tensors, PaTH's rewritten keys, selective attention's penalties;
+    stick-breaking reads the slots in key order); a scheme that cannot decode from a ring is
+    refused with the reason (``copejax.ring_decode.check_ring``)."""
     return cfg.window is not None and cfg.window_decode_cache == "ring"
 
 

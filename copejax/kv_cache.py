@@ -181,27 +181,16 @@ class RingCache(nn.Module):
         old = {name: slot.value for name, slot in slots.items()}
         for name, full in (rewritten or {}).items():
             slots[name].value = full.astype(slots[name].value.dtype)
-        # The ring: the last min(T, W) new keys, at distinct slots n + j mod W; sinks stay out.
-        tail = min(length, window)
-        ring_slot_T = sinks + key_index_T[length - tail :] % window
-        keep_BT = rank_BT[:, length - tail :] >= sinks
         for name, slot in slots.items():
-            new_BT = arrays[name][:, length - tail :]
-            if name == "key_plus1":
-                new_BT = jnp.where(keep_BT, new_BT, 0)
-            slot.value = slot.value.at[:, ring_slot_T].set(new_BT.astype(slot.value.dtype))
-        if sinks:  # sink slot r: the last new key of rank r, if any
-            match_BRT = rank_BT[:, None, :] == jnp.arange(sinks)[None, :, None]
-            has_BR = jnp.any(match_BRT, axis=-1)
-            last_BR = length - 1 - jnp.argmax(match_BRT[..., ::-1], axis=-1)
-            for name, slot in slots.items():
-                a_BT = arrays[name]
-                picked = jnp.take_along_axis(
-                    a_BT, last_BR.reshape(batch, sinks, *([1] * (a_BT.ndim - 2))), axis=1
-                )
-                has = has_BR.reshape(batch, sinks, *([1] * (a_BT.ndim - 2)))
-                sink = jnp.where(has, picked.astype(slot.value.dtype), slot.value[:, :sinks])
-                slot.value = slot.value.at[:, :sinks].set(sink)
+            slot.value = ring_write(
+                slot.value,
+                arrays[name],
+                key_index_T,
+                rank_BT,
+                window=window,
+                sink_tokens=sinks,
+                clear_sinks_in_ring=name == "key_plus1",  # a sink's ring slot reads empty
+            )
         plus1_BR = old.pop("key_plus1")
         old["key_index"] = jnp.where(plus1_BR > 0, plus1_BR - 1, EMPTY_KEY_INDEX)
         return old
@@ -210,3 +199,78 @@ class RingCache(nn.Module):
         """The slots as they are (before this call's writes; ``key_plus1`` as stored), each
         (B, n + W, ...); empty before the cache exists (while initialising)."""
         return dict(self.variables.get(CACHE, {}))
+
+
+def ring_write(
+    slots_BR: jax.Array,
+    new_BT: jax.Array,
+    key_index_T: jax.Array,
+    rank_BT: jax.Array,
+    *,
+    window: int,
+    sink_tokens: int,
+    clear_sinks_in_ring: bool = False,
+) -> jax.Array:
+    """One array of a ring (:class:`RingCache`) after writing T new keys: key j (rank >= n)
+    into ring slot ``n + j mod W`` (the last min(T, W) keys, at distinct slots), the last new
+    key of rank r < n into sink slot r. ``clear_sinks_in_ring``: a key of rank < n writes 0
+    into its ring slot (the ``key_plus1`` marker of an empty slot).
+
+    Args: ``slots_BR`` (B, n + W, ...); ``new_BT`` (B, T, ...); ``key_index_T`` the new keys'
+    indices; ``rank_BT`` their index within their segment. Returns (B, n + W, ...).
+    """
+    batch, length = rank_BT.shape
+    tail = min(length, window)
+    ring_slot_T = sink_tokens + key_index_T[length - tail :] % window
+    ring_BT = new_BT[:, length - tail :].astype(slots_BR.dtype)
+    if clear_sinks_in_ring:
+        keep_BT = rank_BT[:, length - tail :] >= sink_tokens
+        ring_BT = jnp.where(
+            keep_BT.reshape(*keep_BT.shape, *([1] * (ring_BT.ndim - 2))), ring_BT, 0
+        )
+    slots_BR = slots_BR.at[:, ring_slot_T].set(ring_BT)
+    if not sink_tokens:
+        return slots_BR
+    match_BRT = rank_BT[:, None, :] == jnp.arange(sink_tokens)[None, :, None]
+    extra = [1] * (new_BT.ndim - 2)
+    has_BR = jnp.any(match_BRT, axis=-1).reshape(batch, sink_tokens, *extra)
+    last_BR = length - 1 - jnp.argmax(match_BRT[..., ::-1], axis=-1)
+    picked_BR = jnp.take_along_axis(new_BT, last_BR.reshape(batch, sink_tokens, *extra), axis=1)
+    sink_BR = jnp.where(has_BR, picked_BR.astype(slots_BR.dtype), slots_BR[:, :sink_tokens])
+    return slots_BR.at[:, :sink_tokens].set(sink_BR)
+
+
+@struct.dataclass
+class RingView:
+    """How a ring decode call's view of the keys (:func:`copejax.ring_decode.decode_ring`: the
+    n + W old slots in key order, then the T new keys) maps back to the ring's slots, for a
+    site that keeps per-key arrays of its own in ring slots (selective attention's penalties).
+    """
+
+    order_BR: jax.Array  # view slot r holds ring slot order_BR[:, r]
+    key_index_T: jax.Array
+    rank_BT: jax.Array
+    window: int = struct.field(pytree_node=False)
+    sink_tokens: int = struct.field(pytree_node=False)
+
+    def view(self, slots_BR: jax.Array) -> jax.Array:
+        """(B, n + W, ...) ring slots -> (B, n + W + T, ...) view, zeros at the new keys."""
+        index = self.order_BR.reshape(*self.order_BR.shape, *([1] * (slots_BR.ndim - 2)))
+        old_BR = jnp.take_along_axis(slots_BR, index, axis=1)
+        new_shape = (slots_BR.shape[0], self.rank_BT.shape[1], *slots_BR.shape[2:])
+        return jnp.concatenate([old_BR, jnp.zeros(new_shape, slots_BR.dtype)], axis=1)
+
+    def store(self, view_BV: jax.Array) -> jax.Array:
+        """(B, n + W + T, ...) view -> the ring's (B, n + W, ...) slots after the call."""
+        slots = self.window + self.sink_tokens
+        unsort_BR = jnp.argsort(self.order_BR, axis=1)
+        index = unsort_BR.reshape(*unsort_BR.shape, *([1] * (view_BV.ndim - 2)))
+        old_BR = jnp.take_along_axis(view_BV[:, :slots], index, axis=1)
+        return ring_write(
+            old_BR,
+            view_BV[:, slots:],
+            self.key_index_T,
+            self.rank_BT,
+            window=self.window,
+            sink_tokens=self.sink_tokens,
+        )

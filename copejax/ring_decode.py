@@ -20,10 +20,12 @@ equals the full forward with the window mask: ``tests/test_ring_decode.py``.
 With CoPE the counts then cover only the window plus the kept sinks, as in the full forward
 with a window (a valid variant, not the paper's full-context CoPE). A scheme that cannot
 decode from the ring refuses it with the reason (``PositionScheme.ring_decode_refusal``):
-PaTH when its short convolution reads further back than the window, selective attention,
-whose penalty and eviction caches are kept per full-cache slot by its site (not moved into
-ring slots yet). ``model.window_decode_cache = "full"`` decodes window layers with the full
-cache and the window mask instead (exact; memory grows).
+PaTH when its short convolution reads further back than the window, selective attention
+with ``prune_budget`` (its buffer counts every key of the segment not yet evicted, also keys
+that left the window). ``model.window_decode_cache = "full"`` decodes window layers with the
+full cache and the window mask instead (exact; memory grows). A site that keeps per-key arrays
+of its own (selective attention's penalties) keeps them in ring slots too, through
+``ctx.ring_view``.
 
 Shape letters: B batch, T new tokens, R ring slots (n + W), V view slots (R + T), N heads,
 K key/value heads, H head dim.
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 
 from copejax import segments
 from copejax.attention_paths import ring_cache_applies
-from copejax.kv_cache import RingCache
+from copejax.kv_cache import RingCache, RingView
 from copejax.model_config import ModelConfig
 from copejax.ops.engine_blocks import EMPTY_KEY_INDEX
 from copejax.positions.base import AttentionContext, AttentionSite
@@ -149,6 +151,7 @@ def decode_ring(
         ),
         k_rank_BS=meta("rank", rank_BT),
         key_state=None,
+        ring_view=RingView(order_BR, index_T, rank_BT, ring.window, ring.sink_tokens),
     )
 
     def full(name: str, new_BT: jax.Array) -> jax.Array:

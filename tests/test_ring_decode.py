@@ -9,9 +9,10 @@ allows it (``copejax.ring_decode``); the others are refused with the reason.
   reads the ring's keys by index).
 - A model whose every layer decodes from a ring keeps only the write index in its cursor and
   decodes past ``max_len`` (4 slots, 14 tokens) exactly; any other keeps the bounded cursor.
-- A scheme that cannot decode from a ring (selective attention; PaTH with a window narrower
-  than its convolution) is refused with the reason, and ``window_decode_cache="full"``
-  decodes it exactly with the full cache.
+- Selective attention's penalties live in ring slots (``ctx.ring_view``).
+- A scheme that cannot decode from a ring (selective attention's fixed-budget pruning; PaTH
+  with a window narrower than its convolution) is refused with the reason, and
+  ``window_decode_cache="full"`` decodes it exactly with the full cache.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LENGTH = 14
 SEGMENTS_BT = np.array([[1] * LENGTH, [1] * 9 + [2] * (LENGTH - 9)], np.int32)
 POSITIONS_BT = np.array([list(range(LENGTH)), list(range(9)) + list(range(LENGTH - 9))], np.int32)
 STEPS = (3,) + (1,) * (LENGTH - 3)  # a prefill wider than the ring, then steps
-FAST = ("cope", "fox", "stickbreaking")  # the rest: test_window.py and -m slow
+FAST = ("cope", "fox", "selective", "stickbreaking")  # the rest: test_window.py and -m slow
 
 
 def _config(position: str, impl: str = "naive", **overrides: object) -> object:
@@ -119,12 +120,14 @@ def test_the_engine_decodes_from_the_ring(position: str) -> None:
     _decode_equals_forward(cfg)
 
 
+BUDGET = {"position_options": (("prune_budget", 3),)}
+
+
 @pytest.mark.parametrize(
     ("position", "overrides", "reason"),
     [
-        ("selective", {}, "penalties"),
+        ("selective", BUDGET, "prune_budget=3 keeps a buffer"),
         ("path", {"window": 1}, "conv_size=3"),
-        ("selective+rope", {}, "penalties"),
     ],
 )
 def test_schemes_without_a_ring_say_why(position: str, overrides: dict, reason: str) -> None:
@@ -139,7 +142,7 @@ def test_schemes_without_a_ring_say_why(position: str, overrides: dict, reason: 
 
 @pytest.mark.parametrize(
     ("position", "overrides"),
-    [("selective", {}), pytest.param("path", {"window": 1}, marks=pytest.mark.slow)],
+    [("selective", BUDGET), pytest.param("path", {"window": 1}, marks=pytest.mark.slow)],
 )
 def test_the_full_cache_option_decodes_refused_schemes_exactly(
     position: str, overrides: dict
@@ -147,8 +150,16 @@ def test_the_full_cache_option_decodes_refused_schemes_exactly(
     _decode_equals_forward(_config(position, window_decode_cache="full", **overrides))
 
 
-def test_ring_schemes_cover_the_registry_but_the_refused() -> None:
-    assert set(registry.names()) - set(_ring_schemes()) == {"selective"}
+def test_every_registered_scheme_decodes_from_a_ring() -> None:
+    assert _ring_schemes() == registry.names()
+
+
+@pytest.mark.parametrize("options", [(), (("prune_threshold", 0.5),)], ids=["plain", "threshold"])
+def test_selective_penalties_live_in_ring_slots(options: tuple) -> None:
+    cfg = _config("selective", position_options=options)
+    penalty = _attention_caches(decode.init_cache(cfg, 2, 8))[0]["own_site"]["penalty"]
+    assert penalty["selective_penalty"].shape == (2, cfg.window + cfg.window_sink_tokens)
+    _decode_equals_forward(cfg, max_len=4)
 
 
 def test_a_bad_window_decode_cache_is_refused() -> None:

@@ -6,8 +6,8 @@
   for every registered scheme, with packed documents and blocks that straddle the window.
 - Decoding far beyond W equals the full forward pass with the window mask, for every
   registered scheme, through a ring buffer of n + W slots whose shape does not depend on the
-  cache length (``tests/test_ring_decode.py``: every scheme's cache, the engine, refusals);
-  selective attention, refused a ring with the reason, decodes with the full cache.
+  cache length (``tests/test_ring_decode.py``: every scheme's cache, the engine, refusals,
+  which decode with the full cache).
 - Causality and locality: the gradient of a one-layer model's output at t with respect to
   the input at s is exactly zero outside the window and the sinks.
 """

@@ -4,7 +4,7 @@ allows it (``copejax.ring_decode``); the others are refused with the reason.
 - The decode cache of every scheme's window layer holds n + W slots whatever ``max_len``, and
   no full-length key cache (``tests/test_window.py`` checks that decoding far beyond the ring
   equals the full forward with the window, for every scheme, with and without sinks).
-- Decoding one token at a time far beyond the ring (W = 2, 14 tokens, packed documents)
+- Decoding far beyond the ring (W = 2, 14 tokens, packed documents, steps and a chunk)
   equals the full forward with the window, on the naive path and the blockwise engine (which
   reads the ring's keys by index).
 - A model whose every layer decodes from a ring keeps only the write index in its cursor and
@@ -33,8 +33,9 @@ from tests.conftest import decode_in_chunks, perturbed, tiny_config
 LENGTH = 14
 SEGMENTS_BT = np.array([[1] * LENGTH, [1] * 9 + [2] * (LENGTH - 9)], np.int32)
 POSITIONS_BT = np.array([list(range(LENGTH)), list(range(9)) + list(range(LENGTH - 9))], np.int32)
-STEPS = (3,) + (1,) * (LENGTH - 3)  # a prefill wider than the ring, then steps
-FAST = ("cope", "fox", "selective", "stickbreaking")  # the rest: test_window.py and -m slow
+# A prefill as wide as the ring, steps, a chunk wider than it (one call wraps the ring).
+STEPS = (3, 1, 1, 4, 1, 1, 1, 1, 1)
+FAST = ("cope", "fox", "stickbreaking")  # the rest: test_window.py and -m slow
 
 
 def _config(position: str, impl: str = "naive", **overrides: object) -> object:
@@ -154,7 +155,13 @@ def test_every_registered_scheme_decodes_from_a_ring() -> None:
     assert _ring_schemes() == registry.names()
 
 
-@pytest.mark.parametrize("options", [(), (("prune_threshold", 0.5),)], ids=["plain", "threshold"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param((), id="plain"),
+        pytest.param((("prune_threshold", 0.5),), id="threshold", marks=pytest.mark.slow),
+    ],
+)
 def test_selective_penalties_live_in_ring_slots(options: tuple) -> None:
     cfg = _config("selective", position_options=options)
     penalty = _attention_caches(decode.init_cache(cfg, 2, 8))[0]["own_site"]["penalty"]
@@ -167,7 +174,9 @@ def test_a_bad_window_decode_cache_is_refused() -> None:
         tiny_config("rope", window=2, window_decode_cache="ring_buffer")
 
 
-@pytest.mark.parametrize("position", ["rope", "fox", "cope+rope"])
+@pytest.mark.parametrize(
+    "position", ["rope", "fox", pytest.param("cope+rope", marks=pytest.mark.slow)]
+)
 def test_an_all_window_model_decodes_past_max_len(position: str) -> None:
     cfg = _config(position, num_layers=2)
     assert ring_decode.unbounded_decode(cfg)
@@ -195,7 +204,9 @@ def test_other_models_keep_the_bounded_cursor(position: str, overrides: dict) ->
     "layout",
     [
         {"logit_scaling": "ssmax", "attention_sink": True},  # ssmax counts the visible keys
-        {"logit_scaling": "llama4", "llama4_floor_scale": 2.0},
+        pytest.param(
+            {"logit_scaling": "llama4", "llama4_floor_scale": 2.0}, marks=pytest.mark.slow
+        ),
     ],
     ids=["sink_ssmax", "llama4"],
 )

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import logit_scaling, segments
+from copejax import logit_scaling, ring_decode
 from copejax import sharding as ax
 from copejax.attention_paths import choose_impl, dot_product_attention, ring_cache_applies
 from copejax.kv_cache import KeyCache, RingCache
@@ -131,7 +131,7 @@ class Attention(nn.Module):
             own = AttentionSite(cfg.dims)  # a scheme without attention sites (nope)
         self.own_site = own
         self.key_cache = KeyCache(name="key_cache")  # used only in decode mode
-        if cfg.window is not None:  # a window layer's decode cache (``ring_cache_applies``)
+        if ring_cache_applies(cfg):  # a window layer's decode cache (copejax.ring_decode)
             self.ring_cache = RingCache(cfg.window, cfg.window_sink_tokens, name="ring_cache")
 
     def _site(self) -> AttentionSite:
@@ -150,7 +150,10 @@ class Attention(nn.Module):
         k_BSKH = self.key(x_BTD)
         v_BSKH = self.value(x_BTD)
         if ctx.decode and ring_cache_applies(cfg):
-            q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_ring(site, q_BTNH, k_BSKH, v_BSKH, ctx)
+            ring_decode.check_ring(cfg)
+            q_BTNH, k_BSKH, v_BSKH, ctx = ring_decode.decode_ring(
+                site, self.ring_cache, q_BTNH=q_BTNH, k_BTKH=k_BSKH, v_BTKH=v_BSKH, ctx=ctx
+            )
         elif ctx.decode:
             q_BTNH, k_BSKH, v_BSKH, ctx = self._decode_qkv(site, q_BTNH, k_BSKH, v_BSKH, ctx)
         else:
@@ -289,44 +292,6 @@ class Attention(nn.Module):
         if updates:
             self.key_cache.replace(updates)
         return q_BTNH, kv["key"], kv["value"], ctx
-
-    def _decode_ring(
-        self,
-        site: AttentionSite,
-        q_BTNH: jax.Array,
-        k_BTNH: jax.Array,
-        v_BTNH: jax.Array,
-        ctx: AttentionContext,
-    ) -> tuple[jax.Array, jax.Array, jax.Array, AttentionContext]:
-        """Decode mode of a window layer (``ring_cache_applies``): the keys are the ring's
-        slots as they were before this call, then the T new keys; the context carries each
-        key's index and rank, since ring slots are not in key order."""
-        batch, length = q_BTNH.shape[:2]
-        q_ids_BT, cursor_ids_BS = ctx.ids()
-        rank_BT = jax.lax.dynamic_slice_in_dim(
-            segments.segment_rank_BS(cursor_ids_BS), ctx.cache_index, length, axis=1
-        )
-        qk_ctx = ctx.replace(k_positions_BS=ctx.q_positions_BT)  # qk sees the new keys only
-        q_BTNH, k_BTNH, v_BTNH = site.qk(q_BTNH, k_BTNH, v_BTNH, qk_ctx)
-        index_T = ctx.cache_index + jnp.arange(length, dtype=jnp.int32)
-        new = {
-            "key": k_BTNH,
-            "value": v_BTNH,
-            "positions": ctx.q_positions_BT.astype(jnp.int32),
-            "segment_ids": q_ids_BT.astype(jnp.int32),
-        }
-        old = self.ring_cache(new, index_T, rank_BT)
-        cat = lambda name: jnp.concatenate([old[name], new[name].astype(old[name].dtype)], 1)
-        ctx = ctx.replace(
-            k_positions_BS=cat("positions"),
-            k_segment_ids_BS=cat("segment_ids"),
-            k_index_BS=jnp.concatenate(
-                [old["key_index"], jnp.broadcast_to(index_T, (batch, length))], axis=1
-            ),
-            k_rank_BS=jnp.concatenate([old["rank"], rank_BT.astype(jnp.int32)], axis=1),
-            key_state=None,
-        )
-        return q_BTNH, cat("key"), cat("value"), ctx
 
     def _weights(
         self,

@@ -69,14 +69,14 @@ def choose_impl(
 
 def ring_cache_applies(cfg: ModelConfig) -> bool:
     """Whether the decode cache of ``cfg``'s layer is a ring buffer of ``window`` slots plus
-    the sink slots: a window layer whose scheme has no normalizer site and no decode state
-    that reads the cache in key order (``PositionScheme.cache_in_key_order``: FoX's and
-    CoPE's cached prefix sums and gate keys, TAPE's position tensors, selective attention's
-    penalties, PaTH's rewritten keys; stick-breaking excludes the query's own slot). Those
-    window layers decode with a full cache and the window mask (exact; memory grows)."""
-    if cfg.window is None:
-        return False
-    return "normalizer" not in cfg.scheme.sites and not cfg.scheme.cache_in_key_order
+    the sink slots (:class:`copejax.kv_cache.RingCache`, read by
+    :func:`copejax.ring_decode.decode_ring`): every window layer unless
+    ``model.window_decode_cache`` is "full" (the full cache with the window mask). Every
+    scheme's per-key decode state lives in the ring's slots (FoX's prefix sums, CoPE's gate
+    keys, TAPE's position tensors, PaTH's rewritten keys, selective attention's penalties;
+    stick-breaking reads the slots in key order); a scheme that cannot decode from a ring is
+    refused with the reason (``copejax.ring_decode.check_ring``)."""
+    return cfg.window is not None and cfg.window_decode_cache == "ring"
 
 
 def dot_product_attention(

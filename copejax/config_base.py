@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.scan_impl = "auto"  # auto | associative_scan | cumsum
     c.model.window = ml_collections.config_dict.placeholder(int)  # sliding window W; None: full
     c.model.window_sink_tokens = 0  # StreamingLLM sinks kept beside the window
+    c.model.window_decode_cache = "ring"  # ring | full (copejax.ring_decode)
     c.model.layer_pattern = ()  # per-layer kinds "scheme[:key=value,...]" (copejax/layouts.py)
     c.model.layout = ml_collections.config_dict.placeholder(str)  # copejax.layouts.PRESETS
     # Attention layout (copejax.model_config.ModelConfig): grouped KV heads, GPT-OSS sink,

@@ -2,7 +2,9 @@
 
 Every position scheme decodes exactly (the contextual ones through their cached per-key
 state, ``AttentionSite.cache_state``): the logits of prefill + steps equal those of one full
-forward pass over the whole sequence (``tests/test_decode.py``).
+forward pass over the whole sequence (``tests/test_decode.py``). Sliding-window layers keep
+a ring buffer of their window instead (``copejax.ring_decode``); a model of ring layers only
+decodes past ``max_len``.
 
     cache = init_cache(cfg, batch=1, max_len=64)
     logits_BTV, vars = model.apply({"params": p, "cache": cache}, tokens_BT, positions_BT,
@@ -18,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from copejax import ring_decode
 from copejax.model import Transformer
 from copejax.model_config import ModelConfig
 
@@ -26,12 +29,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Any:
     """An empty cache (all zeros, write index 0) for ``batch`` sequences of ``max_len`` tokens.
 
     Raises ValueError (NotImplementedError) when the position scheme cannot decode that far
-    (e.g. a learned table shorter than ``max_len``).
+    (e.g. a learned table shorter than ``max_len``), or when a window layer cannot decode from
+    a ring buffer (``copejax.ring_decode.check_ring``: the error names the reason).
     """
     if batch < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
     for layer_cfg in {cfg.for_layer(i) for i in range(cfg.num_layers)} | {cfg}:
         layer_cfg.scheme.check_decode(layer_cfg.dims, max_len)
+        ring_decode.check_ring(layer_cfg)
     tokens_BS = jnp.zeros((batch, max_len), jnp.int32)
     positions_BS = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch, max_len))
     model = Transformer(cfg)

@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from copejax import ring_decode
 from copejax import sharding as ax
 from copejax.attention import Attention
 from copejax.kv_cache import DecodeCursor
@@ -136,7 +137,9 @@ class Transformer(nn.Module):
                 name="lm_head",
             )
         self.dropout = nn.Dropout(cfg.dropout)
-        self.decode_cursor = DecodeCursor(name="decode_cursor")  # used only in decode mode
+        self.decode_cursor = DecodeCursor(  # used only in decode mode
+            unbounded=ring_decode.unbounded_decode(cfg), name="decode_cursor"
+        )
 
     def embed(
         self, tokens_BT: jax.Array, positions_BT: jax.Array, deterministic: bool

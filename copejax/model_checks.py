@@ -72,6 +72,11 @@ def check_window(cfg: ModelConfig) -> None:
         isinstance(window, bool) or not isinstance(window, int) or window < 1
     ):
         raise ValueError(f"model.window must be a positive integer or None, got {window!r}")
+    if cfg.window_decode_cache not in ("ring", "full"):
+        raise ValueError(
+            "model.window_decode_cache must be one of ('ring', 'full'), got "
+            f"{cfg.window_decode_cache!r}"
+        )
     sinks = cfg.window_sink_tokens
     if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
         raise ValueError(f"model.window_sink_tokens must be an integer >= 0, got {sinks!r}")

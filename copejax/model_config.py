@@ -95,12 +95,16 @@ class ModelConfig:
         itself included (keys ``i - W < j <= i``; the convention of Mistral's and Gemma's
         ``sliding_window``). None (default): full causal attention. The blockwise engine
         walks only the key blocks in the window (O(T W)); decoding keeps a ring buffer of W
-        slots (``copejax.kv_cache.RingCache``). With CoPE the counts cover the visible keys
-        only, with stick-breaking the stick breaks over them only: valid variants.
+        slots (``copejax.kv_cache.RingCache``, ``copejax.ring_decode``). With CoPE the counts
+        cover the visible keys only, with stick-breaking the stick breaks over them only:
+        valid variants.
       window_sink_tokens: with a window, the first n tokens of each segment stay visible to
         every query (StreamingLLM's attention sinks, arXiv 2309.17453) and the ring buffer
         keeps them in n extra slots. Positions are not reassigned: keys keep the positions
         they had when written (see README).
+      window_decode_cache: how a window layer decodes: "ring" (default) from a ring buffer
+        of n + W slots (``copejax.ring_decode``; a scheme that cannot is refused with the
+        reason) or "full" from the full cache with the window mask (exact; memory grows).
       layer_pattern: per-layer kinds ``"scheme[:key=value,...]"`` repeating over the layers
         (``copejax.layouts``); () (default): every layer uses ``position``.
       layout: a named preset of ``copejax.layouts.PRESETS`` that sets ``layer_pattern``
@@ -143,6 +147,7 @@ class ModelConfig:
     scan_impl: str = "auto"
     window: int | None = None
     window_sink_tokens: int = 0
+    window_decode_cache: str = "ring"
     layer_pattern: tuple[str, ...] = ()
     layout: str | None = None
     num_kv_heads: int | None = None

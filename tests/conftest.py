@@ -62,12 +62,15 @@ def decode_in_chunks(
     segments_BT: np.ndarray,
     *,
     chunks: tuple[int, ...],
+    max_len: int | None = None,
 ) -> np.ndarray:
-    """Logits of decoding ``tokens_BT`` with the KV cache, ``chunks`` tokens per call (a
-    prefill, then steps or further chunks), concatenated over the calls: (B, T, V)."""
+    """Logits of decoding ``tokens_BT`` with the KV cache (``max_len`` slots, default T),
+    ``chunks`` tokens per call (a prefill, then steps or further chunks), concatenated over
+    the calls: (B, T, V)."""
     from copejax import decode
 
-    cache = decode.init_cache(model.cfg, tokens_BT.shape[0], tokens_BT.shape[1])
+    max_len = tokens_BT.shape[1] if max_len is None else max_len
+    cache = decode.init_cache(model.cfg, tokens_BT.shape[0], max_len)
     outputs, start = [], 0
     for size in chunks:
         end = start + size

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "layouts",
             "logit_scaling",
             "attention_paths",
+            "ring_decode",
             "attention",
             "model",
             "scheme_options",

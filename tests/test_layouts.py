@@ -160,7 +160,7 @@ def test_patterned_model_with_windows_decodes_like_its_full_forward() -> None:
     assert attention[0]["ring_cache"]["key"].shape[1] == 4  # 1 sink + window 3
     assert attention[1]["ring_cache"]["key"].shape[1] == 2
     assert attention[2]["key_cache"]["key"].shape[1] == LENGTH  # global layer: full cache
-    assert attention[3]["key_cache"]["key"].shape[1] == LENGTH  # FoX keeps a full cache
+    assert attention[3]["ring_cache"]["fox_cumsum"].shape[1] == 3  # FoX's state in the ring
     outputs, start = [], 0
     for size in (4, 1, 1, 3, 1):
         end = start + size

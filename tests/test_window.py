@@ -5,8 +5,9 @@
 - The blockwise engine equals the naive path with a window and sinks (values and gradients)
   for every registered scheme, with packed documents and blocks that straddle the window.
 - Decoding far beyond W equals the full forward pass with the window mask, for every
-  registered scheme; stateless schemes decode through a ring buffer of n + W slots whose
-  shape does not depend on the cache length.
+  registered scheme, through a ring buffer of n + W slots whose shape does not depend on the
+  cache length (``tests/test_ring_decode.py``: every scheme's cache, the engine, refusals,
+  which decode with the full cache).
 - Causality and locality: the gradient of a one-layer model's output at t with respect to
   the input at s is exactly zero outside the window and the sinks.
 """
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, segments
+from copejax import decode, ring_decode, segments
 from copejax.model import Transformer
 from copejax.ops import engine_blocks, engine_layout
 from copejax.positions import registry
@@ -118,6 +119,8 @@ def test_decoding_far_beyond_the_window_equals_the_full_forward(position: str, s
     if sinks and not registry.make_scheme(position).window_sinks:
         pytest.skip("refused with the reason (test_path.py)")
     model = _model(position, "naive", window=3, sinks=sinks)
+    if ring_decode.ring_refusal(model.cfg):  # refused with the reason (test_ring_decode.py)
+        model = _model(position, "naive", window=3, sinks=sinks, window_decode_cache="full")
     tokens_BT = _tokens()
     params = perturbed(
         model.init(jax.random.key(0), tokens_BT, jnp.asarray(POSITIONS_BT))["params"]
@@ -149,9 +152,14 @@ def test_the_ring_buffer_holds_sinks_plus_window_slots(max_len: int) -> None:
     assert ring["key"].shape == (2, 5, cfg.num_heads, cfg.resolved_head_dim)
     assert ring["value"].shape == (2, 5, cfg.num_heads, cfg.resolved_head_dim)
     assert "key_cache" not in cache["block_0"]["attention"]
-    # A scheme with per-key cached state keeps a full cache (and the window mask).
+    # A scheme with per-key cached state keeps it in the ring's slots too.
     fox = decode.init_cache(tiny_config("fox", window=3, max_len=64), 2, max_len)
-    assert fox["block_0"]["attention"]["key_cache"]["key"].shape[1] == max_len
+    assert fox["block_0"]["attention"]["ring_cache"]["fox_cumsum"].shape[1] == 3
+    assert "key_cache" not in fox["block_0"]["attention"]
+    # model.window_decode_cache="full": the full cache and the window mask.
+    full_cfg = tiny_config("fox", window=3, max_len=64, window_decode_cache="full")
+    full = decode.init_cache(full_cfg, 2, max_len)["block_0"]["attention"]
+    assert full["key_cache"]["key"].shape[1] == max_len and "ring_cache" not in full
 
 
 @pytest.mark.parametrize("position", ["nope", "rope", "alibi", "fire"])

@@ -215,8 +215,8 @@ class PositionScheme:
     # remainder): the blockwise engine then differentiates its walk (remat), not flash.
     walk_carry: ClassVar[bool] = False
     # Decode state that reads the cache in key order (cached prefix sums, per-key gates or
-    # penalties, keys rewritten by later tokens): a window layer of the scheme then decodes
-    # with the full cache and the window mask, not a ring buffer (copejax.kv_cache.RingCache).
+    # penalties, keys rewritten by later tokens); a window layer's ring buffer is read in key
+    # order for every scheme (copejax.ring_decode), so this only documents the scheme.
     cache_in_key_order: ClassVar[bool] = False
     # Works with grouped key/value heads (model.num_kv_heads < num_heads).
     grouped_kv: ClassVar[bool] = True
@@ -236,6 +236,12 @@ class PositionScheme:
         """Raises ValueError when a decode cache of ``cache_length`` slots outgrows the
         scheme's position tables, NotImplementedError when the scheme cannot decode
         incrementally. Default: any length decodes."""
+
+    def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
+        """Why a window layer of ``window`` keys cannot decode from a ring buffer of its
+        window and sink slots (``copejax.ring_decode``), e.g. decode state that reaches
+        further back than the window; None (default): it can."""
+        return None
 
     def embed_module(self, dims: Dims) -> EmbedSite | None:
         """The embed-site module (built once per model), or None."""

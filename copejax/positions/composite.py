@@ -63,6 +63,10 @@ class Composite(PositionScheme):
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 
+    def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
+        reasons = [p.ring_decode_refusal(dims, window) for p in self.parts]
+        return next((r for r in reasons if r is not None), None)
+
     def validate(self, dims: Dims) -> None:
         for site in ("normalizer", "carry"):
             users = [p.name for p in self.parts if site in p.sites]

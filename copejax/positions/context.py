@@ -106,6 +106,10 @@ class AttentionContext:
         order; empty slots carry a huge index); None: key s is key s.
       k_rank_BS: each key's index within its segment (for the sinks); None: derived from
         ``k_segment_ids_BS`` with the keys in order.
+      ring_view: when a window layer decodes from its ring buffer (``copejax.ring_decode``),
+        how the keys (the ring's slots in key order, then the new keys) map back to the ring's
+        slots (``copejax.kv_cache.RingView``), for a site that keeps per-key arrays of its own;
+        None otherwise.
     """
 
     x_BTD: jax.Array
@@ -126,6 +130,7 @@ class AttentionContext:
     sink_tokens: int = struct.field(pytree_node=False, default=0)
     k_index_BS: jax.Array | None = None
     k_rank_BS: jax.Array | None = None
+    ring_view: Any = None
 
     @classmethod
     def create(

@@ -145,6 +145,15 @@ class PaTH(PositionScheme):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{self.name}: {key} must be an integer >= 1, got {value!r}")
 
+    def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
+        if window < self.conv_size - 1:  # a new key's w reads the u of C - 1 keys before it
+            return (
+                f"its short convolution (conv_size={self.conv_size}) reads the last "
+                f"{self.conv_size - 1} keys, more than the ring keeps; use window >= "
+                f"{self.conv_size - 1}"
+            )
+        return None
+
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _PaTHSite(dims=dims, scheme=self)
 

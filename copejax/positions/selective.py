@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax import segments
-from copejax.kv_cache import CACHE
+from copejax.kv_cache import CACHE, RingView
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.selective import (
     NONLINEARITIES,
@@ -130,6 +130,14 @@ class Selective(PositionScheme):
                 f"{self.name}: prune_budget must be None or an integer >= 1, got {budget!r}"
             )
 
+    def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
+        if self.prune_budget is None:
+            return None
+        return (
+            f"prune_budget={self.prune_budget} keeps a buffer of every key of the segment not "
+            "yet evicted, also keys that left the window, which the ring does not keep"
+        )
+
     def attention_module(self, dims: Dims) -> AttentionSite:
         return _SelectiveSite(dims=dims, scheme=self)
 
@@ -138,14 +146,17 @@ class PenaltyCache(nn.Module):
     """Decode mode: the accumulated penalty F of every cache slot, (B, S) float32.
 
     Unlike the key cache, whose slots are written once, every call adds the new queries' rows
-    of S to every slot; returns the total before this call.
+    of S to every slot; returns the total before this call. A window layer decoding from its
+    ring buffer (``ring``: ``AttentionContext.ring_view``) keeps one total per ring slot.
     """
 
     @nn.compact
-    def __call__(self, added_BS: jax.Array) -> jax.Array:
-        total = self.variable(CACHE, "selective_penalty", jnp.zeros, added_BS.shape, jnp.float32)
-        previous_BS = total.value
-        total.value = previous_BS + added_BS.astype(jnp.float32)
+    def __call__(self, added_BS: jax.Array, ring: RingView | None = None) -> jax.Array:
+        shape = added_BS.shape if ring is None else (added_BS.shape[0], ring.order_BR.shape[1])
+        total = self.variable(CACHE, "selective_penalty", jnp.zeros, shape, jnp.float32)
+        previous_BS = total.value if ring is None else ring.view(total.value)
+        updated_BS = previous_BS + added_BS.astype(jnp.float32)
+        total.value = updated_BS if ring is None else ring.store(updated_BS)
         return previous_BS
 
 
@@ -228,7 +239,9 @@ class _SelectiveSite(AttentionSite):
             jnp.arange(length_k),
             nonlinearity=s.nonlinearity,
         )
-        previous_BS = self.penalty_cache(jnp.sum(s_BTS, axis=1)) if ctx.decode else None
+        previous_BS = None
+        if ctx.decode:
+            previous_BS = self.penalty_cache(jnp.sum(s_BTS, axis=1), ctx.ring_view)
         f_BTS = accumulated_penalty_BTS(s_BTS, previous_BS)
         self.sow("intermediates", "penalty_BTS", f_BTS)
         bias_BTS = penalty_bias(f_BTS, s.prune_threshold)
@@ -259,7 +272,7 @@ class _SelectiveSite(AttentionSite):
         prefix_GBS = jnp.cumsum(colsums_GBS, axis=0) - colsums_GBS
         previous_BS = None
         if ctx.decode:
-            previous_BS = self.penalty_cache(jnp.sum(colsums_GBS, axis=0))
+            previous_BS = self.penalty_cache(jnp.sum(colsums_GBS, axis=0), ctx.ring_view)
             prefix_GBS = prefix_GBS + previous_BS[None]
         k_arrays = {"prefix": jnp.moveaxis(prefix_GBS, 0, 2), "first": first_BS.astype(jnp.float32)}
         if s.prune_budget is not None:

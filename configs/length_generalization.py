@@ -40,17 +40,9 @@ from copejax.config_base import (
     pop_variant,
     smoke,
 )
+from copejax.data._length_suite import TASKS
 from copejax.data.base import make_task
 
-TASKS = (
-    "reverse_string",
-    "duplicate_string",
-    "odds_first",
-    "bucket_sort",
-    "missing_duplicate",
-    "binary_addition",
-    "parity_check",
-)
 SHORTCUTS = {
     **COMMON_SHORTCUTS,
     "train_max": "task.options.max_train_length",

@@ -28,19 +28,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from copejax.data._length_suite import TASKS
 from experiments import sweep
 
 STUDY = "length_generalization"
 CONFIG = "configs/length_generalization.py"
-TASKS = (
-    "reverse_string",
-    "duplicate_string",
-    "odds_first",
-    "bucket_sort",
-    "missing_duplicate",
-    "binary_addition",
-    "parity_check",
-)
 ARMS = ("nope", "sinusoidal", "rope", "alibi", "learned", "cope", "fox", "randomized")
 # Arm options beyond ``position=<arm>``: the randomized arm samples at evaluation as well.
 ARM_OPTIONS = {"randomized": ",sample_at_eval=True"}

@@ -46,6 +46,16 @@ from copejax.data.base import Example, Task, TaskSource
 SEP_ID = 1  # vocabulary: "<pad>", "<sep>", then the task's symbols
 FIRST_SYMBOL_ID = 2
 SPLITS = ("train", "test", "long")
+# The suite's tasks, one module each in copejax/data (Ruoss et al. 2023's names).
+TASKS = (
+    "reverse_string",
+    "duplicate_string",
+    "odds_first",
+    "bucket_sort",
+    "missing_duplicate",
+    "binary_addition",
+    "parity_check",
+)
 _SUMS = ("correct", "count", "exact", "sequences")
 
 

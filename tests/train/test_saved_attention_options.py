@@ -82,17 +82,23 @@ def test_a_saved_config_with_zero_for_unset_sizes_loads_and_resumes() -> None:
 
 
 def test_a_saved_config_without_keys_added_later_resumes() -> None:
-    """Configs saved before model.norm_eps and train.init_from existed equal today's at the
-    values that reproduce them (workdir.ADDED_KEYS), and differ at any other value."""
+    """Configs saved before the keys of workdir.ADDED_KEYS existed (model.norm_eps,
+    train.init_from, model.window_decode_cache) equal today's at the values that reproduce
+    them, and differ at any other value."""
     from copejax import workdir
     from copejax.config_base import base_config
 
     new = workdir.config_to_dict(base_config())
     old = {**new, "model": dict(new["model"]), "train": dict(new["train"])}
-    del old["model"]["norm_eps"], old["train"]["init_from"]
+    for dotted in workdir.ADDED_KEYS:
+        section, key = dotted.split(".")
+        del old[section][key]
     assert workdir.same_run(old, new)
     new["model"]["norm_eps"] = 1e-5
     assert workdir.config_differences(old, new) == ["model.norm_eps: 1e-06 -> 1e-05"]
+    new["model"]["norm_eps"] = 1e-6
+    new["model"]["window_decode_cache"] = "full"
+    assert workdir.config_differences(old, new) == ["model.window_decode_cache: 'ring' -> 'full'"]
 
 
 def test_unknown_model_keys_are_refused_by_name() -> None:

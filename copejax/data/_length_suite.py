@@ -65,6 +65,7 @@ class LengthTask(Task):
     :meth:`output_length`; this class builds the documents, splits and metrics."""
 
     symbols: ClassVar[tuple[str, ...]] = ()
+    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
 
     min_train_length: int = 1
     max_train_length: int = 40

@@ -44,7 +44,6 @@ class BinaryAddition(LengthTask):
     """a + b (little-endian binary) -> a + b then ``$``."""
 
     name: ClassVar[str] = "binary_addition"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1", "+", "$")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

@@ -22,7 +22,6 @@ class BucketSort(LengthTask):
     """s -> sorted(s), alphabet {0, ..., 4}."""
 
     name: ClassVar[str] = "bucket_sort"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1", "2", "3", "4")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

@@ -21,7 +21,6 @@ class DuplicateString(LengthTask):
     """s -> s s, binary."""
 
     name: ClassVar[str] = "duplicate_string"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

@@ -28,7 +28,6 @@ class MissingDuplicate(LengthTask):
     """w w with one symbol hidden (plus ``#`` for odd n) -> the hidden symbol."""
 
     name: ClassVar[str] = "missing_duplicate"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1", "_", "#")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

@@ -26,7 +26,6 @@ class OddsFirst(LengthTask):
     """s -> s[1::2] s[::2], binary."""
 
     name: ClassVar[str] = "odds_first"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

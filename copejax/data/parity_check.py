@@ -21,7 +21,6 @@ class ParityCheck(LengthTask):
     """s -> sum(s) mod 2, binary."""
 
     name: ClassVar[str] = "parity_check"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

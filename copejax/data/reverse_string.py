@@ -21,7 +21,6 @@ class ReverseString(LengthTask):
     """s -> reversed(s), binary."""
 
     name: ClassVar[str] = "reverse_string"
-    paper: ClassVar[str] = "Ruoss et al. 2023, Randomized positional encodings, arXiv 2305.16843"
     symbols: ClassVar[tuple[str, ...]] = ("0", "1")
 
     def sample(self, rng: np.random.Generator, length: int) -> tuple[list[int], list[int]]:

@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 
 from copejax.results_json import write_json
-from experiments.bench import ROOT
+from experiments.bench import NOPE_ARMS, ROOT
+from experiments.bench_page import fastest_nope_ratios
 
-NOPE_ARMS = ("nope", "nope blockwise", "nope naive", "dpa")
 OTHER_ARMS = (
     ("rope", "rope", {}),
     ("alibi", "alibi", {}),
@@ -48,16 +48,19 @@ def arms(dtype: str, naive: bool) -> list[tuple[str, str, dict]]:
 
 
 def ratios(rows: list[dict]) -> None:
-    """Adds ``ratio_to_fastest_nope`` (median over rounds) and the baseline's label."""
-    ok = {r["scheme"]: r for r in rows if r.get("times_s")}
-    nope = [ok[label] for label in NOPE_ARMS if label in ok]
-    if not nope:
-        return
-    fastest = min(nope, key=lambda r: r["time_s"])
-    for row in ok.values():
-        per_round = [t / b for t, b in zip(row["times_s"], fastest["times_s"], strict=True)]
-        row["ratio_to_fastest_nope"] = statistics.median(per_round)
-        row["baseline"] = fastest["scheme"]
+    """Adds ``ratio_to_fastest_nope``: the median over rounds of the arm's time over the
+    round's fastest nope arm (``bench_page.fastest_nope_ratios``, as on the CPU page)."""
+    for row in rows:
+        per_round = fastest_nope_ratios(rows, row["scheme"], row["T"])
+        if per_round:
+            row["ratio_to_fastest_nope"] = statistics.median(per_round)
+
+
+def fastest_nope(group: dict) -> str:
+    """The nope arm of ``group`` with the lowest median time."""
+    times = {r["scheme"]: r["time_s"] for r in group["rows"] if "time_s" in r}
+    times = {label: time for label, time in times.items() if label in NOPE_ARMS}
+    return min(times, key=times.get) if times else "-"
 
 
 def reading(groups: list[dict]) -> list[str]:
@@ -73,8 +76,10 @@ def reading(groups: list[dict]) -> list[str]:
             for label in ("nope blockwise", "cope", "fox", "stickbreaking", "path")
             if label in ok
         )
-        baseline = next(iter(ok.values()))["baseline"]
-        lines.append(f"- T = {group['T']}, {group['dtype']}: fastest nope `{baseline}`; {named}.")
+        lines.append(
+            f"- T = {group['T']}, {group['dtype']}: fastest nope by median `{fastest_nope(group)}`;"
+            f" {named}."
+        )
     return lines
 
 
@@ -84,14 +89,16 @@ def page(groups: list[dict], device: str) -> str:
         "",
         f"Device: {device}. Forward + backward of one layer, B x N = 8, H = 64; median of "
         "the rounds; ratio = median over rounds of the arm's time / the fastest nope arm's "
-        "time in the same round (the baseline column names it). `dpa` in bfloat16 is cuDNN's "
+        "time in the same round, the fastest of nope, nope blockwise, nope naive and dpa "
+        "(experiments.bench_page.fastest_nope_ratios, as on the CPU page). `dpa` in bfloat16 "
+        "is cuDNN's "
         "fused attention. XLA temp = the compiled program's temporary buffers. Each "
         "(T, dtype) group is one process; `--keep` carries groups over from an earlier run.",
         "",
         "Command: `JAX_PLATFORMS=cuda python -m experiments.bench_gpu`",
         "",
-        "| T | dtype | arm | time ms | ratio to fastest nope | baseline | XLA temp MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| T | dtype | arm | time ms | ratio to fastest nope | XLA temp MiB |",
+        "|---|---|---|---|---|---|",
     ]
     for group in groups:
         for row in group["rows"]:
@@ -99,7 +106,7 @@ def page(groups: list[dict], device: str) -> str:
             ratio = row.get("ratio_to_fastest_nope")
             lines.append(
                 f"| {group['T']} | {group['dtype']} | {row['scheme']} | {time_ms} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}x'} | {row.get('baseline', '-')} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{row['xla_temp_bytes'] / 2**20:.0f} |"
             )
     lines += [

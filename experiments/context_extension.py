@@ -128,7 +128,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for label, scheme in ARMS.items()
     ]
     finetunes = sweep.run_sweep(
-        STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
+        STUDY,
+        args.scale,
+        arms,
+        sweep.seeds_for(args, SEEDS[args.scale]),
+        args.workroot,
+        jobs=args.jobs,
     )
     result = _joined(pretraining, finetunes, convert_commands)
     task = load_run(pretraining.workdirs[next(iter(pretraining.workdirs))][0]).task

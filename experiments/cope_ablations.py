@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         [a for a, _, _ in chosen],
         sweep.seeds_for(args, lm.SEEDS[args.scale]),
         args.workroot,
+        jobs=args.jobs,
     )
     ppl = {
         label: [math.exp(v) for v in result.final(label, "valid/loss")] for label in result.records

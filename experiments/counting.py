@@ -74,7 +74,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for s in SCHEMES[args.scale]
     ]
     result = sweep.run_sweep(
-        STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
+        STUDY,
+        args.scale,
+        arms,
+        sweep.seeds_for(args, SEEDS[args.scale]),
+        args.workroot,
+        jobs=args.jobs,
     )
     splits = {
         "test": "in-domain (w_pass 50)",

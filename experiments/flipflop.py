@@ -45,7 +45,7 @@ SCHEMES = {
         *sweep.CONTEXTUAL_SINCE_COPE,
     ),
 }
-SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
+SEEDS = {"smoke": 1, "cpu": 5, "paper": 5}
 # Split -> its column header.
 SPLITS = {
     "test": "test error %",
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = sweep.parse_args(argv, STUDY)
     result = sweep.run_sweep(
         STUDY, args.scale, arms(args.scale), sweep.seeds_for(args, SEEDS[args.scale]),
-        args.workroot,
+        args.workroot, jobs=args.jobs,
     )  # fmt: skip
     labels = list(result.records)
     splits = [s for s in SPLITS if result.final(labels[0], f"{s}/error")]
@@ -152,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "columns have no paper counterpart.",
             "",
             table,
+            "",
+            f"Every seed's error % (seeds {', '.join(map(str, result.seeds))}, in that order):",
+            "",
+            sweep.per_seed_table(result, {f"{s}/error": SPLITS[s] for s in splits}, digits=2),
             "",
             f"![errors]({bars.name})",
             "",

@@ -90,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         arms_for(args.scale),
         sweep.seeds_for(args, SEEDS[args.scale]),
         args.workroot,
+        jobs=args.jobs,
     )
     per_run = {
         label: [extrapolate(w, EVAL_ROWS[args.scale]) for w in result.workdirs[label]]

@@ -251,7 +251,12 @@ def main(argv: Sequence[str] | None = None) -> Path:
         for arm in ARMS
     ]
     result = sweep.run_sweep(
-        STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
+        STUDY,
+        args.scale,
+        arms,
+        sweep.seeds_for(args, SEEDS[args.scale]),
+        args.workroot,
+        jobs=args.jobs,
     )
     summary = summarize(result, tasks)
     peer = {}

@@ -55,7 +55,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = sweep.parse_args(argv, STUDY)
     arms = [sweep.Arm(s, CONFIG, f"{ARGS[args.scale]},position={s}") for s in SCHEMES[args.scale]]
     result = sweep.run_sweep(
-        STUDY, args.scale, arms, sweep.seeds_for(args, SEEDS[args.scale]), args.workroot
+        STUDY,
+        args.scale,
+        arms,
+        sweep.seeds_for(args, SEEDS[args.scale]),
+        args.workroot,
+        jobs=args.jobs,
     )
     write_page(
         args,

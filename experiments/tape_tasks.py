@@ -67,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sweep.Arm(f"passkey {s}", PASSKEY, f"{PASSKEY_ARGS[args.scale]},position={s}")
         for s in PASSKEY_SCHEMES[args.scale]
     ]
-    result = sweep.run_sweep(STUDY, args.scale, add_arms + key_arms, seeds, args.workroot)
+    result = sweep.run_sweep(
+        STUDY, args.scale, add_arms + key_arms, seeds, args.workroot, args.jobs
+    )
 
     # Addition: the grid of every seed, their mean, and the heatmap's average accuracy.
     add_rows, images, add_data = [], [], {}

@@ -168,6 +168,12 @@ def test_tape_tasks(dirs: tuple[Path, Path]) -> None:
     assert "32.82" in page
 
 
+def test_jobs_must_be_positive() -> None:
+    assert sweep.parse_args(["--jobs=2"], "flipflop").jobs == 2
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--jobs=0"], "flipflop")
+
+
 def test_mean_std_and_arm_command() -> None:
     mean, std = sweep.mean_std([0.1, 0.3, 0.2])
     assert mean == pytest.approx(0.2) and std == pytest.approx(np.sqrt(2 / 300))
@@ -176,6 +182,24 @@ def test_mean_std_and_arm_command() -> None:
         "python -m copejax.main --config=configs/lm.py:cpu,position=cope,gates=values,seed=2"
         " --workdir=/w"
     )
+
+
+@pytest.mark.slow  # two spawned processes and a third run: about 30 s on 2 cores
+def test_parallel_sweep_trains_each_run_once_as_alone(tmp_path: Path) -> None:
+    """``--jobs 2`` trains the runs in two spawned single-threaded processes; the records equal
+    a run trained alone (up to the thread count's float order), a second sweep only re-reads,
+    and the page header says how the runs were trained."""
+    arm = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
+    result = sweep.run_sweep("counting", "smoke", [arm], [0, 1], tmp_path / "par", jobs=2)
+    assert result.reused == 0 and result.jobs == 2
+    assert "2 single-threaded training processes" in sweep.header("t", "smoke", result, "")
+    alone = sweep.train_arm(arm, 0, tmp_path / "alone")
+    par, ser = sweep.last_eval(result.records["cope"][0]), sweep.last_eval(alone)
+    assert par.keys() == ser.keys()
+    for key in par:
+        assert par[key] == pytest.approx(ser[key], rel=1e-4, abs=1e-6), key
+    again = sweep.run_sweep("counting", "smoke", [arm], [0, 1], tmp_path / "par", jobs=2)
+    assert again.reused == 2 and again.records == result.records
 
 
 def test_length_generalization_summary_and_step_time() -> None:

@@ -88,6 +88,12 @@ def write_page(
             "",
             table,
             "",
+            f"Every seed's value (seeds {', '.join(map(str, result.seeds))}, in that order):",
+            "",
+            sweep.per_seed_table(
+                result, {c.key: c.title for c in columns}, columns[0].scale, columns[0].digits
+            ),
+            "",
             *(f"![{p.stem}]({p.name})\n" for p in images),
             "## Reading",
             "",

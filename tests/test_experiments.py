@@ -89,6 +89,13 @@ def test_counting(dirs: tuple[Path, Path]) -> None:
     for split in ("test", "ood_long", "ood_short"):
         assert got[f"{split}/error"]["per_seed"] == [record[f"eval/{split}/error"]]
     assert "| cope, 1 var |" in page
+    long = last_eval_of(workdir(dirs, "counting", "cope__3_var__25_steps"))
+    assert data["results"]["cope, 3 var, 25 steps"]["test/error"]["per_seed"] == [
+        long["eval/test/error"]
+    ]
+    assert "| cope, 3 var, 25 steps |" in page and "| 1.2 |" in page  # Table 3 beside it
+    assert f"`cope` {100 * long['eval/test/error']:.1f} % (seeds" in page
+    assert "Every seed's value (seeds 0, in that order)" in page
 
 
 @pytest.mark.slow  # three LM runs and four extrapolation lengths: over the fast budget

@@ -87,8 +87,10 @@ class ModelConfig:
       attention_block: the blockwise engine's block length (None: by length, see
         :meth:`attention_block_for`).
       attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the
-        log-sum-exp, for softmax schemes without a walk carry), "remat" (rematerialised walk)
-        or "auto" (flash where it applies: measured faster on CPU from 4 key blocks on).
+        log-sum-exp, for softmax schemes; with a walk carry (CoPE, PaTH) only outside
+        windows), "remat" (rematerialised walk) or "auto" (flash where it applies, except
+        PaTH's carry: see ``copejax.ops.engine``; measured faster on CPU from 4 key blocks
+        on).
       scan_impl: the cumulative sums of CoPE, FoX and stick-breaking ("auto",
         "associative_scan", "cumsum"; ``copejax.ops.scan``).
       window: sliding-window (local) attention: query i sees the last W keys of its segment,

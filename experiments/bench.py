@@ -67,6 +67,7 @@ CORE_ARMS = (
     ("dpa", "dpa", {}),
     ("cope", "cope", {}),
     ("cope naive", "cope", {"attention_impl": "naive"}),
+    ("cope remat", "cope", {"attention_impl": "blockwise", "attention_backward": "remat"}),
     ("fox", "fox", {}),
     ("fox naive", "fox", {"attention_impl": "naive"}),
     ("fox remat", "fox", {"attention_impl": "blockwise", "attention_backward": "remat"}),

@@ -162,6 +162,29 @@ def test_attention_layouts_blockwise_values_and_gradients_equal_naive(
     _check_blockwise_equals_naive(position, {}, **LAYOUTS[layout])
 
 
+CARRY_VARIANTS = [
+    *((name, {}) for name in registry.names() if registry.make_scheme(name).walk_carry),
+    ("cope+rope", {}),
+    ("path+fox", {}),
+]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [v if v[0] == "cope" else pytest.param(v, marks=pytest.mark.slow) for v in CARRY_VARIANTS],
+    ids=_ids,
+)
+def test_the_flash_backward_of_a_walk_carry_equals_naive(variant: tuple[str, dict]) -> None:
+    """The flash backward with a carried term (the carries' pass, then the pairs oldest first
+    with the carry's cotangent) gives the naive gradients; stick-breaking has no softmax
+    statistic, so the engine refuses it there by name."""
+    position, options = variant
+    try:
+        _check_blockwise_equals_naive(position, options, attention_backward="flash")
+    except ValueError as error:
+        assert "stickbreaking" in position and "needs softmax" in str(error), error
+
+
 def test_the_flash_and_remat_backwards_agree() -> None:
     """Both backward passes of the engine give the naive gradients (rope + alibi + FoX)."""
     tokens_BT = _tokens()

@@ -112,19 +112,34 @@ def cope_block_term(
     def init(batch: int, heads: int, size: int) -> jax.Array:
         return jnp.zeros((batch, heads, size), jnp.float32)
 
+    def gates_of(pair: PairBlock) -> jax.Array:
+        if "gate_k" in pair.k_arrays:
+            gate_logits_BNQK = content_logits_BNQK(
+                pair.q_BQNH.astype(jnp.float32), pair.k_arrays["gate_k"].astype(jnp.float32)
+            )
+        elif pair.logits_BNQK is None:  # advance: the content logits only where counted
+            gate_logits_BNQK = content_logits_BNQK(pair.q_BQNH, pair.k_BKNH)
+        else:
+            gate_logits_BNQK = pair.logits_BNQK
+        return cope_ops.cope_gates(gate_logits_BNQK, pair.allowed_BQK, force_unit_gates)
+
+    def advance(params: Any, pair: PairBlock, pre: dict, count_BNQ: jax.Array) -> jax.Array:
+        """The count after the pair: the bias's carry without the position term."""
+
+        def counted(count_BNQ: jax.Array) -> jax.Array:
+            return count_BNQ + jnp.sum(gates_of(pair), axis=-1)
+
+        if not skip_saturated:
+            return counted(count_BNQ)
+        return jax.lax.cond(jnp.all(count_BNQ >= cap), lambda c: c, counted, count_BNQ)
+
     def bias(
         params: Any, pair: PairBlock, pre: dict, count_BNQ: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        logits_BNQK, allowed_BQK = pair.logits_BNQK, pair.allowed_BQK
+        logits_BNQK = pair.logits_BNQK
 
         def counted(count_BNQ: jax.Array) -> tuple[jax.Array, jax.Array]:
-            if "gate_k" in pair.k_arrays:
-                gate_logits_BNQK = content_logits_BNQK(
-                    pair.q_BQNH.astype(jnp.float32), pair.k_arrays["gate_k"].astype(jnp.float32)
-                )
-            else:
-                gate_logits_BNQK = logits_BNQK
-            gates_BNQK = cope_ops.cope_gates(gate_logits_BNQK, allowed_BQK, force_unit_gates)
+            gates_BNQK = gates_of(pair)
             within_BNQK = cumsum(gates_BNQK, axis=-1, reverse=True, impl=scan_impl)
             p_BNQK = jnp.minimum(within_BNQK + count_BNQ[..., None], cap)
             return term_fn(params, pre, p_BNQK), count_BNQ + jnp.sum(gates_BNQK, axis=-1)
@@ -144,4 +159,6 @@ def cope_block_term(
             term_BNQK = term_BNQK / math.sqrt(pair.q_BQNH.shape[-1])
         return term_BNQK, count_BNQ
 
-    return BlockTerm(bias, params=params, k_arrays=k_arrays, prepare=prepare, init=init)
+    return BlockTerm(
+        bias, params=params, k_arrays=k_arrays, prepare=prepare, init=init, advance=advance
+    )

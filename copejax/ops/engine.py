@@ -18,7 +18,7 @@ segment's first keys are walked after the band; every older block is then tested
 
 Backward passes (``backward``):
 
-- ``"flash"`` (softmax, no term with a carry): a ``jax.custom_vjp`` after FlashAttention-2
+- ``"flash"`` (softmax): a ``jax.custom_vjp`` after FlashAttention-2
   (Dao 2023, arXiv 2307.08691). The forward keeps the output ``o_i`` (float32) and each
   query's log-sum-exp ``L_i = log sum_j exp s_ij``. The backward recomputes each pair's scores
   ``s_ij`` (content logits plus block terms) and, with ``P_ij = exp(s_ij - L_i)`` on allowed
@@ -33,11 +33,26 @@ Backward passes (``backward``):
   precomputations (pulled back once per query block). No (T, S) array and no saved walk.
   A sink logit ``z_n`` (GPT-OSS; ``sink_N``) is a key of value 0 in every row, so ``L_i``
   includes it and ``dz_n = -sum_i exp(z_n - L_i) D_i``.
+  A term with a carry (CoPE's count ``c``, PaTH's transformed queries) makes pair j's scores
+  a function ``s_j = f_j(c_j)`` of the carry entering key block j, and ``c_{j-1} =
+  a_j(c_j)`` (the walk goes from the newest block to the oldest). The backward first replays
+  the carries (``c_j`` for every key block of a query block: the term's ``advance``, or its
+  bias when it has none; (G, B, N, Q) for CoPE, so still O(T) per query block), then walks
+  the pairs *oldest first*, so that the cotangent of the carry leaving block j,
+  ``dc_{j-1}``, is known when block j is reached:
+
+      (dq, dk, d params, dc_j) += vjp of (f_j, a_j) at c_j, applied to (dS_j, dc_{j-1})
+
+  with ``dc`` of the oldest block's leaving carry 0; blocks after the query block pass ``dc``
+  through. The replay needs the key blocks in order, so a window's band walk (and a ring
+  buffer's unordered keys) keeps remat for a carry.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
-  the backward keeps carries only. Needed by carries (CoPE, stick-breaking); ``"auto"`` takes
-  it only there (flash measured faster from 4 key blocks on; timed against "flash" by
-  ``python -m experiments.bench``, the "fox remat" arm).
+  the backward keeps carries only. ``"auto"`` takes it only for stick-breaking (its own
+  normaliser, with a hand-written block backward), for a carry in a window, and for a carry
+  without an ``advance`` (PaTH, where flash measured a tie); flash measured faster from 4 key
+  blocks on (timed against "flash" by ``python -m experiments.bench``, the "fox remat" arm)
+  and for CoPE's count.
 
 The engine is four modules: this one (the entry point, the forward / remat walk and the
 custom VJP), :mod:`~copejax.ops.engine_blocks` (the pair, term and normalizer types, blocking
@@ -218,8 +233,8 @@ def blockwise_attention(
       normalizer: softmax, or stick-breaking.
       block: the block length (queries use ``min(block, T)``, keys ``min(block, S)``).
       scan_impl: suffix sums of stick-breaking (``copejax.ops.scan``).
-      backward: "auto" (flash where it applies, softmax and no term with a carry; remat
-        otherwise), "flash" or "remat".
+      backward: "auto" (flash where it applies: softmax, and for a term with a carry no
+        window, no ring buffer and an ``advance``; remat otherwise), "flash" or "remat".
       window: a sliding window W (query i sees keys ``i - W < j <= i``); None: full causal.
       sink_tokens: with a window, the first n keys of each segment stay visible
         (StreamingLLM, arXiv 2309.17453).
@@ -294,17 +309,30 @@ def blockwise_attention(
         "v": to_blocks(v_BSNW, size_k),
         "offset": jnp.asarray(offset, jnp.int32),
     }
-    flash_applies = normalizer.kind == "softmax" and all(t.init is None for t in terms)
+    carried = any(t.init is not None for t in terms)
+    flash_applies = normalizer.kind == "softmax" and not (
+        carried and (layout.banded or layout.explicit_index)
+    )
     if backward == "flash" and not flash_applies:
         raise ValueError(
-            "engine: backward='flash' needs softmax and no term with a carry; use 'remat'"
+            "engine: backward='flash' needs softmax and, for a term with a carry, a walk over "
+            "every older key block in order (no window, no ring-buffer keys); use 'remat'"
         )
     # "auto": flash wherever it applies. Side-by-side rounds on a 2-core CPU (B x N = 8,
     # H = 64, one layer forward+backward, median over 11 rounds of process CPU time relative
     # to the round's fastest nope arm) had it ahead of remat at 4 and 8 key blocks as well:
     # T = 512 nope 1.00 vs 1.11, FoX 1.18 vs 1.31; T = 1024 nope 1.00 vs 1.08, FoX 1.12 vs
     # 1.25. (An earlier wall-time reading at T = 1024, remat ahead, was within the load noise.)
-    flash = backward == "flash" or (backward == "auto" and flash_applies)
+    # A carry with an ``advance`` of its own (CoPE's count) takes flash too: on the same
+    # rounds' footing (T = 1024 / 4096, process CPU time, 7 / 5 rounds) CoPE's layer went
+    # from 1.96x / 2.32x the fastest nope with remat to 1.73x / 1.72x. A carry without one
+    # (PaTH's transformed queries) would recompute its whole term in the carries' pass:
+    # 4.21x against remat's 4.27x at T = 1024, a tie, so auto keeps remat there.
+    flash = backward == "flash" or (
+        backward == "auto"
+        and flash_applies
+        and all(t.init is None or t.advance is not None for t in terms)
+    )
     if flash:
         out_GBQNW = _flash_walk(layout)(data)
         stat_GBNQ = None

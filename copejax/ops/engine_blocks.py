@@ -38,7 +38,8 @@ class PairBlock:
       q_positions_BQ, k_positions_BK: their integer positions.
       allowed_BQK: causal, same segment (and not the query itself for stick-breaking without
         ``include_self``); padding keys are never allowed.
-      logits_BNQK: the scaled content logits q . k / sqrt(H), float32, unmasked.
+      logits_BNQK: the scaled content logits q . k / sqrt(H), float32, unmasked (None for a
+        term's ``advance``, which computes what it needs).
       q_arrays, k_arrays: the term's own per-token arrays, cut to the two blocks.
       q_start, k_start: the key index of the first query and of the first key (with an
         explicit key index, a ring-buffer decode cache, ``k_start`` is the slot of the first
@@ -50,7 +51,7 @@ class PairBlock:
     q_positions_BQ: jax.Array
     k_positions_BK: jax.Array
     allowed_BQK: jax.Array
-    logits_BNQK: jax.Array
+    logits_BNQK: jax.Array | None
     q_arrays: dict[str, jax.Array]
     k_arrays: dict[str, jax.Array]
     q_start: jax.Array
@@ -78,7 +79,10 @@ class BlockTerm:
       prepare: (params, q_BQNH, q_arrays of the block) -> what ``bias`` reads as ``prepared``,
         computed once per query block (CoPE's and Shaw's ``z = q . e``). None: nothing.
       init: (B, N, Q) -> the term's walk carry, for terms that count across key blocks (CoPE).
-        None: no carry (the flash backward applies).
+        None: no carry.
+      advance: (params, pair, prepared, carry) -> the carry after the pair, without the bias:
+        what the flash backward's carry pass calls (CoPE: the count plus the block's gates).
+        None: ``bias(...)[1]``.
       position_only: the bias reads positions and params only, never q, k or per-token arrays
         (ALiBi, T5, Kerple, FIRE): a fused kernel may take it as a precomputed bias.
     """
@@ -89,6 +93,7 @@ class BlockTerm:
     k_arrays: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     prepare: Callable[[Pytree, jax.Array, dict[str, jax.Array]], Pytree] | None = None
     init: Callable[[int, int, int], Pytree] | None = None
+    advance: Callable[[Pytree, PairBlock, Pytree, Pytree], Pytree] | None = None
     position_only: bool = False
 
 

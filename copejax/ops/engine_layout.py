@@ -115,10 +115,87 @@ class Layout:
         logits_BNQK = content_logits_BNQK(qf["q"], kf["k"])
         scores_BNQK = logits_BNQK
         new_carries = []
-        for term, p, prep, old_carry, qx, kx in zip(
-            self.terms, params, prepared, carries, qf["x"], kf["x"], strict=True
+        for term, p, prep, old_carry, pair in zip(
+            self.terms,
+            params,
+            prepared,
+            carries,
+            self._pairs(
+                logits_BNQK,
+                qf=qf,
+                qn=qn,
+                kf=kf,
+                kn=kn,
+                allowed_BQK=allowed_BQK,
+                offset=offset,
+                qi=qi,
+                kj=kj,
+            ),
+            strict=True,
         ):
-            pair = PairBlock(
+            bias_BNQK, carry = term.bias(p, pair, prep, old_carry)
+            scores_BNQK = scores_BNQK + jnp.where(
+                allowed_BQK[:, None], bias_BNQK.astype(jnp.float32), 0.0
+            )
+            new_carries.append(carry)
+        return scores_BNQK, new_carries
+
+    def advance(
+        self,
+        params: Sequence[Pytree],
+        prepared: Sequence[Pytree],
+        carries: Sequence[Pytree],
+        *,
+        qf: dict,
+        qn: dict,
+        kf: dict,
+        kn: dict,
+        allowed_BQK: jax.Array,
+        offset: jax.Array,
+        qi: jax.Array,
+        kj: jax.Array,
+    ) -> list[Pytree]:
+        """The carries after the pair, as :meth:`scores` returns them, computing a term's bias
+        only where it has no ``advance`` of its own. A term's ``advance`` gets no content
+        logits (``logits_BNQK`` None): it computes what it needs, where it needs it."""
+        fallback = any(t.init is not None and t.advance is None for t in self.terms)
+        logits_BNQK = content_logits_BNQK(qf["q"], kf["k"]) if fallback else None
+        pairs = self._pairs(
+            logits_BNQK,
+            qf=qf,
+            qn=qn,
+            kf=kf,
+            kn=kn,
+            allowed_BQK=allowed_BQK,
+            offset=offset,
+            qi=qi,
+            kj=kj,
+        )
+        return [
+            None
+            if term.init is None
+            else (term.advance or (lambda *a, t=term: t.bias(*a)[1]))(p, pair, prep, carry)
+            for term, p, prep, carry, pair in zip(
+                self.terms, params, prepared, carries, pairs, strict=True
+            )
+        ]
+
+    def _pairs(
+        self,
+        logits_BNQK: jax.Array,
+        *,
+        qf: dict,
+        qn: dict,
+        kf: dict,
+        kn: dict,
+        allowed_BQK: jax.Array,
+        offset: jax.Array,
+        qi: jax.Array,
+        kj: jax.Array,
+    ) -> list[PairBlock]:
+        """What each term reads of the pair."""
+        return [
+            PairBlock(
                 q_BQNH=qf["q"],
                 k_BKNH=kf["k"],
                 q_positions_BQ=qn["pos"],
@@ -130,9 +207,5 @@ class Layout:
                 q_start=self.q_start(offset, qi),
                 k_start=kj * self.size_k,
             )
-            bias_BNQK, carry = term.bias(p, pair, prep, old_carry)
-            scores_BNQK = scores_BNQK + jnp.where(
-                allowed_BQK[:, None], bias_BNQK.astype(jnp.float32), 0.0
-            )
-            new_carries.append(carry)
-        return scores_BNQK, new_carries
+            for qx, kx in zip(qf["x"], kf["x"], strict=True)
+        ]

@@ -25,10 +25,34 @@ def flash_backward(
     """FlashAttention-2's backward (module docstring), one query block at a time; returns the
     cotangent of ``data`` (None for its integer parts)."""
     params, qf, qn, kf, kn = (data[key] for key in ("params", "qf", "qn", "kf", "kn"))
-    v_GBKNW, offset = data["v"], data["offset"]
+    v_GBKNW, offset, terms = data["v"], data["offset"], layout.terms
+    no_carries = [None] * len(terms)  # the band walk: terms without a carry only
     d_out_GBQNW = d_out_GBQNW.astype(jnp.float32)
     delta_GBNQ = jnp.moveaxis(jnp.sum(d_out_GBQNW * out_GBQNW, axis=-1), 3, 2)
     zeros = _zeros_like
+
+    def walk_carries(qi: jax.Array, qf_i: dict, qn_i: dict, prepared: list) -> list:
+        """The terms' carries entering each key block (G, ...), in key-block order: the
+        forward's walk from the newest block to the oldest, carries only."""
+        batch, heads = v_GBKNW.shape[1], v_GBKNW.shape[3]
+        init = [None if t.init is None else t.init(batch, heads, layout.size_q) for t in terms]
+
+        def body(carries: list, k_in: tuple) -> tuple[list, list]:
+            kj, kf_j, kn_j = k_in
+
+            def step(carries: list) -> list:
+                allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
+                return layout.advance(
+                    params, prepared, carries, qf=qf_i, qn=qn_i, kf=kf_j, kn=kn_j,
+                    allowed_BQK=allowed_BQK, offset=offset, qi=qi, kj=kj,
+                )  # fmt: skip
+
+            after = jax.lax.cond(layout.live(offset, qi, kj), step, lambda c: c, carries)
+            return after, carries
+
+        k_rev = jax.tree.map(lambda x: x[::-1], (jnp.arange(layout.count_k), kf, kn))
+        _, entering = jax.lax.scan(body, init, k_rev)
+        return jax.tree.map(lambda x: x[::-1], entering)
 
     def per_query_block(carry: tuple, q_in: tuple) -> tuple[tuple, dict]:
         if layout.banded:
@@ -36,30 +60,39 @@ def flash_backward(
         d_params, d_kf, d_v = carry
         qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
         prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
+        entering = walk_carries(qi, qf_i, qn_i, prepared)
 
         pair_grads = pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))
 
         def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
-            d_params_i, d_qf_i, d_prep_i = inner
-            kj, kf_j, kn_j, v_j = k_in
+            d_params_i, d_qf_i, d_prep_i, d_leaving = inner
+            kj, kf_j, kn_j, v_j, carries_j = k_in
 
             def live(_: None) -> tuple:
-                return pair_grads(kj, kf_j, kn_j, v_j)
+                return pair_grads(kj, kf_j, kn_j, v_j, carries_j=carries_j, d_leaving=d_leaving)
 
             def dead(_: None) -> tuple:
-                return (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j))
+                return (
+                    zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j),
+                    d_leaving,
+                )  # fmt: skip
 
-            dp, dq, dk, dprep, dv = jax.lax.cond(layout.live(offset, qi, kj), live, dead, None)
+            dp, dq, dk, dprep, dv, d_entering = jax.lax.cond(
+                layout.live(offset, qi, kj), live, dead, None
+            )
             inner = (
                 _add(d_params_i, dp),
                 _add(d_qf_i, dq),
                 _add(d_prep_i, dprep),
+                d_entering,
             )
             return inner, (dk, dv)
 
-        inner0 = (zeros(params), zeros(qf_i), zeros(prepared))
-        (d_params_i, d_qf_i, d_prep_i), (d_kf_i, d_v_i) = jax.lax.scan(
-            body, inner0, (jnp.arange(layout.count_k), kf, kn, v_GBKNW)
+        # Oldest key block first: the carry leaving block j enters block j - 1, whose
+        # cotangent of its entering carry is ready when block j is reached.
+        inner0 = (zeros(params), zeros(qf_i), zeros(prepared), zeros(_first(entering)))
+        (d_params_i, d_qf_i, d_prep_i, _), (d_kf_i, d_v_i) = jax.lax.scan(
+            body, inner0, (jnp.arange(layout.count_k), kf, kn, v_GBKNW, entering)
         )
         d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
         d_qf_i = _add(d_qf_i, d_qf_prep)
@@ -85,8 +118,8 @@ def flash_backward(
             dp, dq, dk, dprep, dv = jax.lax.cond(
                 live,
                 lambda _: pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))(
-                    kj, kf_j, kn_j, v_j
-                ),
+                    kj, kf_j, kn_j, v_j, carries_j=no_carries, d_leaving=no_carries
+                )[:5],
                 lambda _: (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j)),
                 None,
             )
@@ -113,14 +146,26 @@ def flash_backward(
         (qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared)."""
         qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared = q_side
 
-        def grads(kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
+        def grads(
+            kj: jax.Array,
+            kf_j: dict,
+            kn_j: dict,
+            v_j: jax.Array,
+            *,
+            carries_j: list,
+            d_leaving: list,
+        ) -> tuple:
+            """(d params, d qf, d kf, d prepared, d v, d carries entering) of the pair, given
+            the carries entering it and the cotangent of those leaving it."""
             allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
 
-            def score_fn(p: list, q_side: dict, k_side: dict, prep: list) -> jax.Array:
+            def score_fn(
+                p: list, q_side: dict, k_side: dict, prep: list, carries: list
+            ) -> tuple[jax.Array, list]:
                 return layout.scores(
                     p,
                     prep,
-                    [None] * len(layout.terms),
+                    carries,
                     qf=q_side,
                     qn=qn_i,
                     kf=k_side,
@@ -129,16 +174,17 @@ def flash_backward(
                     offset=offset,
                     qi=qi,
                     kj=kj,
-                )[0]
+                )
 
-            scores_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
+            (scores_BNQK, _), score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared, carries_j)
             p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
             d_v_j = jnp.einsum(
                 "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
             ).astype(v_j.dtype)
             d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
             d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
-            return (*score_vjp(d_s_BNQK), d_v_j)
+            dp, dq, dk, dprep, d_entering = score_vjp((d_s_BNQK, d_leaving))
+            return dp, dq, dk, dprep, d_v_j, d_entering
 
         return grads
 
@@ -168,6 +214,11 @@ def flash_backward(
         "v": d_v,
         "offset": None,
     }
+
+
+def _first(stacked: Pytree) -> Pytree:
+    """Element 0 of a stacked pytree (G, ...)."""
+    return jax.tree.map(lambda x: x[0], stacked)
 
 
 def _zeros_like(tree: Pytree) -> Pytree:

@@ -149,13 +149,15 @@ def test_engine_without_terms_is_causal_softmax_attention() -> None:
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_flash_backward_is_refused_for_a_term_with_a_carry() -> None:
+def test_flash_backward_of_a_carry_is_refused_in_a_window() -> None:
+    """A window's band walk gathers key blocks out of order, so a carry's pass cannot replay
+    the forward's: flash is refused there (remat is the backward)."""
     term = engine_blocks.BlockTerm(
         bias=lambda p, pair, prep, carry: (jnp.zeros_like(pair.logits_BNQK), carry),
         init=lambda b, n, q: jnp.zeros((b, n, q)),
     )
-    with pytest.raises(ValueError, match="backward='flash' needs softmax and no term with a"):
-        engine.blockwise_attention(**_engine_inputs(), terms=[term], backward="flash")
+    with pytest.raises(ValueError, match="for a term with a carry, a walk over every older"):
+        engine.blockwise_attention(**_engine_inputs(), terms=[term], backward="flash", window=2)
 
 
 def test_bad_engine_options_are_named() -> None:
@@ -182,7 +184,8 @@ def test_a_bias_site_without_block_terms_is_refused() -> None:
 
 def test_auto_backward_is_flash_wherever_it_applies_and_remat_for_carries() -> None:
     """Two key blocks: auto traces the same program as "flash" (the stat is None), and, with a
-    term that carries across key blocks, the same as "remat"."""
+    term that carries across key blocks, the same as "remat", unless the term has an
+    ``advance`` of its own (then "flash")."""
     inputs = _engine_inputs()
 
     def jaxpr(**kwargs: object) -> str:
@@ -201,3 +204,7 @@ def test_auto_backward_is_flash_wherever_it_applies_and_remat_for_carries() -> N
         init=lambda b, n, q: jnp.zeros((b, n, q), jnp.float32),
     )
     assert jaxpr(backward="auto", terms=[term]) == jaxpr(backward="remat", terms=[term])
+    # A carry with its own advance (CoPE's count): auto takes flash.
+    counted = dataclasses.replace(term, advance=lambda p, pair, prep, carry: carry + 1.0)
+    assert jaxpr(backward="auto", terms=[counted]) == jaxpr(backward="flash", terms=[counted])
+    assert jaxpr(backward="flash", terms=[counted]) != jaxpr(backward="remat", terms=[counted])

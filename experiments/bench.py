@@ -73,6 +73,11 @@ CORE_ARMS = (
     ("fox remat", "fox", {"attention_impl": "blockwise", "attention_backward": "remat"}),
     ("stickbreaking", "stickbreaking", {}),
     ("stickbreaking naive", "stickbreaking", {"attention_impl": "naive"}),
+    (
+        "stickbreaking remat",
+        "stickbreaking",
+        {"attention_impl": "blockwise", "attention_backward": "remat"},
+    ),
 )
 NOPE_ARMS = ("nope", "nope naive", "nope blockwise", "dpa")
 # At 16K only the defaults run (the naive paths exceed the memory cap; auto is blockwise).

@@ -166,23 +166,25 @@ CARRY_VARIANTS = [
     *((name, {}) for name in registry.names() if registry.make_scheme(name).walk_carry),
     ("cope+rope", {}),
     ("path+fox", {}),
+    ("stickbreaking+alibi", {}),
+    ("stickbreaking", {"include_self": False}),
 ]
 
 
 @pytest.mark.parametrize(
     "variant",
-    [v if v[0] == "cope" else pytest.param(v, marks=pytest.mark.slow) for v in CARRY_VARIANTS],
+    [
+        v if v in (("cope", {}), ("stickbreaking", {})) else pytest.param(v, marks=pytest.mark.slow)
+        for v in CARRY_VARIANTS
+    ],
     ids=_ids,
 )
 def test_the_flash_backward_of_a_walk_carry_equals_naive(variant: tuple[str, dict]) -> None:
     """The flash backward with a carried term (the carries' pass, then the pairs oldest first
-    with the carry's cotangent) gives the naive gradients; stick-breaking has no softmax
-    statistic, so the engine refuses it there by name."""
+    with the carry's cotangent) and stick-breaking's (copejax.ops.stick_flash) give the naive
+    gradients."""
     position, options = variant
-    try:
-        _check_blockwise_equals_naive(position, options, attention_backward="flash")
-    except ValueError as error:
-        assert "stickbreaking" in position and "needs softmax" in str(error), error
+    _check_blockwise_equals_naive(position, options, attention_backward="flash")
 
 
 def test_the_flash_and_remat_backwards_agree() -> None:

@@ -48,11 +48,14 @@ Backward passes (``backward``):
   buffer's unordered keys) keeps remat for a carry.
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
-  the backward keeps carries only. ``"auto"`` takes it only for stick-breaking (its own
-  normaliser, with a hand-written block backward), for a carry in a window, and for a carry
-  without an ``advance`` (PaTH, where flash measured a tie); flash measured faster from 4 key
-  blocks on (timed against "flash" by ``python -m experiments.bench``, the "fox remat" arm)
-  and for CoPE's count.
+  the backward keeps carries only. ``"auto"`` takes it only for a carry or stick-breaking in
+  a window (or over ring-buffer keys) and for a carry without an ``advance`` (PaTH, where
+  flash measured a tie); flash measured faster from 4 key blocks on (timed against "flash" by
+  ``python -m experiments.bench``, the "fox remat" arm), for CoPE's count and for
+  stick-breaking.
+- stick-breaking's flash backward (:mod:`copejax.ops.stick_flash`): no log-sum-exp, one walk
+  newest first that replays the stick remainder and carries the newer blocks' share of
+  ``D_i``; equations there.
 
 The engine is four modules: this one (the entry point, the forward / remat walk and the
 custom VJP), :mod:`~copejax.ops.engine_blocks` (the pair, term and normalizer types, blocking
@@ -89,6 +92,7 @@ from copejax.ops.engine_blocks import (
 )
 from copejax.ops.engine_layout import Layout
 from copejax.ops.flash_backward import flash_backward
+from copejax.ops.stick_flash import stick_flash_backward
 
 # Rematerialise whole query-block walks only above this many key blocks (remat backward).
 REMAT_WALKS_ABOVE = 8
@@ -178,8 +182,9 @@ def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
 
 
 def _flash_walk(layout: Layout) -> Callable:
-    """The softmax walk with the flash backward, as a ``jax.custom_vjp`` of the blocked
-    inputs ``data`` -> outputs (G, B, Q, N, W) float32."""
+    """The walk with the flash backward (softmax's, or stick-breaking's of
+    :mod:`copejax.ops.stick_flash`), as a ``jax.custom_vjp`` of the blocked inputs ``data`` ->
+    outputs (G, B, Q, N, W) float32."""
 
     @jax.custom_vjp
     def walk(data: dict) -> jax.Array:
@@ -190,6 +195,9 @@ def _flash_walk(layout: Layout) -> Callable:
         return out_GBQNW, (data, out_GBQNW, lse_GBNQ)
 
     def backward(residuals: tuple, d_out_GBQNW: jax.Array) -> tuple[dict]:
+        if layout.normalizer.kind == "stickbreaking":
+            data, out_GBQNW, _ = residuals
+            return (stick_flash_backward(layout, data, out_GBQNW, d_out_GBQNW),)
         return (flash_backward(layout, *residuals, d_out_GBQNW),)
 
     walk.defvjp(forward, backward)
@@ -310,13 +318,16 @@ def blockwise_attention(
         "offset": jnp.asarray(offset, jnp.int32),
     }
     carried = any(t.init is not None for t in terms)
-    flash_applies = normalizer.kind == "softmax" and not (
-        carried and (layout.banded or layout.explicit_index)
-    )
+    in_order = not (layout.banded or layout.explicit_index)
+    if normalizer.kind == "softmax":
+        flash_applies = in_order or not carried
+    else:  # stick-breaking's flash backward walks every older key block, with no term carry
+        flash_applies = in_order and not carried
     if backward == "flash" and not flash_applies:
         raise ValueError(
-            "engine: backward='flash' needs softmax and, for a term with a carry, a walk over "
-            "every older key block in order (no window, no ring-buffer keys); use 'remat'"
+            "engine: backward='flash' needs a walk over every older key block in order (no "
+            "window, no ring-buffer keys) for a term with a carry or for stick-breaking; use "
+            "'remat'"
         )
     # "auto": flash wherever it applies. Side-by-side rounds on a 2-core CPU (B x N = 8,
     # H = 64, one layer forward+backward, median over 11 rounds of process CPU time relative
@@ -328,6 +339,8 @@ def blockwise_attention(
     # from 1.96x / 2.32x the fastest nope with remat to 1.73x / 1.72x. A carry without one
     # (PaTH's transformed queries) would recompute its whole term in the carries' pass:
     # 4.21x against remat's 4.27x at T = 1024, a tie, so auto keeps remat there.
+    # Stick-breaking's flash backward (copejax.ops.stick_flash), same footing: 1.87x / 2.33x
+    # with remat, 1.78x / 1.88x with flash at T = 1024 / 4096.
     flash = backward == "flash" or (
         backward == "auto"
         and flash_applies

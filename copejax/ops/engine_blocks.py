@@ -236,7 +236,7 @@ def stickbreaking_update(
     }
 
 
-def _stick_terms(z_BNQK: jax.Array, allowed_B1QK: jax.Array) -> tuple[jax.Array, ...]:
+def stick_terms(z_BNQK: jax.Array, allowed_B1QK: jax.Array) -> tuple[jax.Array, ...]:
     """(e = exp(-|z|), softplus(z) (0 off ``allowed``), log_sigmoid(z)) from one exp and one
     log1p: ``softplus(z) = max(z, 0) + log1p(e)``, ``log_sigmoid(z) = min(z, 0) - log1p(e)``
     (the forms of ``jax.nn.softplus`` / ``jax.nn.log_sigmoid``, their common part shared)."""
@@ -253,7 +253,7 @@ def _stick_forward(
     remainder_BNQ: jax.Array,
     v_BKNW: jax.Array,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    e_BNQK, softplus_BNQK, log_sigmoid_BNQK = _stick_terms(z_BNQK, allowed_B1QK)
+    e_BNQK, softplus_BNQK, log_sigmoid_BNQK = stick_terms(z_BNQK, allowed_B1QK)
     suffix_BNQK = scan.cumsum(softplus_BNQK, axis=-1, reverse=True, impl=scan_impl)
     after_BNQK = jnp.pad(suffix_BNQK[..., 1:], ((0, 0), (0, 0), (0, 0), (0, 1)))
     after_BNQK = after_BNQK + remainder_BNQ[..., None]

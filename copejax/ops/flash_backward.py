@@ -29,7 +29,7 @@ def flash_backward(
     no_carries = [None] * len(terms)  # the band walk: terms without a carry only
     d_out_GBQNW = d_out_GBQNW.astype(jnp.float32)
     delta_GBNQ = jnp.moveaxis(jnp.sum(d_out_GBQNW * out_GBQNW, axis=-1), 3, 2)
-    zeros = _zeros_like
+    zeros = zeros_like_tree
 
     def walk_carries(qi: jax.Array, qf_i: dict, qn_i: dict, prepared: list) -> list:
         """The terms' carries entering each key block (G, ...), in key-block order: the
@@ -81,9 +81,9 @@ def flash_backward(
                 layout.live(offset, qi, kj), live, dead, None
             )
             inner = (
-                _add(d_params_i, dp),
-                _add(d_qf_i, dq),
-                _add(d_prep_i, dprep),
+                add_trees(d_params_i, dp),
+                add_trees(d_qf_i, dq),
+                add_trees(d_prep_i, dprep),
                 d_entering,
             )
             return inner, (dk, dv)
@@ -95,10 +95,10 @@ def flash_backward(
             body, inner0, (jnp.arange(layout.count_k), kf, kn, v_GBKNW, entering)
         )
         d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
-        d_qf_i = _add(d_qf_i, d_qf_prep)
+        d_qf_i = add_trees(d_qf_i, d_qf_prep)
         carry = (
-            _add(d_params, _add(d_params_i, d_params_prep)),
-            _add(d_kf, d_kf_i),
+            add_trees(d_params, add_trees(d_params_i, d_params_prep)),
+            add_trees(d_kf, d_kf_i),
             d_v + d_v_i,
         )
         return carry, d_qf_i
@@ -125,9 +125,9 @@ def flash_backward(
             )
             d_kf = jax.tree.map(lambda a, g: a.at[kj].add(g.astype(a.dtype)), d_kf, dk)
             inner = (
-                _add(d_params_i, dp),
-                _add(d_qf_i, dq),
-                _add(d_prep_i, dprep),
+                add_trees(d_params_i, dp),
+                add_trees(d_qf_i, dq),
+                add_trees(d_prep_i, dprep),
                 d_kf,
                 d_v.at[kj].add(dv),
             )
@@ -138,8 +138,8 @@ def flash_backward(
             body, inner0, layout.walk_plan(offset, qi, kn)
         )
         d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
-        d_qf_i = _add(d_qf_i, d_qf_prep)
-        return (_add(d_params, _add(d_params_i, d_params_prep)), d_kf, d_v), d_qf_i
+        d_qf_i = add_trees(d_qf_i, d_qf_prep)
+        return (add_trees(d_params, add_trees(d_params_i, d_params_prep)), d_kf, d_v), d_qf_i
 
     def pair_grads_of(q_side: tuple) -> Callable:
         """The gradients of one (query block, key block) pair for query block ``q_side``:
@@ -221,10 +221,11 @@ def _first(stacked: Pytree) -> Pytree:
     return jax.tree.map(lambda x: x[0], stacked)
 
 
-def _zeros_like(tree: Pytree) -> Pytree:
+def zeros_like_tree(tree: Pytree) -> Pytree:
     """Zeros shaped like ``tree`` (None leaves stay None)."""
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _add(a: Pytree, b: Pytree) -> Pytree:
+def add_trees(a: Pytree, b: Pytree) -> Pytree:
+    """Leafwise a + b in a's dtypes."""
     return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)

@@ -11,12 +11,10 @@ from copejax.positions.base import PositionScheme
 
 def attention_paths(cls: type[PositionScheme]) -> str:
     """The attention paths a scheme runs on (``model.attention_impl``), and the blockwise
-    engine's backwards: flash (custom VJP) and remat for softmax schemes (a term that
-    carries state across key blocks too, outside windows), remat only for a normalizer of
-    its own (stick-breaking). ``auto`` takes flash except for a carry without an ``advance``
-    (PaTH); see ``copejax.ops.engine``."""
-    own_normalizer = "normalizer" in cls.sites
-    paths = ["naive", "blockwise (remat)" if own_normalizer else "blockwise (flash / remat)"]
+    engine's backwards: flash (custom VJP) and remat for every scheme (flash for a walk carry
+    or stick-breaking only outside windows; ``auto`` keeps remat for PaTH's carry, see
+    ``copejax.ops.engine``)."""
+    paths = ["naive", "blockwise (flash / remat)"]
     extra = set(cls.sites) - KERNEL_SITES
     if not extra or (extra == {"bias"} and cls.position_only_bias):
         paths.append("dot_product_attention")

@@ -156,7 +156,7 @@ def test_flash_backward_of_a_carry_is_refused_in_a_window() -> None:
         bias=lambda p, pair, prep, carry: (jnp.zeros_like(pair.logits_BNQK), carry),
         init=lambda b, n, q: jnp.zeros((b, n, q)),
     )
-    with pytest.raises(ValueError, match="for a term with a carry, a walk over every older"):
+    with pytest.raises(ValueError, match="needs a walk over every older key block in order"):
         engine.blockwise_attention(**_engine_inputs(), terms=[term], backward="flash", window=2)
 
 

@@ -246,6 +246,19 @@ def stick_terms(z_BNQK: jax.Array, allowed_B1QK: jax.Array) -> tuple[jax.Array, 
     return e_BNQK, softplus_BNQK, jnp.minimum(z_BNQK, 0.0) - log1p_BNQK
 
 
+def stick_weights(
+    scan_impl: str, z_BNQK: jax.Array, allowed_B1QK: jax.Array, remainder_BNQ: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One key block's (exp(-|z|), softplus suffix sums, weights A_ij) given the softplus
+    total of the newer blocks (see :func:`_stick_block`)."""
+    e_BNQK, softplus_BNQK, log_sigmoid_BNQK = stick_terms(z_BNQK, allowed_B1QK)
+    suffix_BNQK = scan.cumsum(softplus_BNQK, axis=-1, reverse=True, impl=scan_impl)
+    after_BNQK = jnp.pad(suffix_BNQK[..., 1:], ((0, 0), (0, 0), (0, 0), (0, 1)))
+    after_BNQK = after_BNQK + remainder_BNQ[..., None]
+    weights_BNQK = jnp.where(allowed_B1QK, jnp.exp(log_sigmoid_BNQK - after_BNQK), 0.0)
+    return e_BNQK, suffix_BNQK, weights_BNQK
+
+
 def _stick_forward(
     scan_impl: str,
     z_BNQK: jax.Array,
@@ -253,11 +266,9 @@ def _stick_forward(
     remainder_BNQ: jax.Array,
     v_BKNW: jax.Array,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    e_BNQK, softplus_BNQK, log_sigmoid_BNQK = stick_terms(z_BNQK, allowed_B1QK)
-    suffix_BNQK = scan.cumsum(softplus_BNQK, axis=-1, reverse=True, impl=scan_impl)
-    after_BNQK = jnp.pad(suffix_BNQK[..., 1:], ((0, 0), (0, 0), (0, 0), (0, 1)))
-    after_BNQK = after_BNQK + remainder_BNQ[..., None]
-    weights_BNQK = jnp.where(allowed_B1QK, jnp.exp(log_sigmoid_BNQK - after_BNQK), 0.0)
+    e_BNQK, suffix_BNQK, weights_BNQK = stick_weights(
+        scan_impl, z_BNQK, allowed_B1QK, remainder_BNQ
+    )
     weighted_BQNW = jnp.einsum(
         "BNQK,BKNW->BQNW",
         weights_BNQK.astype(v_BKNW.dtype),

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops import scan
-from copejax.ops.engine_blocks import stick_terms
+from copejax.ops.engine_blocks import stick_weights
 from copejax.ops.engine_layout import Layout
 from copejax.ops.flash_backward import add_trees, zeros_like_tree
 
@@ -64,11 +64,9 @@ def stick_flash_backward(
 
             z_BNQK, score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared)
             z_BNQK = jnp.where(allowed_B1QK, z_BNQK, 0.0)
-            e_BNQK, softplus_BNQK, log_sigmoid_BNQK = stick_terms(z_BNQK, allowed_B1QK)
-            suffix_BNQK = scan.cumsum(softplus_BNQK, axis=-1, reverse=True, impl=layout.scan_impl)
-            after_BNQK = jnp.pad(suffix_BNQK[..., 1:], ((0, 0), (0, 0), (0, 0), (0, 1)))
-            after_BNQK = after_BNQK + remainder_BNQ[..., None]
-            a_BNQK = jnp.where(allowed_B1QK, jnp.exp(log_sigmoid_BNQK - after_BNQK), 0.0)
+            e_BNQK, suffix_BNQK, a_BNQK = stick_weights(
+                layout.scan_impl, z_BNQK, allowed_B1QK, remainder_BNQ
+            )
             d_a_BNQK = jnp.einsum(
                 "BQNW,BKNW->BNQK", d_out_i, v_j, preferred_element_type=jnp.float32
             )

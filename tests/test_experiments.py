@@ -169,10 +169,23 @@ def test_tape_tasks(dirs: tuple[Path, Path]) -> None:
         grid[a - 1, b - 1] = value
     assert data["addition"]["tape"]["grid_average"] == [pytest.approx(np.nanmean(grid))]
     np.testing.assert_allclose(data["addition"]["tape"]["mean_grid"], grid)
+    longer = [
+        grid[a - 1, b - 1] for (a, b) in cells if max(a, b) > tape_tasks.TRAIN_DIGITS["smoke"]
+    ]
+    assert data["addition"]["tape"]["beyond_training_average"] == [
+        pytest.approx(np.nanmean(longer))
+    ]
     key_record = last_eval_of(workdir(dirs, "tape_tasks", "passkey_tape"))
     for length, values in data["passkey"]["tape"].items():
         assert values == [key_record[f"eval/len_{length}/accuracy"]]
     assert "32.82" in page
+
+
+def test_beyond_training_averages_the_cells_with_a_longer_operand() -> None:
+    grid = np.array([[1.0, 0.9, 0.5], [0.8, 0.7, np.nan], [0.2, 0.1, 0.0]])  # [len a, len b]
+    # Trained to 2 digits: the cells (1, 3), (3, 1), (3, 2), (3, 3); (2, 3) was never seen.
+    assert tape_tasks.beyond_training(grid, 2) == pytest.approx((0.5 + 0.2 + 0.1 + 0.0) / 4)
+    assert tape_tasks.beyond_training(grid, 1) == pytest.approx(3.2 / 7)
 
 
 def test_jobs_must_be_positive() -> None:

@@ -5,6 +5,8 @@
     python -m experiments.length_generalization --scale=cpu    # the page (hours on 2 cores)
     python -m experiments.length_generalization --scale=paper  # their example's sizes
     python -m experiments.length_generalization --scale=cpu --peer  # plus x-transformers
+    python -m experiments.length_generalization --scale=cpu --tasks=reverse_string --peer \
+        --jobs=2 --peer-threads=1  # one task, two single-threaded runs at a time
 
 Every task of ``configs/length_generalization.py`` with every copejax arm (NoPE, sinusoidal,
 RoPE, ALiBi, learned, CoPE, FoX, randomized positions) over seeds: train on input lengths 1
@@ -16,12 +18,15 @@ the compilation).
 ``--peer`` also trains x-transformers (PyTorch; ``experiments/length_generalization_peer.py``,
 in a side venv it creates) on the same batches with the same sizes, schedule, steps and seeds
 for the arms both have, and puts its accuracy and step time beside copejax's. Without it the
-page says that the peer was not run.
+page says that the peer was not run. ``--tasks`` runs a subset of the scale's tasks (the page
+then shows only those); ``--jobs`` runs that many copejax runs, and then that many peer runs,
+at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 from collections.abc import Mapping, Sequence
@@ -73,7 +78,8 @@ scored with the task's own metric. Its block: pre-norm RMSNorm, SwiGLU MLP of co
 tied embeddings, x-transformers' defaults otherwise; `sinusoidal` is its scaled sinusoidal
 embedding (one learned scale) and `fox` its data-dependent ALiBi (forgetting-transformer
 gate). Accuracies agree when the means differ by no more than the larger seed std. Step times
-are medians after five steps, with torch's and XLA's default threads, on a shared machine."""
+are medians after five steps, on a shared machine; torch ran with {threads}, and as many peer
+runs at a time as copejax runs (the header says how those were trained)."""
 
 
 def label(task: str, arm: str) -> str:
@@ -143,6 +149,10 @@ def time_table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -
     return sweep.markdown_table(["arm", *(f"{t} ms/step" for t in tasks)], rows)
 
 
+def _threads(threads: int) -> str:
+    return "its default threads" if threads == 0 else f"{threads} thread(s)"
+
+
 def _cell(spread: Mapping[str, Any], scale: float = 100.0) -> str:
     return sweep.percent((spread["mean"], spread["std"]), scale=scale)
 
@@ -174,25 +184,56 @@ def reading(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> s
 
 
 def run_peer(
-    tasks: Sequence[str], scale: str, seeds: Sequence[int], workroot: str, threads: int
+    tasks: Sequence[str],
+    scale: str,
+    seeds: Sequence[int],
+    workroot: str,
+    threads: int,
+    *,
+    jobs: int = 1,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """x-transformers results: arm -> task -> one result dict per seed (cached as JSON under
-    ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them)."""
+    ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them). Runs not
+    cached yet train ``jobs`` at a time, each in its own side-venv process."""
     from experiments import length_generalization_peer as peer
 
     cache = Path(workroot) / STUDY / scale / "peer"
     cache.mkdir(parents=True, exist_ok=True)
+    runs = [(task, arm, seed) for task in tasks for arm in peer.ARMS for seed in seeds]
+
+    def path_of(task: str, arm: str, seed: int) -> Path:
+        return cache / f"{task}_{arm}_seed{seed}.json"
+
+    def train(run: tuple[str, str, int]) -> None:
+        task, arm, seed = run
+        print(f"== peer x-transformers {task}, {arm} seed {seed}", flush=True)
+        result = peer.run(f"{task},{ARGS[scale]},seed={seed}", arm, threads)
+        path_of(*run).write_text(json.dumps(result))
+
+    todo = [run for run in runs if not path_of(*run).exists()]
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(train, todo))  # re-raises a failed run's error
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for task in tasks:
-        for arm in peer.ARMS:
-            for seed in seeds:
-                path = cache / f"{task}_{arm}_seed{seed}.json"
-                if not path.exists():
-                    print(f"== peer x-transformers {task}, {arm} seed {seed}", flush=True)
-                    arg = f"{task},{ARGS[scale]},seed={seed}"
-                    path.write_text(json.dumps(peer.run(arg, arm, threads)))
-                out.setdefault(arm, {}).setdefault(task, []).append(json.loads(path.read_text()))
+    for task, arm, seed in runs:
+        result = json.loads(path_of(task, arm, seed).read_text())
+        out.setdefault(arm, {}).setdefault(task, []).append(result)
     return out
+
+
+def select_tasks(scale: str, names: str) -> tuple[str, ...]:
+    """The scale's tasks, or the comma-separated subset ``names`` of them (in the scale's
+    order); an unknown name is an error that lists the allowed ones."""
+    allowed = SCALE_TASKS[scale]
+    if not names:
+        return allowed
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in allowed]
+    if unknown or not chosen:
+        raise SystemExit(
+            f"--tasks={names!r}: unknown {unknown or 'empty'}; the {scale} scale has "
+            f"{', '.join(allowed)}"
+        )
+    return tuple(t for t in allowed if t in chosen)
 
 
 def peer_section(
@@ -238,9 +279,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--peer", action="store_true", help="also run x-transformers")
     extra.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: default)")
+    extra.add_argument("--tasks", default="", help="comma-separated subset of the scale's tasks")
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
-    tasks = SCALE_TASKS[args.scale]
+    tasks = select_tasks(args.scale, own.tasks)
     arms = [
         sweep.Arm(
             label(task, arm),
@@ -262,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     peer = {}
     if own.peer:
         seeds = sweep.seeds_for(args, SEEDS[args.scale])
-        peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads)
+        peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads, jobs=args.jobs)
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),
@@ -323,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "",
             "## Peer implementation: x-transformers",
             "",
-            PEER_NOTE
+            PEER_NOTE.format(threads=_threads(own.peer_threads))
             if peer
             else "Not run yet: the x-transformers (PyTorch) arms on the same "
             "generated data, sizes, steps and seeds (`--peer`).",

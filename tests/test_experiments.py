@@ -301,6 +301,43 @@ def test_length_generalization_peer_side_by_side() -> None:
     assert "n/a, one seed (gap 5.0)" in one
 
 
+def test_length_generalization_tasks_subset() -> None:
+    lg = length_generalization
+    assert lg.select_tasks("cpu", "") == lg.SCALE_TASKS["cpu"]
+    assert lg.select_tasks("cpu", "parity_check, reverse_string") == (
+        "reverse_string",
+        "parity_check",
+    )
+    with pytest.raises(SystemExit, match="unknown \\['reverse'\\]; the cpu scale has"):
+        lg.select_tasks("cpu", "reverse")
+    with pytest.raises(SystemExit, match="unknown"):
+        lg.select_tasks("smoke", "parity_check")  # not among the smoke scale's tasks
+
+
+def test_peer_runs_train_once_each_with_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_peer trains every (task, arm, seed) not cached, jobs at a time, and then only
+    reads: results come back per arm, task and seed in seed order."""
+    peer = length_generalization_peer
+    calls = []
+
+    def fake_run(config_arg: str, arm: str, threads: int) -> dict[str, float]:
+        calls.append((config_arg, arm, threads))
+        seed = int(config_arg.rsplit("seed=", 1)[1])
+        return {"long/accuracy": seed / 10, "step_ms": 1.0}
+
+    monkeypatch.setattr(peer, "run", fake_run)
+    lg = length_generalization
+    out = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
+    assert len(calls) == 2 * len(peer.ARMS)
+    assert {arg for arg, _, _ in calls} == {"parity_check,smoke,steps=10,seed=0",
+                                            "parity_check,smoke,steps=10,seed=1"}  # fmt: skip
+    assert [r["long/accuracy"] for r in out["rope"]["parity_check"]] == [0.0, 0.1]
+    again = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
+    assert len(calls) == 2 * len(peer.ARMS) and again == out
+
+
 def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
     """The peer's learning rate is copejax's schedule; its data are the trainer's batches."""
     from copejax import input_pipeline, optim

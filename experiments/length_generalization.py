@@ -275,6 +275,26 @@ def peer_section(
     return sweep.markdown_table(header, rows)
 
 
+def peer_per_seed(
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], tasks: Sequence[str]
+) -> str:
+    """Every x-transformers seed's accuracy on the test and the training lengths, as
+    ``sweep.per_seed_table`` lists copejax's."""
+    rows = [
+        [
+            label(task, arm),
+            *(
+                " / ".join(f"{100 * r[f'{split}/accuracy']:.1f}" for r in by_task[task])
+                for split in SPLITS
+            ),
+        ]
+        for arm, by_task in peer.items()
+        for task in tasks
+        if task in by_task
+    ]
+    return sweep.markdown_table(["arm", *(f"{SPLITS[s]} %" for s in SPLITS)], rows)
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--peer", action="store_true", help="also run x-transformers")
@@ -348,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "",
             reading(summary, tasks),
             "",
+            f"Every seed's accuracy (seeds {', '.join(map(str, result.seeds))}, in that order):",
+            "",
+            sweep.per_seed_table(result, {f"{s}/accuracy": f"{SPLITS[s]} %" for s in SPLITS}),
+            "",
             "Accuracy by input length (mean over seeds, band: one std), last evaluation:",
             "",
             *curve_images,
@@ -372,10 +396,33 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "",
             peer_section(summary, peer, tasks) if peer else "",
             "",
+            "Every x-transformers seed's accuracy (the same seeds, in the same order):\n\n"
+            + peer_per_seed(peer, tasks)
+            if peer
+            else "",
+            "",
             sweep.commands_block(STUDY, args.scale, result),
         ]
     )
-    return sweep.write_outputs(args.out, STUDY, args.scale, page, result, results=summary)
+    return sweep.write_outputs(
+        args.out, STUDY, args.scale, page, result, results=summary, peer=peer_json(peer)
+    )
+
+
+def peer_json(
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+) -> dict[str, dict[str, Any]]:
+    """arm -> task -> {split: spread of accuracy, "step_ms": spread} of the peer's runs, in
+    the shape of copejax's ``results``."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm, by_task in peer.items():
+        for task, runs in by_task.items():
+            cell = {}
+            for key in [f"{s}/accuracy" for s in SPLITS] + ["step_ms"]:
+                values = [r[key] for r in runs]
+                cell[key.split("/")[0]] = sweep.spread(*sweep.mean_std(values), values)
+            out.setdefault(arm, {})[task] = cell
+    return out
 
 
 if __name__ == "__main__":

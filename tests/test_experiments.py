@@ -275,6 +275,25 @@ def test_length_generalization(dirs: tuple[Path, Path]) -> None:
     assert f"{100 * record['eval/long/accuracy']:.1f} ± 0.0" in page
     assert set(data["results"]) == set(length_generalization.ARMS)
     assert "Not run yet: the x-transformers" in page
+    per_seed = f"| reverse_string, cope | {100 * record['eval/long/accuracy']:.1f} |"
+    assert per_seed in page
+    assert data["peer"] == {}
+
+
+def test_length_generalization_peer_per_seed_and_json() -> None:
+    """The peer's every seed listed in seed order, and its JSON cells in copejax's shape."""
+    lg = length_generalization
+    runs = [
+        {"test/accuracy": 0.9, "long/accuracy": 0.25, "step_ms": 10.0},
+        {"test/accuracy": 1.0, "long/accuracy": 0.75, "step_ms": 30.0},
+    ]
+    peer = {"rope": {"parity_check": runs}}
+    assert "| parity_check, rope | 25.0 / 75.0 | 90.0 / 100.0 |" in lg.peer_per_seed(
+        peer, ["parity_check"]
+    )
+    cell = lg.peer_json(peer)["rope"]["parity_check"]
+    assert cell["long"]["per_seed"] == [0.25, 0.75] and cell["long"]["mean"] == 0.5
+    assert cell["test"]["per_seed"] == [0.9, 1.0] and cell["step_ms"]["mean"] == 20.0
 
 
 def test_length_generalization_peer_side_by_side() -> None:

@@ -23,6 +23,10 @@ sequences per length>``.
 Their model is an encoder that emits all output tokens at once from empty queries; copejax's
 is a causal decoder reading ``input <sep> output`` with teacher forcing (see the suite
 module), and its block is copejax's (``model.block``, pre-norm), not their post-norm one.
+As their models do, the token embeddings are multiplied by sqrt(D)
+(``model.scale_embeddings``; their ``embeddings *= jnp.sqrt(embedding_dim)``, init std 0.02),
+for every arm: without it the sinusoidal encoding is about 35 times the token embedding and
+the sinusoidal and randomized arms stay at chance even on the training lengths.
 ``model.max_len`` is the ``long`` split's length, so a learned table and the randomized
 scheme's position range cover it (the learned rows past the training length are never
 trained).
@@ -77,6 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         }
     )
     c.model.position = "rope"
+    c.model.scale_embeddings = True
     c.train.weight_decay = 0.0
     c.eval.splits = ("test", "long")
 

@@ -145,7 +145,10 @@ class Transformer(nn.Module):
         self, tokens_BT: jax.Array, positions_BT: jax.Array, deterministic: bool
     ) -> EmbedOutput:
         """Token embeddings plus the embed site: (x_BTD, positions_BT, carry)."""
-        x_BTD = self.token_embed(tokens_BT).astype(self.cfg.compute_dtype)
+        x_BTD = self.token_embed(tokens_BT)
+        if self.cfg.scale_embeddings:
+            x_BTD = x_BTD * jnp.sqrt(jnp.float32(self.token_embed.features))
+        x_BTD = x_BTD.astype(self.cfg.compute_dtype)
         if self.position_embed is None:
             out = EmbedOutput(x_BTD=x_BTD, positions_BT=positions_BT)
         else:

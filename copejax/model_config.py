@@ -76,6 +76,11 @@ class ModelConfig:
       position_options: options of the scheme (a mapping; stored as sorted pairs).
       max_len: training context length T (learned tables, FIRE's L, YaRN's original length).
       init_std: standard deviation of the weight initialisers.
+      scale_embeddings: multiply the token embeddings by sqrt of their width before the embed
+        site (Vaswani et al. 2017 §3.4; the models of Ruoss et al. 2023, whose inputs the
+        length-generalisation study follows). Off by default (GPT-2 / Llama inputs). With
+        init_std 0.02 and no scaling a sinusoidal encoding (entries of magnitude up to 1) is
+        about 35 times the token embedding; the tied output layer reads the unscaled table.
       attention_impl: the attention path of every layer. "naive": float32 (B, N, T, S)
         logits, the scheme's bias and normalizer sites; the reference, and the only path that
         sows attention maps. "blockwise": the engine of ``copejax.ops.engine``, every scheme in
@@ -143,6 +148,7 @@ class ModelConfig:
     position_options: Any = ()
     max_len: int = 512
     init_std: float = 0.02
+    scale_embeddings: bool = False
     attention_impl: str = "auto"
     attention_block: int | None = None
     attention_backward: str = "auto"

@@ -75,11 +75,13 @@ PEER_NOTE = """x-transformers 2.31.10 (torch 2.13.0, CPU) trained by
 `experiments/length_generalization_peer.py` on the batches copejax's trainer feeds, in the
 same order, with the same model sizes, AdamW settings, schedule, clipping, steps and seeds;
 scored with the task's own metric. Its block: pre-norm RMSNorm, SwiGLU MLP of copejax's width,
-tied embeddings, x-transformers' defaults otherwise; `sinusoidal` is its scaled sinusoidal
-embedding (one learned scale) and `fox` its data-dependent ALiBi (forgetting-transformer
-gate). Accuracies agree when the means differ by no more than the larger seed std. Step times
-are medians after five steps, on a shared machine; torch ran with {threads}, and as many peer
-runs at a time as copejax runs (the header says how those were trained)."""
+tied embeddings, x-transformers' defaults otherwise (its token embeddings start at Kaiming
+normal, std sqrt(2 / D) ≈ 0.18 at D = 64, near copejax's 0.02 · sqrt(D) = 0.16);
+`sinusoidal` is its scaled sinusoidal embedding (one learned scale, initialised to
+D^-1/2) and `fox` its data-dependent ALiBi (forgetting-transformer gate). Accuracies agree
+when the means differ by no more than the larger seed std. Step times are medians after five
+steps, on a shared machine; torch ran with {threads}, and as many peer runs at a time as
+copejax runs (the header says how those were trained)."""
 
 
 def label(task: str, arm: str) -> str:

@@ -86,6 +86,29 @@ def test_positions_are_an_input_not_created_inside() -> None:
         model.apply(params, tokens_BT, positions_BT[:, :3])
 
 
+@pytest.mark.parametrize("scale", [False, True])
+def test_scale_embeddings_multiplies_tokens_by_sqrt_width_before_the_encoding(
+    scale: bool,
+) -> None:
+    """Vaswani et al. 2017 §3.4: the embedding weights times sqrt(d_model), then + PE."""
+    cfg = tiny_config("sinusoidal", scale_embeddings=scale)
+    model = Transformer(cfg)
+    tokens_BT, positions_BT = tokens_and_positions()
+    params = model.init(jax.random.key(0), tokens_BT, positions_BT)
+    x_BTD = model.apply(params, tokens_BT, positions_BT, False, method=_embedded)
+    table_VD = np.asarray(nn.unbox(params["params"]["token_embed"]["embedding"]))
+    pos_T = np.arange(tokens_BT.shape[1])[:, None]
+    rate_D = 1.0 / 10000 ** (2 * (np.arange(32) // 2) / 32)  # PE(pos, 2i) and (pos, 2i + 1)
+    pe_TD = np.where(np.arange(32) % 2 == 0, np.sin(pos_T * rate_D), np.cos(pos_T * rate_D))
+    factor = np.sqrt(32.0) if scale else 1.0
+    want_BTD = factor * table_VD[np.asarray(tokens_BT)] + pe_TD
+    np.testing.assert_allclose(np.asarray(x_BTD), want_BTD, rtol=1e-5, atol=1e-5)
+
+
+def _embedded(model: Transformer, tokens_BT: jax.Array, positions_BT: jax.Array, det: bool):
+    return model.embed(tokens_BT, positions_BT, det).x_BTD
+
+
 def test_dropout_is_active_only_in_training() -> None:
     cfg = tiny_config("rope", dropout=0.5)
     model = Transformer(cfg)

@@ -7,7 +7,10 @@
 - ``concat``: ``[x_tok, PE]`` where the token embedding has width D - pos_dim and the encoding
   width d = pos_dim, so the model width stays D.
 
-Token embeddings are not multiplied by sqrt(D) (GPT-2 style inputs, no Vaswani rescaling).
+Token embeddings are multiplied by sqrt(D) as in Vaswani et al. only with
+``model.scale_embeddings`` (default off: GPT-2 style inputs). Without it, at init_std 0.02 the
+encoding is tens of times the token embedding, and small models can fail to read the tokens
+(see ``experiments/results/length_generalization.md``).
 """
 
 from __future__ import annotations

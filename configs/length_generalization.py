@@ -18,7 +18,7 @@ gradients clipped at norm 1, 512 test sequences per length; tested at 41 to 500,
 "a few hundred", where their example evaluates lengths up to 100). Shortcuts:
 ``position=<scheme>``, ``seed``, ``steps``, ``batch_size``, ``lr``, ``layers``, ``heads``,
 ``d_model``, ``train_max=<n>``, ``test_max=<n>``, ``test_step=<n>``, ``per_length=<test
-sequences per length>``.
+sequences per length>``, ``init_std``, ``scale_embeddings``.
 
 Their model is an encoder that emits all output tokens at once from empty queries; copejax's
 is a causal decoder reading ``input <sep> output`` with teacher forcing (see the suite
@@ -53,6 +53,8 @@ SHORTCUTS = {
     "test_max": "task.options.test_max_length",
     "test_step": "task.options.test_length_step",
     "per_length": "task.options.samples_per_length",
+    "init_std": "model.init_std",
+    "scale_embeddings": "model.scale_embeddings",
 }
 
 

@@ -71,6 +71,16 @@ Published numbers: the paper's results table is not retrievable offline (only it
 and introduction are), so no published column is shown."""
 
 
+INIT_PROBE_NOTE = """## Why the peer is ahead: an initialisation probe
+
+Where x-transformers and copejax disagree, the first difference between them is where they
+start: copejax draws every weight from N(0, 0.02²) (and, here, multiplies the token
+embeddings by sqrt(D)); x-transformers keeps torch's defaults (Linear: uniform with std
+1 / sqrt(3 fan_in), 0.072 at D = 64; token embeddings Kaiming normal, std 0.18). The probe
+trains the arms below again with `init_std=0.072,scale_embeddings=False`, the same seeds and
+batches; everything else unchanged. If the gap closes, the disagreement is the
+initialisation, not the position scheme or a bug."""
+
 PEER_NOTE = """x-transformers 2.31.10 (torch 2.13.0, CPU) trained by
 `experiments/length_generalization_peer.py` on the batches copejax's trainer feeds, in the
 same order, with the same model sizes, AdamW settings, schedule, clipping, steps and seeds;
@@ -84,8 +94,19 @@ steps, on a shared machine; torch ran with {threads}, and as many peer runs at a
 copejax runs (the header says how those were trained)."""
 
 
+# The initialisation probe (``--init-probe``): copejax arms started at x-transformers' scales
+# instead of copejax's: torch's default Linear init (uniform, std 1 / sqrt(3 fan_in) = 0.072
+# at fan_in = D = 64) for every weight, and no sqrt(D) on the token embeddings.
+INIT_PROBE = ",init_std=0.072,scale_embeddings=False"
+INIT_PROBE_ARMS = ("nope", "alibi", "fox")
+
+
 def label(task: str, arm: str) -> str:
     return f"{task}, {arm}"
+
+
+def probe_label(task: str, arm: str) -> str:
+    return f"{task}, {arm}, torch-scale init"
 
 
 def step_ms(records: Sequence[Mapping[str, float]]) -> float:
@@ -277,6 +298,36 @@ def peer_section(
     return sweep.markdown_table(header, rows)
 
 
+def init_probe_section(
+    result: sweep.Sweep,
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    tasks: Sequence[str],
+) -> str:
+    """Per probed arm and task: accuracy on the training and the test lengths with copejax's
+    initialisation, with the torch-scale one, and x-transformers' (mean ± std over seeds)."""
+    rows = []
+    for task in tasks:
+        for arm in INIT_PROBE_ARMS:
+            if probe_label(task, arm) not in result.records:
+                continue
+            cells = []
+            for split in ("test", "long"):
+                for key in (label(task, arm), probe_label(task, arm)):
+                    cells.append(
+                        sweep.percent(sweep.mean_std(result.final(key, f"{split}/accuracy")))
+                    )
+                runs = peer.get(arm, {}).get(task, [])
+                values = [r[f"{split}/accuracy"] for r in runs]
+                cells.append(sweep.percent(sweep.mean_std(values)) if values else "-")
+            rows.append([f"`{arm}`", task, *cells])
+    header = ["arm", "task"] + [
+        f"{where}: {who}"
+        for where in ("training lengths %", "test lengths %")
+        for who in ("copejax init", "torch-scale init", "x-transformers")
+    ]
+    return sweep.markdown_table(header, rows)
+
+
 def peer_per_seed(
     peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], tasks: Sequence[str]
 ) -> str:
@@ -302,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     extra.add_argument("--peer", action="store_true", help="also run x-transformers")
     extra.add_argument("--peer-threads", type=int, default=0, help="torch threads (0: default)")
     extra.add_argument("--tasks", default="", help="comma-separated subset of the scale's tasks")
+    extra.add_argument(
+        "--init-probe", action="store_true", help="also train INIT_PROBE_ARMS at torch's scales"
+    )
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
     tasks = select_tasks(args.scale, own.tasks)
@@ -314,6 +368,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
         for task in tasks
         for arm in ARMS
     ]
+    if own.init_probe:
+        arms += [
+            sweep.Arm(
+                probe_label(task, arm),
+                CONFIG,
+                f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}{INIT_PROBE}",
+            )
+            for task in tasks
+            for arm in INIT_PROBE_ARMS
+        ]
     result = sweep.run_sweep(
         STUDY,
         args.scale,
@@ -403,12 +467,38 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if peer
             else "",
             "",
+            INIT_PROBE_NOTE + "\n\n" + init_probe_section(result, peer, tasks)
+            if own.init_probe
+            else "",
+            "",
             sweep.commands_block(STUDY, args.scale, result),
         ]
     )
     return sweep.write_outputs(
-        args.out, STUDY, args.scale, page, result, results=summary, peer=peer_json(peer)
+        args.out,
+        STUDY,
+        args.scale,
+        page,
+        result,
+        results=summary,
+        peer=peer_json(peer),
+        init_probe=probe_json(result, tasks) if own.init_probe else {},
     )
+
+
+def probe_json(result: sweep.Sweep, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """arm -> task -> {split: spread of accuracy} of the initialisation probe's runs."""
+    out: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        for arm in INIT_PROBE_ARMS:
+            key = probe_label(task, arm)
+            if key in result.records:
+                out.setdefault(arm, {})[task] = {
+                    split: sweep.spread(*sweep.mean_std(v), v)
+                    for split in SPLITS
+                    for v in [result.final(key, f"{split}/accuracy")]
+                }
+    return out
 
 
 def peer_json(

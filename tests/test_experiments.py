@@ -320,6 +320,45 @@ def test_length_generalization_peer_side_by_side() -> None:
     assert "n/a, one seed (gap 5.0)" in one
 
 
+def test_length_generalization_init_probe_section_and_json() -> None:
+    """The probe table: copejax's init, the torch-scale init and the peer side by side per
+    split; the probe's config carries the options it names."""
+    lg = length_generalization
+    from copejax.config_base import load_config
+
+    def run(test: float, long: float) -> list[dict[str, float]]:
+        return [{"step": 9, "eval/test/accuracy": test, "eval/long/accuracy": long}]
+
+    result = sweep.Sweep(
+        study=lg.STUDY,
+        scale="smoke",
+        seeds=[0, 1],
+        records={
+            lg.label("parity_check", "nope"): [run(0.7, 0.5), run(0.9, 0.5)],
+            lg.probe_label("parity_check", "nope"): [run(1.0, 0.6), run(1.0, 0.8)],
+        },
+        commands=[],
+        wall_time_s=1.0,
+        workdirs={},
+    )
+    peer = {"nope": {"parity_check": [{"test/accuracy": 0.95, "long/accuracy": 0.65}] * 2}}
+    table = lg.init_probe_section(result, peer, ["parity_check"])
+    assert (
+        "| `nope` | parity_check | 80.0 ± 10.0 | 100.0 ± 0.0 | 95.0 ± 0.0 "
+        "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 |" in table
+    )
+    assert "`alibi`" not in table  # probe arms that did not run are left out
+    cell = lg.probe_json(result, ["parity_check"])["nope"]["parity_check"]
+    assert cell["long"]["per_seed"] == [0.6, 0.8] and cell["test"]["mean"] == 1.0
+    config = load_config(
+        sweep.ROOT / lg.CONFIG,
+        f"parity_check,smoke,position=nope{lg.INIT_PROBE}",
+    )
+    assert config.model.init_std == 0.072 and config.model.scale_embeddings is False
+    default = load_config(sweep.ROOT / lg.CONFIG, "parity_check,smoke,position=nope")
+    assert default.model.scale_embeddings is True
+
+
 def test_length_generalization_tasks_subset() -> None:
     lg = length_generalization
     assert lg.select_tasks("cpu", "") == lg.SCALE_TASKS["cpu"]

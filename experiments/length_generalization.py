@@ -43,7 +43,7 @@ ARMS = ("nope", "sinusoidal", "rope", "alibi", "learned", "cope", "fox", "random
 ARM_OPTIONS = {"randomized": ",sample_at_eval=True"}
 SCALE_TASKS = {"smoke": ("reverse_string",), "cpu": TASKS, "paper": TASKS}
 ARGS = {"smoke": "smoke,steps=10", "cpu": "cpu", "paper": "paper"}
-SEEDS = {"smoke": 1, "cpu": 3, "paper": 3}
+SEEDS = {"smoke": 1, "cpu": 5, "paper": 5}  # 5 seeds per arm (issue 19)
 SPLITS = {"long": "test lengths (41 and up)", "test": "training lengths (1 to 40)"}
 NOTES = {
     "smoke": "Smoke scale: 10 steps of a tiny model on inputs of 1 to 8 symbols, tested at 9, "

@@ -20,7 +20,8 @@ in a side venv it creates) on the same batches with the same sizes, schedule, st
 for the arms both have, and puts its accuracy and step time beside copejax's. Without it the
 page says that the peer was not run. ``--tasks`` runs a subset of the scale's tasks (the page
 then shows only those); ``--jobs`` runs that many copejax runs, and then that many peer runs,
-at a time.
+at a time. ``--init-probe`` also trains ``INIT_PROBE_ARMS`` at x-transformers' initial scales
+(``INIT_PROBE``) and tables them beside copejax's initialisation and the peer's.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import argparse
 import concurrent.futures
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +118,18 @@ def step_ms(records: Sequence[Mapping[str, float]]) -> float:
     return 1000.0 / statistics.median(speeds) if speeds else float("nan")
 
 
-def summarize(result: sweep.Sweep, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """arm -> task -> {split: spread of accuracy, "step_ms": spread}."""
+def summarize(
+    result: sweep.Sweep,
+    tasks: Sequence[str],
+    arms: Sequence[str] = ARMS,
+    label_of: Callable[[str, str], str] = label,
+) -> dict[str, dict[str, Any]]:
+    """arm -> task -> {split: spread of accuracy, "step_ms": spread} of the runs labelled
+    ``label_of(task, arm)`` (the study's arms, or the init probe's with ``probe_label``)."""
     out: dict[str, dict[str, Any]] = {}
-    for arm in ARMS:
+    for arm in arms:
         for task in tasks:
-            key = label(task, arm)
+            key = label_of(task, arm)
             if key not in result.records:
                 continue
             cell: dict[str, Any] = {}
@@ -306,17 +312,16 @@ def init_probe_section(
 ) -> str:
     """Per probed arm and task: accuracy on the training and the test lengths with copejax's
     initialisation, with the torch-scale one, and x-transformers' (mean ± std over seeds)."""
+    mine = summarize(result, tasks, INIT_PROBE_ARMS)
+    probe = summarize(result, tasks, INIT_PROBE_ARMS, probe_label)
     rows = []
     for task in tasks:
         for arm in INIT_PROBE_ARMS:
-            if probe_label(task, arm) not in result.records:
+            if task not in probe.get(arm, {}):
                 continue
             cells = []
             for split in ("test", "long"):
-                for key in (label(task, arm), probe_label(task, arm)):
-                    cells.append(
-                        sweep.percent(sweep.mean_std(result.final(key, f"{split}/accuracy")))
-                    )
+                cells += [_cell(mine[arm][task][split]), _cell(probe[arm][task][split])]
                 runs = peer.get(arm, {}).get(task, [])
                 values = [r[f"{split}/accuracy"] for r in runs]
                 cells.append(sweep.percent(sweep.mean_std(values)) if values else "-")
@@ -360,24 +365,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
     tasks = select_tasks(args.scale, own.tasks)
-    arms = [
-        sweep.Arm(
-            label(task, arm),
-            CONFIG,
-            f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}",
-        )
-        for task in tasks
-        for arm in ARMS
-    ]
+
+    def arm_arg(task: str, arm: str) -> str:
+        return f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}"
+
+    arms = [sweep.Arm(label(t, a), CONFIG, arm_arg(t, a)) for t in tasks for a in ARMS]
     if own.init_probe:
         arms += [
-            sweep.Arm(
-                probe_label(task, arm),
-                CONFIG,
-                f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}{INIT_PROBE}",
-            )
-            for task in tasks
-            for arm in INIT_PROBE_ARMS
+            sweep.Arm(probe_label(t, a), CONFIG, arm_arg(t, a) + INIT_PROBE)
+            for t in tasks
+            for a in INIT_PROBE_ARMS
         ]
     result = sweep.run_sweep(
         STUDY,
@@ -483,23 +480,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         result,
         results=summary,
         peer=peer_json(peer),
-        init_probe=probe_json(result, tasks) if own.init_probe else {},
+        init_probe=summarize(result, tasks, INIT_PROBE_ARMS, probe_label) if own.init_probe else {},
     )
-
-
-def probe_json(result: sweep.Sweep, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """arm -> task -> {split: spread of accuracy} of the initialisation probe's runs."""
-    out: dict[str, dict[str, Any]] = {}
-    for task in tasks:
-        for arm in INIT_PROBE_ARMS:
-            key = probe_label(task, arm)
-            if key in result.records:
-                out.setdefault(arm, {})[task] = {
-                    split: sweep.spread(*sweep.mean_std(v), v)
-                    for split in SPLITS
-                    for v in [result.final(key, f"{split}/accuracy")]
-                }
-    return out
 
 
 def peer_json(

@@ -348,7 +348,8 @@ def test_length_generalization_init_probe_section_and_json() -> None:
         "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 |" in table
     )
     assert "`alibi`" not in table  # probe arms that did not run are left out
-    cell = lg.probe_json(result, ["parity_check"])["nope"]["parity_check"]
+    probe = lg.summarize(result, ["parity_check"], lg.INIT_PROBE_ARMS, lg.probe_label)
+    cell = probe["nope"]["parity_check"]
     assert cell["long"]["per_seed"] == [0.6, 0.8] and cell["test"]["mean"] == 1.0
     config = load_config(
         sweep.ROOT / lg.CONFIG,

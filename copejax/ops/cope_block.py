@@ -7,7 +7,8 @@ sum of the gates plus the carried count of the newer blocks' gates (eq. 4), capp
 p_max - 1. ``z_i[p] = q_i . e[p]`` (eq. 7) is computed once per query block. Once every query of
 the block has counted p_max - 1 gates, all older keys sit at the cap: their position term is the
 constant ``z_i[p_max - 1]`` and the gates, sums and interpolation of the block are skipped
-(``lax.cond``; exact, since the capped positions carry no gradient either).
+(the term's ``settled`` test, which the engine's forward and flash backward branch on; exact,
+since the capped positions carry no gradient either).
 """
 
 from __future__ import annotations
@@ -106,8 +107,15 @@ def cope_block_term(
     cap = p_max - 1.0
     k_arrays = {} if gate_k_BSNH is None else {"gate_k": gate_k_BSNH}
 
+    def scaled(term: jax.Array, q_BQNH: jax.Array) -> jax.Array:
+        return term / math.sqrt(q_BQNH.shape[-1]) if scale_position_term else term
+
     def prepare(params: Any, q_BQNH: jax.Array, q_arrays: dict) -> dict[str, jax.Array]:
-        return pre_fn(params, q_BQNH)  # z = q . e once per query block
+        """z = q . e once per query block, and the term at the cap (a settled pair's)."""
+        pre = pre_fn(params, q_BQNH)
+        batch, size, heads = q_BQNH.shape[:3]
+        p_BNQ1 = jnp.full((batch, heads, size, 1), cap, jnp.float32)
+        return {**pre, "capped_BNQ": scaled(term_fn(params, pre, p_BNQ1), q_BQNH)[..., 0]}
 
     def init(batch: int, heads: int, size: int) -> jax.Array:
         return jnp.zeros((batch, heads, size), jnp.float32)
@@ -136,29 +144,22 @@ def cope_block_term(
     def bias(
         params: Any, pair: PairBlock, pre: dict, count_BNQ: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
-        logits_BNQK = pair.logits_BNQK
+        gates_BNQK = gates_of(pair)
+        within_BNQK = cumsum(gates_BNQK, axis=-1, reverse=True, impl=scan_impl)
+        p_BNQK = jnp.minimum(within_BNQK + count_BNQ[..., None], cap)
+        term_BNQK = scaled(term_fn(params, pre, p_BNQK), pair.q_BQNH)
+        return term_BNQK, count_BNQ + jnp.sum(gates_BNQK, axis=-1)
 
-        def counted(count_BNQ: jax.Array) -> tuple[jax.Array, jax.Array]:
-            gates_BNQK = gates_of(pair)
-            within_BNQK = cumsum(gates_BNQK, axis=-1, reverse=True, impl=scan_impl)
-            p_BNQK = jnp.minimum(within_BNQK + count_BNQ[..., None], cap)
-            return term_fn(params, pre, p_BNQK), count_BNQ + jnp.sum(gates_BNQK, axis=-1)
-
-        def saturated(count_BNQ: jax.Array) -> tuple[jax.Array, jax.Array]:
-            p_BNQ1 = jnp.full((*count_BNQ.shape, 1), cap, jnp.float32)
-            term_BNQ1 = term_fn(params, pre, p_BNQ1)
-            return jnp.broadcast_to(term_BNQ1, logits_BNQK.shape), count_BNQ
-
-        if skip_saturated:
-            term_BNQK, count_BNQ = jax.lax.cond(
-                jnp.all(count_BNQ >= cap), saturated, counted, count_BNQ
-            )
-        else:
-            term_BNQK, count_BNQ = counted(count_BNQ)
-        if scale_position_term:
-            term_BNQK = term_BNQK / math.sqrt(pair.q_BQNH.shape[-1])
-        return term_BNQK, count_BNQ
+    def settled(params: Any, pre: dict, count_BNQ: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Every query has counted p_max - 1 gates: every older key sits at the cap."""
+        return jnp.all(count_BNQ >= cap), pre["capped_BNQ"]
 
     return BlockTerm(
-        bias, params=params, k_arrays=k_arrays, prepare=prepare, init=init, advance=advance
+        bias,
+        params=params,
+        k_arrays=k_arrays,
+        prepare=prepare,
+        init=init,
+        advance=advance,
+        settled=settled if skip_saturated else None,
     )

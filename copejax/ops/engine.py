@@ -46,6 +46,13 @@ Backward passes (``backward``):
   with ``dc`` of the oldest block's leaving carry 0; blocks after the query block pass ``dc``
   through. The replay needs the key blocks in order, so a window's band walk (and a ring
   buffer's unordered keys) keeps remat for a carry.
+  A *settled* pair (``BlockTerm.settled``: CoPE once every query of the block has counted
+  ``p_max - 1`` gates) has ``f_j(c) = l_j + b(c)`` with a per-query constant ``b`` and
+  ``a_j(c) = c``, so its vjp is the content logits' plus ``db_i = sum_j dS_ij``; a
+  ``lax.cond`` per pair, outside ``jax.vjp``, picks it (a cond inside the differentiated
+  function would make the settled branch zero-fill the full term's residuals). At
+  T = 1024, B x N = 8 on a 2-core CPU this took CoPE's engine from 1.98x to 1.71x the
+  term-free walk's forward+backward time (11 interleaved rounds).
 - ``"remat"``: JAX differentiates the walk, each pair's body rematerialised
   (``jax.checkpoint``) and, above ``REMAT_WALKS_ABOVE`` blocks, whole query-block walks too, so
   the backward keeps carries only. ``"auto"`` takes it only for a carry or stick-breaking in

@@ -85,6 +85,14 @@ class BlockTerm:
         None: ``bias(...)[1]``.
       position_only: the bias reads positions and params only, never q, k or per-token arrays
         (ALiBi, T5, Kerple, FIRE): a fused kernel may take it as a precomputed bias.
+      settled: (params, prepared, carry) -> (whether, bias_BNQ): whether, given the carry
+        entering a pair, the term is one value per query over the whole pair and leaves the
+        carry unchanged (CoPE once every query has counted p_max - 1 gates: every older key
+        sits at the cap), a boolean scalar, and that value (B, N, Q) float32. The engine then
+        adds the value as a row constant instead of calling ``bias``, and the flash backward
+        differentiates only that (its ``lax.cond`` per pair sits outside the differentiated
+        function, so the full term's intermediates are neither computed nor zero-filled).
+        None: never settled.
     """
 
     bias: BiasFn
@@ -95,6 +103,7 @@ class BlockTerm:
     init: Callable[[int, int, int], Pytree] | None = None
     advance: Callable[[Pytree, PairBlock, Pytree, Pytree], Pytree] | None = None
     position_only: bool = False
+    settled: Callable[[Pytree, Pytree, Pytree], tuple[jax.Array, jax.Array]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,30 @@ from copejax.ops.engine_blocks import BlockTerm, Normalizer, PairBlock, Pytree, 
 
 # ----------------------------------------------------------------------------- scores
 
+SCORE_MODES = ("auto", "full", "settled")
+
+
+def _term_bias(
+    term: BlockTerm, params: Pytree, pair: PairBlock, prepared: Pytree, carry: Pytree, *, mode: str
+) -> tuple[jax.Array, Pytree]:
+    """One term's bias for the pair and its carry after it (see :meth:`Layout.scores`)."""
+    if term.settled is None or mode == "full":
+        return term.bias(params, pair, prepared, carry)
+
+    def constant(carry: Pytree) -> tuple[jax.Array, Pytree]:
+        row_BNQ = term.settled(params, prepared, carry)[1].astype(jnp.float32)
+        shape = (*row_BNQ.shape, pair.k_BKNH.shape[1])
+        return jnp.broadcast_to(row_BNQ[..., None], shape), carry
+
+    if mode == "settled":
+        return constant(carry)
+
+    def full(carry: Pytree) -> tuple[jax.Array, Pytree]:
+        bias_BNQK, new_carry = term.bias(params, pair, prepared, carry)
+        return bias_BNQK.astype(jnp.float32), new_carry
+
+    return jax.lax.cond(term.settled(params, prepared, carry)[0], constant, full, carry)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -110,8 +134,17 @@ class Layout:
         offset: jax.Array,
         qi: jax.Array,
         kj: jax.Array,
+        mode: str = "auto",
     ) -> tuple[jax.Array, list[Pytree]]:
-        """The pair's scores (content logits plus every term), float32, and the new carries."""
+        """The pair's scores (content logits plus every term), float32, and the new carries.
+
+        ``mode`` says how a term with ``settled`` (:class:`BlockTerm`) is computed: "auto"
+        chooses by its carry (``lax.cond``: for walks that are not differentiated), "full"
+        always calls its ``bias``, "settled" always takes its row constant (the caller has
+        checked :meth:`settled`).
+        """
+        if mode not in SCORE_MODES:
+            raise ValueError(f"engine: score mode must be one of {SCORE_MODES}, got {mode!r}")
         logits_BNQK = content_logits_BNQK(qf["q"], kf["k"])
         scores_BNQK = logits_BNQK
         new_carries = []
@@ -133,12 +166,24 @@ class Layout:
             ),
             strict=True,
         ):
-            bias_BNQK, carry = term.bias(p, pair, prep, old_carry)
+            bias_BNQK, carry = _term_bias(term, p, pair, prep, old_carry, mode=mode)
             scores_BNQK = scores_BNQK + jnp.where(
                 allowed_BQK[:, None], bias_BNQK.astype(jnp.float32), 0.0
             )
             new_carries.append(carry)
         return scores_BNQK, new_carries
+
+    def settled(
+        self, params: Sequence[Pytree], prepared: Sequence[Pytree], carries: Sequence[Pytree]
+    ) -> jax.Array | None:
+        """Whether every term with a ``settled`` test is settled for the pair these carries
+        enter (a boolean scalar), or None when no term has one."""
+        flags = [
+            term.settled(p, prep, carry)[0]
+            for term, p, prep, carry in zip(self.terms, params, prepared, carries, strict=True)
+            if term.settled is not None
+        ]
+        return jnp.all(jnp.stack(flags)) if flags else None
 
     def advance(
         self,

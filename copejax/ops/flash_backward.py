@@ -159,32 +159,45 @@ def flash_backward(
             the carries entering it and the cotangent of those leaving it."""
             allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
 
-            def score_fn(
-                p: list, q_side: dict, k_side: dict, prep: list, carries: list
-            ) -> tuple[jax.Array, list]:
-                return layout.scores(
-                    p,
-                    prep,
-                    carries,
-                    qf=q_side,
-                    qn=qn_i,
-                    kf=k_side,
-                    kn=kn_j,
-                    allowed_BQK=allowed_BQK,
-                    offset=offset,
-                    qi=qi,
-                    kj=kj,
-                )
+            def grads_as(mode: str) -> tuple:
+                def score_fn(
+                    p: list, q_side: dict, k_side: dict, prep: list, carries: list
+                ) -> tuple[jax.Array, list]:
+                    return layout.scores(
+                        p,
+                        prep,
+                        carries,
+                        qf=q_side,
+                        qn=qn_i,
+                        kf=k_side,
+                        kn=kn_j,
+                        allowed_BQK=allowed_BQK,
+                        offset=offset,
+                        qi=qi,
+                        kj=kj,
+                        mode=mode,
+                    )
 
-            (scores_BNQK, _), score_vjp = jax.vjp(score_fn, params, qf_i, kf_j, prepared, carries_j)
-            p_BNQK = jnp.where(allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0)
-            d_v_j = jnp.einsum(
-                "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
-            ).astype(v_j.dtype)
-            d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
-            d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
-            dp, dq, dk, dprep, d_entering = score_vjp((d_s_BNQK, d_leaving))
-            return dp, dq, dk, dprep, d_v_j, d_entering
+                primals = (params, qf_i, kf_j, prepared, carries_j)
+                (scores_BNQK, _), score_vjp = jax.vjp(score_fn, *primals)
+                p_BNQK = jnp.where(
+                    allowed_BQK[:, None], jnp.exp(scores_BNQK - lse_i[..., None]), 0.0
+                )
+                d_v_j = jnp.einsum(
+                    "BNQK,BQNW->BKNW", p_BNQK, d_out_i, preferred_element_type=jnp.float32
+                ).astype(v_j.dtype)
+                d_p_BNQK = jnp.einsum("BQNW,BKNW->BNQK", d_out_i, v_j.astype(jnp.float32))
+                d_s_BNQK = p_BNQK * (d_p_BNQK - delta_i[..., None])
+                dp, dq, dk, dprep, d_entering = score_vjp((d_s_BNQK, d_leaving))
+                return dp, dq, dk, dprep, d_v_j, d_entering
+
+            # A settled pair (every carried term one value per query) differentiates only
+            # the row constants; the choice is made here, outside jax.vjp, so that neither
+            # branch computes or zero-fills the other's intermediates.
+            settled = layout.settled(params, prepared, carries_j)
+            if settled is None:
+                return grads_as("full")
+            return jax.lax.cond(settled, lambda: grads_as("settled"), lambda: grads_as("full"))
 
         return grads
 

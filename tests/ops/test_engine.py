@@ -208,3 +208,50 @@ def test_auto_backward_is_flash_wherever_it_applies_and_remat_for_carries() -> N
     counted = dataclasses.replace(term, advance=lambda p, pair, prep, carry: carry + 1.0)
     assert jaxpr(backward="auto", terms=[counted]) == jaxpr(backward="flash", terms=[counted])
     assert jaxpr(backward="flash", terms=[counted]) != jaxpr(backward="remat", terms=[counted])
+
+
+@pytest.mark.parametrize("backward", ["flash", "remat"])
+@pytest.mark.parametrize("position_term", ["interpolate", "mlp"])
+def test_settled_cope_pairs_give_the_values_and_gradients_of_counting_them(
+    backward: str, position_term: str
+) -> None:
+    """CoPE's key blocks whose every query has counted p_max - 1 gates take the term's row
+    constant (BlockTerm.settled) in the forward and in the flash backward; values and
+    gradients equal those of counting every block (skip_saturated=False). p_max = 3 with blocks
+    of 4 over 24 keys: the NumPy count below shows that settled pairs occur."""
+    from copejax.ops.cope_block import cope_block_term
+
+    inputs = _engine_inputs(length=24)
+    rng = np.random.default_rng(1)
+    pos_emb = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    mlp = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((5,), (5,), (5, 4)))
+    params = {"pos_emb": pos_emb} if position_term == "interpolate" else {"mlp_params": mlp}
+
+    q, k = (np.asarray(inputs[n], np.float64) for n in ("q_BTNH", "k_BSNH"))
+    gates = 1.0 / (1.0 + np.exp(-np.einsum("bqnh,bknh->bnqk", q, k) / 2.0))
+    gates = gates * np.tril(np.ones((24, 24)))
+    newer = np.cumsum(gates[..., ::-1], axis=-1)[..., ::-1]  # sum_{k >= j} g_ik
+    entering = [newer[..., 4 * (b + 1)] for b in range(5)]  # count before key block b
+    settled_pairs = sum(
+        bool(np.all(entering[b][..., 4 * qb : 4 * qb + 4] >= 2.0))
+        for qb in range(6)
+        for b in range(qb - 1)
+    )
+    assert settled_pairs >= 5
+
+    def loss(q_BTNH, k_BSNH, v_BSNW, params, skip: bool):
+        term = cope_block_term(p_max=3, position_term=position_term, skip_saturated=skip, **params)
+        y, _ = engine.blockwise_attention(
+            **{**inputs, "q_BTNH": q_BTNH, "k_BSNH": k_BSNH, "v_BSNW": v_BSNW},
+            terms=[term],
+            block=4,
+            backward=backward,
+        )
+        return jnp.sum(y * jnp.sin(jnp.arange(y.size).reshape(y.shape))), y
+
+    args = (inputs["q_BTNH"], inputs["k_BSNH"], inputs["v_BSNW"], params)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    (g_skip, y_skip), (g_all, y_all) = grad(*args, True), grad(*args, False)
+    np.testing.assert_allclose(y_skip, y_all, rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_skip), jax.tree.leaves(g_all), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

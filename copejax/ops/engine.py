@@ -93,6 +93,7 @@ from copejax.ops.engine_blocks import (
     softmax_finish,
     softmax_init,
     softmax_update,
+    stick_spent,
     stickbreaking_init,
     stickbreaking_update,
     to_blocks,
@@ -157,18 +158,18 @@ def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
 
         def body(state: tuple, k_in: tuple) -> tuple[tuple, None]:
             kj, (kf_j, kn_j, v_j) = k_in
-            state = jax.lax.cond(
-                layout.live(offset, qi, kj),
-                lambda s: step(s, kj, kf_j, kn_j, v_j),
-                lambda s: s,
-                state,
-            )
+            walk = layout.live(offset, qi, kj)
+            if sticks:  # older blocks of a used-up stick weigh exactly 0 (STICK_SPENT)
+                walk = walk & ~stick_spent(state[0]["remainder_BNQ"])
+            state = jax.lax.cond(walk, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state)
             return state, None
 
         def band_body(state: tuple, k_in: tuple) -> tuple[tuple, None]:
             kj, live = k_in
             kj = jnp.clip(kj, 0, layout.count_k - 1)
             kf_j, kn_j, v_j = layout.gather((kf, kn, v_GBKNW), kj)
+            if sticks:  # the plan walks newest first too
+                live = live & ~stick_spent(state[0]["remainder_BNQ"])
             state = jax.lax.cond(live, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state)
             return state, None
 
@@ -264,7 +265,9 @@ def blockwise_attention(
     Returns:
       (y_BTNW in ``v_BSNW``'s dtype, stat_BNT): with the remat backward, the per-query
       log-sum-exp (softmax; the sink included) or the log of the stick remainder,
-      log prod_k (1 - beta_ik) (stick-breaking), float32; None with the flash backward.
+      log prod_k (1 - beta_ik) (stick-breaking; once every query of a block is below
+      ``-STICK_SPENT`` the older blocks are skipped and it stays at its value there, whose
+      exp is 0 in float32 either way), float32; None with the flash backward.
     """
     if backward not in BACKWARDS:
         raise ValueError(f"engine: backward must be one of {BACKWARDS}, got {backward!r}")

@@ -217,6 +217,18 @@ def softmax_finish(state: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
 # ----------------------------------------------------------------------------- stick-breaking
 
 
+# A stick whose log remainder -r is below -STICK_SPENT is used up in float32: every older
+# weight A_ij <= exp(-r) underflows to exactly 0 (2^-149, the smallest subnormal, is
+# e^-103.3). The engine skips the older key blocks of a query block once every query's
+# remainder r passes it; their weights and gradients are exactly 0 on either path.
+STICK_SPENT = 110.0
+
+
+def stick_spent(remainder_BNQ: jax.Array) -> jax.Array:
+    """Whether every query of the block has used up its stick (a boolean scalar)."""
+    return jnp.all(remainder_BNQ >= STICK_SPENT)
+
+
 def stickbreaking_init(batch: int, heads: int, size: int, width: int) -> dict[str, jax.Array]:
     return {
         "acc_BQNW": jnp.zeros((batch, size, heads, width), jnp.float32),

@@ -16,6 +16,9 @@ exactly as the forward computes it) and ``u_i`` (the ``G`` total of the newer bl
 
     sum_{k < j} G_ik = D_i - u_i - sum_{k >= j in the block} G_ik.
 
+Once every query of the block has used up its stick (log remainder below ``-STICK_SPENT``,
+:mod:`copejax.ops.engine_blocks`), the older key blocks are skipped, as in the forward: their
+weights underflow to exactly 0 in float32, so their ``G``, ``dv`` and ``dz`` are 0.
 No walk is rematerialised and nothing (T, S)-sized is kept; ``dz`` is pulled back through the
 pair's score function (content logits and the terms') with ``jax.vjp``, as in
 :mod:`copejax.ops.flash_backward`. Shape letters as in :mod:`copejax.ops.engine`.
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops import scan
-from copejax.ops.engine_blocks import stick_weights
+from copejax.ops.engine_blocks import stick_spent, stick_weights
 from copejax.ops.engine_layout import Layout
 from copejax.ops.flash_backward import add_trees, zeros_like_tree
 
@@ -95,11 +98,12 @@ def stick_flash_backward(
             def dead(state: tuple) -> tuple:
                 return state, (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j))
 
+            # The forward skipped the blocks older than a used-up stick: their weights, and
+            # so G and dv, are exactly 0, and so is sum_{k < j} G_ik (not computed as the
+            # difference D_i - u_i - ..., which would leave rounding noise in dz).
+            walk = layout.live(offset, qi, kj) & ~stick_spent(state[0])
             state, (dp, dq, dk, dprep, dv) = jax.lax.cond(
-                layout.live(offset, qi, kj),
-                lambda s: pair(s, kj, kf_j, kn_j, v_j),
-                dead,
-                state,
+                walk, lambda s: pair(s, kj, kf_j, kn_j, v_j), dead, state
             )
             inner = (
                 state,

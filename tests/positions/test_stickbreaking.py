@@ -282,3 +282,56 @@ def test_bfloat16_close_to_float32(include_self: bool) -> None:
 def test_bad_options_raise(options: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         tiny_config("stickbreaking", position_options=options)
+
+
+@pytest.mark.parametrize("backward", ["flash", "remat"])
+@pytest.mark.parametrize("include_self", [False, True])
+def test_used_up_sticks_skip_older_blocks_with_the_same_values_and_gradients(
+    include_self: bool, backward: str
+) -> None:
+    """Large logits use every query's stick up within a few keys (log remainder below
+    -STICK_SPENT), and the engine then skips the older key blocks: its output equals the NumPy
+    reference of the weights, and its gradients those of the naive (B, N, T, S) weights."""
+    rng = np.random.default_rng(5)
+    length, block = 32, 4
+    q, k, v = (
+        jnp.asarray(rng.normal(size=(1, length, 2, 4)) + m, jnp.float32) for m in (3.0, 3.0, 0.0)
+    )
+    seg = jnp.zeros((1, length), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length), (1, length))
+    z_BNTS = np.einsum("BTNH,BSNH->BNTS", np.asarray(q, np.float64), np.asarray(k)) / 2.0
+    allowed = np.tril(np.ones((length, length)), 0 if include_self else -1).astype(bool)
+    softplus = np.where(allowed, np.logaddexp(0.0, z_BNTS), 0.0)
+    newer = np.cumsum(softplus[..., ::-1], axis=-1)[..., ::-1]  # sum_{k >= j} sp_ik
+    skipped = sum(
+        bool(np.all(newer[..., qb * block : (qb + 1) * block, (kb + 1) * block] >= 110.0))
+        for qb in range(length // block)
+        for kb in range(qb - 1)
+    )
+    assert skipped >= 10
+
+    normalizer = engine_blocks.Normalizer("stickbreaking", include_self=include_self)
+
+    def blockwise(q, k, v):
+        return engine.blockwise_attention(
+            q, k, v, q_positions_BT=positions, k_positions_BS=positions,
+            q_segment_ids_BT=seg, k_segment_ids_BS=seg, normalizer=normalizer,
+            block=block, backward=backward,
+        )[0]  # fmt: skip
+
+    def naive(q, k, v):
+        z = jnp.einsum("BTNH,BSNH->BNTS", q, k) / 2.0
+        allowed_BTS = stickbreaking_allowed_BTS(causal_mask_BTS(seg, seg), include_self)
+        weights_BNTS, _ = stickbreaking_weights(z, allowed_BTS)
+        return jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS, v)
+
+    weights, _ = _ref_weights(z_BNTS, np.zeros((1, length), int), include_self)
+    expected = np.einsum("BNTS,BSNH->BTNH", weights, np.asarray(v, np.float64))
+    np.testing.assert_allclose(blockwise(q, k, v), expected, rtol=1e-5, atol=1e-5)
+    cot = jnp.asarray(rng.normal(size=(1, length, 2, 4)), jnp.float32)
+    grads = [
+        jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v)
+        for f in (blockwise, naive)
+    ]
+    for got, want in zip(*grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

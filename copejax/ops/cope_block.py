@@ -141,6 +141,10 @@ def cope_block_term(
             return counted(count_BNQ)
         return jax.lax.cond(jnp.all(count_BNQ >= cap), lambda c: c, counted, count_BNQ)
 
+    def retreat(params: Any, pair: PairBlock, pre: dict, count_BNQ: jax.Array) -> jax.Array:
+        """The count entering a counted pair from the one leaving it (advance's inverse)."""
+        return count_BNQ - jnp.sum(gates_of(pair), axis=-1)
+
     def bias(
         params: Any, pair: PairBlock, pre: dict, count_BNQ: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
@@ -162,4 +166,5 @@ def cope_block_term(
         init=init,
         advance=advance,
         settled=settled if skip_saturated else None,
+        retreat=retreat,
     )

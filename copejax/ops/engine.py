@@ -44,7 +44,11 @@ Backward passes (``backward``):
       (dq, dk, d params, dc_j) += vjp of (f_j, a_j) at c_j, applied to (dS_j, dc_{j-1})
 
   with ``dc`` of the oldest block's leaving carry 0; blocks after the query block pass ``dc``
-  through. The replay needs the key blocks in order, so a window's band walk (and a ring
+  through. A term with ``retreat`` (``a_j``'s inverse; CoPE: ``c_j = c_{j-1} - sum_k g_jk``)
+  needs no replay pass: the forward keeps each query block's last carry and its newest
+  settled block (:class:`~copejax.ops.engine_blocks.Replay`, O(T)), and the oldest-first
+  walk rebuilds ``c_j`` from ``c_{j-1}`` as it goes (settled blocks leave it unchanged).
+  Either replay needs the key blocks in order, so a window's band walk (and a ring
   buffer's unordered keys) keeps remat for a carry.
   A *settled* pair (``BlockTerm.settled``: CoPE once every query of the block has counted
   ``p_max - 1`` gates) has ``f_j(c) = l_j + b(c)`` with a per-query constant ``b`` and
@@ -88,6 +92,7 @@ from copejax.ops.engine_blocks import (
     SOFTMAX,
     BlockTerm,
     Normalizer,
+    Replay,
     from_blocks,
     num_blocks,
     softmax_finish,
@@ -110,17 +115,19 @@ BACKWARDS = ("auto", "flash", "remat")
 # ----------------------------------------------------------------------------- remat walk
 
 
-def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
+def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array, Replay]:
     """Every query block walks its key blocks newest first; JAX differentiates the walk.
 
     ``data``: the blocked inputs, {"params", "qf", "qn", "kf", "kn", "v", "offset"} (see
     :func:`blockwise_attention`). Returns (outputs (G, B, Q, N, W) float32, per-query statistic
-    (G, B, N, Q): the log-sum-exp for softmax, the log stick remainder for stick-breaking).
+    (G, B, N, Q): the log-sum-exp for softmax, the log stick remainder for stick-breaking,
+    and per query block what the flash backward replays the carries from (:class:`Replay`)).
     """
     params, qf, qn, kf, kn = (data[key] for key in ("params", "qf", "qn", "kf", "kn"))
     v_GBKNW, offset = data["v"], data["offset"]
     batch, heads, width = v_GBKNW.shape[1], v_GBKNW.shape[3], v_GBKNW.shape[4]
     sticks = layout.normalizer.kind == "stickbreaking"
+    tracks_settled = any(t.settled is not None for t in layout.terms)
     k_index_rev = jnp.arange(layout.count_k)[::-1]
     k_rev = jax.tree.map(lambda x: x[::-1], (kf, kn, v_GBKNW))
 
@@ -135,7 +142,10 @@ def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
         ]
 
         def step(state: tuple, kj: jax.Array, kf_j: dict, kn_j: dict, v_j: jax.Array) -> tuple:
-            acc, carries = state
+            acc, carries, newest_settled = state
+            if tracks_settled:  # the flash backward's replay reads which blocks were settled
+                settled = layout.settled(params, prepared, carries)
+                newest_settled = jnp.where(settled, jnp.maximum(newest_settled, kj), newest_settled)
             allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
             scores_BNQK, carries = layout.scores(
                 params,
@@ -154,7 +164,7 @@ def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
                 acc = stickbreaking_update(acc, scores_BNQK, allowed_BQK, v_j, layout.scan_impl)
             else:
                 acc = softmax_update(acc, scores_BNQK, allowed_BQK, v_j)
-            return acc, carries
+            return acc, carries, newest_settled
 
         def body(state: tuple, k_in: tuple) -> tuple[tuple, None]:
             kj, (kf_j, kn_j, v_j) = k_in
@@ -173,16 +183,20 @@ def _remat_walk(layout: Layout, data: dict) -> tuple[jax.Array, jax.Array]:
             state = jax.lax.cond(live, lambda s: step(s, kj, kf_j, kn_j, v_j), lambda s: s, state)
             return state, None
 
-        init = (init_acc, init_carries)
+        init = (init_acc, init_carries, jnp.asarray(-1, jnp.int32))
         if layout.banded:
             band_body = jax.checkpoint(band_body, prevent_cse=False)
-            (acc, _), _ = jax.lax.scan(band_body, init, layout.walk_plan(offset, qi, kn))
+            (acc, carries, newest_settled), _ = jax.lax.scan(
+                band_body, init, layout.walk_plan(offset, qi, kn)
+            )
         else:
             body = jax.checkpoint(body, prevent_cse=False)
-            (acc, _), _ = jax.lax.scan(body, init, (k_index_rev, k_rev))
+            (acc, carries, newest_settled), _ = jax.lax.scan(body, init, (k_index_rev, k_rev))
         if sticks:
-            return acc["acc_BQNW"], -acc["remainder_BNQ"]
-        return softmax_finish(acc)
+            out, stat = acc["acc_BQNW"], -acc["remainder_BNQ"]
+        else:
+            out, stat = softmax_finish(acc)
+        return out, stat, Replay(carries, newest_settled)
 
     if layout.count_k > REMAT_WALKS_ABOVE:
         one_query_block = jax.checkpoint(one_query_block, prevent_cse=False)
@@ -199,14 +213,16 @@ def _flash_walk(layout: Layout) -> Callable:
         return _remat_walk(layout, data)[0]
 
     def forward(data: dict) -> tuple[jax.Array, tuple]:
-        out_GBQNW, lse_GBNQ = _remat_walk(layout, data)
-        return out_GBQNW, (data, out_GBQNW, lse_GBNQ)
+        out_GBQNW, lse_GBNQ, replay = _remat_walk(layout, data)
+        if not layout.replays_oldest_first:
+            replay = None
+        return out_GBQNW, (data, out_GBQNW, lse_GBNQ, replay)
 
     def backward(residuals: tuple, d_out_GBQNW: jax.Array) -> tuple[dict]:
+        data, out_GBQNW, lse_GBNQ, replay = residuals
         if layout.normalizer.kind == "stickbreaking":
-            data, out_GBQNW, _ = residuals
             return (stick_flash_backward(layout, data, out_GBQNW, d_out_GBQNW),)
-        return (flash_backward(layout, *residuals, d_out_GBQNW),)
+        return (flash_backward(layout, data, out_GBQNW, lse_GBNQ, d_out_GBQNW, replay=replay),)
 
     walk.defvjp(forward, backward)
     return walk
@@ -360,7 +376,7 @@ def blockwise_attention(
         out_GBQNW = _flash_walk(layout)(data)
         stat_GBNQ = None
     else:
-        out_GBQNW, stat_GBNQ = _remat_walk(layout, data)
+        out_GBQNW, stat_GBNQ, _ = _remat_walk(layout, data)
     y_BTNW = from_blocks(out_GBQNW, length_q).astype(v_BSNW.dtype)
     if stat_GBNQ is None:
         return y_BTNW, None

@@ -93,6 +93,11 @@ class BlockTerm:
         differentiates only that (its ``lax.cond`` per pair sits outside the differentiated
         function, so the full term's intermediates are neither computed nor zero-filled).
         None: never settled.
+      retreat: (params, pair, prepared, carry) -> the carry entering a pair that is not
+        settled from the carry leaving it: ``advance``'s inverse (CoPE: the count minus the
+        block's gates). With it the flash backward replays the carries oldest first, from
+        the forward's last carries, in the walk it differentiates, instead of a separate
+        newest-first pass over the key blocks (:class:`Replay`). None: that pass.
     """
 
     bias: BiasFn
@@ -104,6 +109,22 @@ class BlockTerm:
     advance: Callable[[Pytree, PairBlock, Pytree, Pytree], Pytree] | None = None
     position_only: bool = False
     settled: Callable[[Pytree, Pytree, Pytree], tuple[jax.Array, jax.Array]] | None = None
+    retreat: Callable[[Pytree, PairBlock, Pytree, Pytree], Pytree] | None = None
+
+
+@struct.dataclass
+class Replay:
+    """What the forward walk leaves for the flash backward to replay the terms' carries
+    oldest first (terms with ``retreat``), per query block.
+
+    Attributes:
+      carries: the terms' carries after the oldest key block (None for terms without one).
+      newest_settled: the newest key block the walk found settled (``BlockTerm.settled``):
+        it and every older block are settled; -1 for none. int32.
+    """
+
+    carries: list[Pytree]
+    newest_settled: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,23 @@ class Layout:
     explicit_index: bool = False
 
     @property
+    def replays_oldest_first(self) -> bool:
+        """Whether the flash backward replays the carries from the forward's last ones: some
+        term has a carry, every such term a ``retreat``, at most one term a ``settled`` test,
+        and the walk is over every older key block in order."""
+        carried = [t for t in self.terms if t.init is not None]
+        in_order = not (self.banded or self.explicit_index)
+        # The forward settles each term on its own carry and the replay reads one flag per
+        # pair: they agree when at most one term settles.
+        one_settling = sum(t.settled is not None for t in self.terms) <= 1
+        return (
+            bool(carried)
+            and in_order
+            and one_settling
+            and all(t.retreat is not None for t in carried)
+        )
+
+    @property
     def banded(self) -> bool:
         """Whether query blocks walk only the key blocks that meet their window."""
         return self.window is not None and not self.explicit_index
@@ -225,9 +242,36 @@ class Layout:
             )
         ]
 
+    def retreat(
+        self,
+        params: Sequence[Pytree],
+        prepared: Sequence[Pytree],
+        carries: Sequence[Pytree],
+        *,
+        qf: dict,
+        qn: dict,
+        kf: dict,
+        kn: dict,
+        allowed_BQK: jax.Array,
+        offset: jax.Array,
+        qi: jax.Array,
+        kj: jax.Array,
+    ) -> list[Pytree]:
+        """The carries entering a pair that is not settled from those leaving it (every
+        carried term's ``retreat``; see :attr:`replays_oldest_first`)."""
+        pairs = self._pairs(
+            None, qf=qf, qn=qn, kf=kf, kn=kn, allowed_BQK=allowed_BQK, offset=offset, qi=qi, kj=kj
+        )
+        return [
+            None if term.init is None else term.retreat(p, pair, prep, carry)
+            for term, p, prep, carry, pair in zip(
+                self.terms, params, prepared, carries, pairs, strict=True
+            )
+        ]
+
     def _pairs(
         self,
-        logits_BNQK: jax.Array,
+        logits_BNQK: jax.Array | None,
         *,
         qf: dict,
         qn: dict,

@@ -8,22 +8,32 @@ equations are in :mod:`copejax.ops.engine`'s docstring, which wires this functio
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.engine_blocks import Pytree
+from copejax.ops.engine_blocks import Pytree, Replay
 from copejax.ops.engine_layout import Layout
 
 # ----------------------------------------------------------------------------- flash
 
 
 def flash_backward(
-    layout: Layout, data: dict, out_GBQNW: jax.Array, lse_GBNQ: jax.Array, d_out_GBQNW: jax.Array
+    layout: Layout,
+    data: dict,
+    out_GBQNW: jax.Array,
+    lse_GBNQ: jax.Array,
+    d_out_GBQNW: jax.Array,
+    *,
+    replay: Replay | None = None,
 ) -> dict:
     """FlashAttention-2's backward (module docstring), one query block at a time; returns the
-    cotangent of ``data`` (None for its integer parts)."""
+    cotangent of ``data`` (None for its integer parts). With ``replay`` (the forward's last
+    carries, stacked over query blocks; ``Layout.replays_oldest_first``) the carries are
+    replayed oldest first inside the walk (``BlockTerm.retreat``), else by a pass of their
+    own."""
     params, qf, qn, kf, kn = (data[key] for key in ("params", "qf", "qn", "kf", "kn"))
     v_GBKNW, offset, terms = data["v"], data["offset"], layout.terms
     no_carries = [None] * len(terms)  # the band walk: terms without a carry only
@@ -58,42 +68,94 @@ def flash_backward(
         if layout.banded:
             return per_query_band(carry, q_in)
         d_params, d_kf, d_v = carry
-        qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i, replay_i = q_in
         prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
-        entering = walk_carries(qi, qf_i, qn_i, prepared)
-
         pair_grads = pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))
+        k_in = (jnp.arange(layout.count_k), kf, kn, v_GBKNW)
 
-        def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
-            d_params_i, d_qf_i, d_prep_i, d_leaving = inner
-            kj, kf_j, kn_j, v_j, carries_j = k_in
+        def dead_pair(kf_j: dict, v_j: jax.Array, d_leaving: list) -> tuple:
+            """A key block after the query block: no gradient; the carry's cotangent passes."""
+            return (
+                zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j), d_leaving,
+            )  # fmt: skip
 
-            def live(_: None) -> tuple:
-                return pair_grads(kj, kf_j, kn_j, v_j, carries_j=carries_j, d_leaving=d_leaving)
+        if replay_i is None:
+            entering = walk_carries(qi, qf_i, qn_i, prepared)
 
-            def dead(_: None) -> tuple:
-                return (
-                    zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j),
-                    d_leaving,
+            def body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
+                d_params_i, d_qf_i, d_prep_i, d_leaving = inner
+                kj, kf_j, kn_j, v_j, carries_j = k_in
+
+                def live(_: None) -> tuple:
+                    settled = layout.settled(params, prepared, carries_j)
+                    grads = functools.partial(
+                        pair_grads, kj, kf_j, kn_j, v_j, carries_j=carries_j, d_leaving=d_leaving
+                    )
+                    if settled is None:
+                        return grads(mode="full")
+                    return jax.lax.cond(
+                        settled, lambda: grads(mode="settled"), lambda: grads(mode="full")
+                    )
+
+                dp, dq, dk, dprep, dv, d_entering = jax.lax.cond(
+                    layout.live(offset, qi, kj), live, lambda _: dead_pair(kf_j, v_j, d_leaving),
+                    None,
                 )  # fmt: skip
+                inner = (
+                    add_trees(d_params_i, dp),
+                    add_trees(d_qf_i, dq),
+                    add_trees(d_prep_i, dprep),
+                    d_entering,
+                )
+                return inner, (dk, dv)
 
-            dp, dq, dk, dprep, dv, d_entering = jax.lax.cond(
-                layout.live(offset, qi, kj), live, dead, None
+            inner0 = (zeros(params), zeros(qf_i), zeros(prepared), zeros(_first(entering)))
+            (d_params_i, d_qf_i, d_prep_i, _), (d_kf_i, d_v_i) = jax.lax.scan(
+                body, inner0, (*k_in, entering)
             )
-            inner = (
-                add_trees(d_params_i, dp),
-                add_trees(d_qf_i, dq),
-                add_trees(d_prep_i, dprep),
-                d_entering,
-            )
-            return inner, (dk, dv)
+        else:
 
-        # Oldest key block first: the carry leaving block j enters block j - 1, whose
-        # cotangent of its entering carry is ready when block j is reached.
-        inner0 = (zeros(params), zeros(qf_i), zeros(prepared), zeros(_first(entering)))
-        (d_params_i, d_qf_i, d_prep_i, _), (d_kf_i, d_v_i) = jax.lax.scan(
-            body, inner0, (jnp.arange(layout.count_k), kf, kn, v_GBKNW, entering)
-        )
+            def replay_body(inner: tuple, k_in: tuple) -> tuple[tuple, tuple]:
+                """Oldest key block first; ``leaving`` is the carry leaving this block (the
+                forward's last carry at the oldest one)."""
+                d_params_i, d_qf_i, d_prep_i, d_leaving, leaving = inner
+                kj, kf_j, kn_j, v_j = k_in
+                grads = functools.partial(pair_grads, kj, kf_j, kn_j, v_j, d_leaving=d_leaving)
+
+                def settled(_: None) -> tuple:  # a settled pair leaves its carry as it was
+                    return (*grads(carries_j=leaving, mode="settled"), leaving)
+
+                def counted(_: None) -> tuple:
+                    allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
+                    entering = layout.retreat(
+                        params, prepared, leaving, qf=qf_i, qn=qn_i, kf=kf_j, kn=kn_j,
+                        allowed_BQK=allowed_BQK, offset=offset, qi=qi, kj=kj,
+                    )  # fmt: skip
+                    return (*grads(carries_j=entering, mode="full"), entering)
+
+                def live(_: None) -> tuple:
+                    return jax.lax.cond(kj <= replay_i.newest_settled, settled, counted, None)
+
+                dp, dq, dk, dprep, dv, d_entering, entering = jax.lax.cond(
+                    layout.live(offset, qi, kj),
+                    live,
+                    lambda _: (*dead_pair(kf_j, v_j, d_leaving), leaving),
+                    None,
+                )
+                inner = (
+                    add_trees(d_params_i, dp),
+                    add_trees(d_qf_i, dq),
+                    add_trees(d_prep_i, dprep),
+                    d_entering,
+                    entering,
+                )
+                return inner, (dk, dv)
+
+            last = replay_i.carries
+            inner0 = (zeros(params), zeros(qf_i), zeros(prepared), zeros(last), last)
+            (d_params_i, d_qf_i, d_prep_i, _, _), (d_kf_i, d_v_i) = jax.lax.scan(
+                replay_body, inner0, k_in
+            )
         d_params_prep, d_qf_prep = prepare_vjp(d_prep_i)
         d_qf_i = add_trees(d_qf_i, d_qf_prep)
         carry = (
@@ -107,7 +169,7 @@ def flash_backward(
         """The same for a window: the band's key blocks, gathered by index, their gradients
         added back at their index."""
         d_params, d_kf, d_v = carry
-        qi, qf_i, qn_i, d_out_i, lse_i, delta_i = q_in
+        qi, qf_i, qn_i, d_out_i, lse_i, delta_i, _ = q_in
         prepared, prepare_vjp = jax.vjp(layout.prepare, params, qf_i)
 
         def body(inner: tuple, k_in: tuple) -> tuple[tuple, None]:
@@ -118,7 +180,7 @@ def flash_backward(
             dp, dq, dk, dprep, dv = jax.lax.cond(
                 live,
                 lambda _: pair_grads_of((qi, qf_i, qn_i, d_out_i, lse_i, delta_i, prepared))(
-                    kj, kf_j, kn_j, v_j, carries_j=no_carries, d_leaving=no_carries
+                    kj, kf_j, kn_j, v_j, carries_j=no_carries, d_leaving=no_carries, mode="full"
                 )[:5],
                 lambda _: (zeros(params), zeros(qf_i), zeros(kf_j), zeros(prepared), zeros(v_j)),
                 None,
@@ -154,9 +216,11 @@ def flash_backward(
             *,
             carries_j: list,
             d_leaving: list,
+            mode: str,
         ) -> tuple:
             """(d params, d qf, d kf, d prepared, d v, d carries entering) of the pair, given
-            the carries entering it and the cotangent of those leaving it."""
+            the carries entering it and the cotangent of those leaving it; ``mode`` as in
+            ``Layout.scores`` ("settled": the carried terms' row constants)."""
             allowed_BQK = layout.allowed(offset, qi, qn_i, kj, kn_j)
 
             def grads_as(mode: str) -> tuple:
@@ -192,12 +256,9 @@ def flash_backward(
                 return dp, dq, dk, dprep, d_v_j, d_entering
 
             # A settled pair (every carried term one value per query) differentiates only
-            # the row constants; the choice is made here, outside jax.vjp, so that neither
-            # branch computes or zero-fills the other's intermediates.
-            settled = layout.settled(params, prepared, carries_j)
-            if settled is None:
-                return grads_as("full")
-            return jax.lax.cond(settled, lambda: grads_as("settled"), lambda: grads_as("full"))
+            # the row constants; callers choose outside jax.vjp, so that neither branch
+            # computes or zero-fills the other's intermediates.
+            return grads_as(mode)
 
         return grads
 
@@ -209,6 +270,7 @@ def flash_backward(
         d_out_GBQNW,
         lse_GBNQ,
         delta_GBNQ,
+        replay,
     )
     (d_params, d_kf, d_v), d_qf = jax.lax.scan(per_query_block, init, q_in)
     d_sink = None

@@ -255,3 +255,33 @@ def test_settled_cope_pairs_give_the_values_and_gradients_of_counting_them(
     np.testing.assert_allclose(y_skip, y_all, rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g_skip), jax.tree.leaves(g_all), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("skip_saturated", [True, False])
+def test_replaying_cope_counts_oldest_first_gives_the_gradients_of_the_carry_pass(
+    skip_saturated: bool,
+) -> None:
+    """With ``retreat`` the flash backward rebuilds CoPE's counts oldest first from the
+    forward's last count (count minus the block's gates); without it, a newest-first pass
+    replays them. Both give the same gradients, with and without settled pairs."""
+    from copejax.ops.cope_block import cope_block_term
+
+    inputs = _engine_inputs(length=24)
+    pos_emb = jnp.asarray(np.random.default_rng(3).normal(size=(3, 4)), jnp.float32)
+
+    def loss(q_BTNH, k_BSNH, pos_emb, replay: bool):
+        term = cope_block_term(p_max=3, pos_emb=pos_emb, skip_saturated=skip_saturated)
+        term = term if replay else dataclasses.replace(term, retreat=None)
+        y, _ = engine.blockwise_attention(
+            **{**inputs, "q_BTNH": q_BTNH, "k_BSNH": k_BSNH},
+            terms=[term],
+            block=4,
+            backward="flash",
+        )
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
+
+    args = (inputs["q_BTNH"], inputs["k_BSNH"], pos_emb)
+    replayed = jax.grad(loss, argnums=(0, 1, 2))(*args, True)
+    passed = jax.grad(loss, argnums=(0, 1, 2))(*args, False)
+    for a, b in zip(replayed, passed, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -62,3 +62,21 @@ def test_a_table_row_broadcasts_over_positions() -> None:
     jitted = jax.jit(interpolate_last_axis)(jnp.asarray(table), jnp.asarray(positions))
     np.testing.assert_allclose(eager, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jitted, eager, rtol=1e-6, atol=1e-6)  # XLA may fuse into FMAs
+
+
+def test_positions_broadcast_over_table_rows_and_outside_positions_are_clipped() -> None:
+    """Positions with leading size 1 are read in every table row; positions below 0 or above
+    P - 1 read the first or last value, with no gradient to the position."""
+    rng = np.random.default_rng(2)
+    table = rng.normal(size=(3, 4, 8)).astype(np.float32)
+    positions = rng.uniform(-2, 9, size=(1, 4, 5)).astype(np.float32)
+    cot = rng.normal(size=(3, 4, 5)).astype(np.float32)
+    values, vjp = jax.vjp(interpolate_last_axis, jnp.asarray(table), jnp.asarray(positions))
+    d_table, d_pos = vjp(jnp.asarray(cot))
+    clipped = np.broadcast_to(np.clip(positions, 0, 7), (3, 4, 5))
+    ref_values, ref_d_table, ref_d_pos = _reference(table, clipped, cot)
+    np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_table, ref_d_table, rtol=1e-5, atol=1e-5)
+    inside = (positions >= 0) & (positions <= 7)
+    expected_d_pos = np.where(inside, ref_d_pos.sum(axis=0, keepdims=True), 0.0)
+    np.testing.assert_allclose(d_pos, expected_d_pos, rtol=1e-5, atol=1e-5)

@@ -247,10 +247,13 @@ class ModelConfig:
         return not extra or (extra == {"bias"} and scheme.position_only_bias)
 
     def attention_block_for(self, length_k: int) -> int:
-        """The block length for ``length_k`` keys: ``attention_block``, or by length."""
+        """The block length for ``length_k`` keys: ``attention_block``, or by length, at
+        most the scheme's ``max_engine_block``."""
         if self.attention_block is not None:
             return self.attention_block
-        return LARGE_BLOCK if length_k >= LARGE_BLOCK_FROM else SMALL_BLOCK
+        block = LARGE_BLOCK if length_k >= LARGE_BLOCK_FROM else SMALL_BLOCK
+        cap = self.scheme.max_engine_block
+        return block if cap is None else min(block, cap)
 
     @property
     def compute_dtype(self) -> jnp.dtype:

@@ -46,6 +46,16 @@ NOTES = [
     "of machine load between them shows in their ratios; the side-by-side rounds are the ones "
     "the speed targets read.",
     "- Peak RSS includes the Python/JAX process (about 0.3-0.5 GiB).",
+    "- Contextual schemes skip work exactly where float32 makes it zero, so their times depend "
+    "on the inputs as well as the shapes: CoPE's key blocks whose every query has counted "
+    "p_max - 1 gates take a row constant (`BlockTerm.settled`), and stick-breaking skips the "
+    "key blocks older than a stick that is used up (log remainder below -110, "
+    "`copejax.ops.engine_blocks.STICK_SPENT`). The benchmark's layer is at its initial "
+    "weights, where gates are near 1/2: CoPE settles after about 2 p_max keys and a stick is "
+    "used up after about 160. Before the skip (commit b2984ea), stick-breaking's layer "
+    "measured 1.72x the fastest nope at T = 1024 and at 4096 (side-by-side probes, 9 and 5 "
+    "rounds, CPU otherwise idle); a trained head that keeps its stick long gets less of the "
+    "saving.",
 ]
 
 

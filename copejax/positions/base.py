@@ -224,6 +224,11 @@ class PositionScheme:
     # carried across key blocks must see the blocks between a sink and the window, which the
     # banded engine walk skips (PaTH's transforms).
     window_sinks: ClassVar[bool] = True
+    # The largest block the blockwise engine uses for this scheme when model.attention_block
+    # is unset (None: the model's length rule alone): a block term whose per-block work
+    # holds (block x block) arrays per key block (PaTH's UT transforms) pays for large
+    # blocks in memory.
+    max_engine_block: ClassVar[int | None] = None
 
     def validate(self, dims: Dims) -> None:
         """Raises ValueError naming the bad value and what is allowed."""

@@ -60,6 +60,11 @@ class Composite(PositionScheme):
         return all(p.window_sinks for p in self.parts)
 
     @property
+    def max_engine_block(self) -> int | None:  # type: ignore[override]
+        caps = [p.max_engine_block for p in self.parts if p.max_engine_block is not None]
+        return min(caps) if caps else None
+
+    @property
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 

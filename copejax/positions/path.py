@@ -135,6 +135,10 @@ class PaTH(PositionScheme):
     window_sinks = False  # the product from a sink to a query spans unwalked key blocks
     paper = "Yang et al. 2025, arXiv 2505.16381"
     walk_carry = True
+    # Each key block's UT transform is a (C, C) matrix per head, kept with its gradient: at
+    # T = 16384 (B x N = 8) one layer's XLA buffers are 1.92 GiB with blocks of 256 and 1.39
+    # GiB with 128, for 8 % more time at T = 4096 (side-by-side, 3 rounds, CPU otherwise idle).
+    max_engine_block = 128
 
     rank: int = 32
     conv_size: int = 3

@@ -285,3 +285,14 @@ def test_replaying_cope_counts_oldest_first_gives_the_gradients_of_the_carry_pas
     passed = jax.grad(loss, argnums=(0, 1, 2))(*args, False)
     for a, b in zip(replayed, passed, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_block_length_follows_the_length_rule_capped_by_the_scheme() -> None:
+    """Blocks of 128 below 4096 keys and 256 from there, at most the scheme's
+    max_engine_block (PaTH: 128, its per-block UT transforms), alone or in a composite;
+    model.attention_block overrides both."""
+    assert tiny_config("nope").attention_block_for(4095) == 128
+    assert tiny_config("nope").attention_block_for(4096) == 256
+    assert tiny_config("path").attention_block_for(16384) == 128
+    assert tiny_config("path+fox").attention_block_for(16384) == 128
+    assert tiny_config("path", attention_block=512).attention_block_for(16384) == 512

@@ -47,7 +47,8 @@ def choose_impl(
     that (B, N, T, S) bias takes at most ``GPU_NAIVE_MAX_BYTES``; otherwise the naive path
     while its float32 logits take at most ``GPU_NAIVE_MAX_BYTES``, and the blockwise engine
     beyond. Other schemes, other backends, or ``pairs`` unknown: the naive path below
-    ``AUTO_BLOCKWISE_FROM`` keys (faster there on CPU, measured by ``experiments/bench.py``)
+    ``AUTO_BLOCKWISE_FROM`` keys, or the scheme's ``auto_blockwise_from`` (faster there on
+    CPU, measured by ``experiments/bench.py``)
     and the blockwise engine from it on, decoding steps included (a step then reads the
     cache block by block).
     """
@@ -64,7 +65,8 @@ def choose_impl(
             return "dot_product_attention"
     if position_only and pairs is not None:
         return "naive" if 4 * pairs <= GPU_NAIVE_MAX_BYTES else "blockwise"
-    return "naive" if length_k < AUTO_BLOCKWISE_FROM else "blockwise"
+    start = cfg.scheme.auto_blockwise_from or AUTO_BLOCKWISE_FROM
+    return "naive" if length_k < start else "blockwise"
 
 
 def ring_cache_applies(cfg: ModelConfig) -> bool:

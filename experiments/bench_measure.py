@@ -35,6 +35,31 @@ def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     return {"position": scheme, "position_options": own, **model}
 
 
+def _layer_config(scheme: str, length: int, options: dict[str, Any]) -> Any:
+    """The ModelConfig of the benchmarked layer."""
+    from copejax.model_config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=16,
+        d_model=HEADS * HEAD_DIM,
+        num_heads=HEADS,
+        num_layers=1,
+        head_dim=HEAD_DIM,
+        max_len=length,
+        **_position_fields(scheme, options),
+    ).validate()
+
+
+def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:
+    """The attention path the layer takes at ``length`` (what ``auto`` resolves to)."""
+    import jax
+
+    from copejax.attention_paths import choose_impl
+
+    cfg = _layer_config(scheme, length, options)
+    return choose_impl(cfg, length, sowing=False, backend=jax.default_backend())
+
+
 def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     """(jitted fwd+bwd fn, its args) for one attention layer of ``scheme`` at ``length``."""
     import flax.linen as nn
@@ -42,7 +67,6 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     import jax.numpy as jnp
 
     from copejax.attention import Attention
-    from copejax.model_config import ModelConfig
     from copejax.positions.base import AttentionContext, EmbedOutput
 
     d_model = HEADS * HEAD_DIM
@@ -51,15 +75,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     cot_BTD = jax.random.normal(key_c, (BATCH, length, d_model), jnp.float32)
     positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (BATCH, length))
 
-    cfg = ModelConfig(
-        vocab_size=16,
-        d_model=d_model,
-        num_heads=HEADS,
-        num_layers=1,
-        head_dim=HEAD_DIM,
-        max_len=length,
-        **_position_fields(scheme, options),
-    ).validate()
+    cfg = _layer_config(scheme, length, options)
     scheme_spec = cfg.scheme
 
     class Layer(nn.Module):
@@ -175,7 +191,10 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
             continue
         jax.block_until_ready(program(*args))  # warm-up
         compiled[label] = (program, args)
-        rows.append({"label": label, "status": "ok", "xla_temp_bytes": xla, "times_s": []})
+        path = _path_taken(scheme, length, options)
+        rows.append(
+            {"label": label, "status": "ok", "xla_temp_bytes": xla, "times_s": [], "path": path}
+        )
     by_label = {row["label"]: row for row in rows if row["status"] == "ok"}
     order = list(by_label)
     for round_index in range(rounds):

@@ -36,8 +36,9 @@ NOTES = [
     "Notes:",
     "",
     "- An arm named after a scheme alone is its default, `model.attention_impl='auto'`: the "
-    "naive (B, N, T, S) path below `copejax.attention_paths.AUTO_BLOCKWISE_FROM` keys and the "
-    "blockwise engine (`copejax.ops.engine`) from there; `naive` and `blockwise` arms force "
+    "naive (B, N, T, S) path below `copejax.attention_paths.AUTO_BLOCKWISE_FROM` keys (or the "
+    "scheme's `auto_blockwise_from`: TAPE's 8192) and the blockwise engine "
+    "(`copejax.ops.engine`) from there; `naive` and `blockwise` arms force "
     "a path. Their values and gradients are equal (tests/test_blockwise_equivalence.py).",
     "- `dpa` is nope on `jax.nn.dot_product_attention` (`model.attention_impl = "
     "'dot_product_attention'`, XLA's implementation on CPU). 'The fastest nope path' is, in "
@@ -173,6 +174,10 @@ def _speed_targets(rows: list[dict]) -> list[str]:
         for label in every:
             naive = f"{label} naive"
             if label.endswith((" naive", " blockwise", " remat")) or label == "dpa":
+                continue
+            default = _ok(rows, "side_by_side", label).get(length)
+            if default is not None and default.get("path") == "naive":
+                lines.append(f"{label}: the default is the naive path")
                 continue
             ratios = round_ratios(rows, label, length, naive)
             if not ratios:

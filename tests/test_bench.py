@@ -104,3 +104,18 @@ def test_speed_targets_read_interleaved_rounds_against_the_fastest_nope() -> Non
             "memory_cap_bytes": 2**30}  # fmt: skip
     page = markdown({"rows": rows, "meta": meta})
     assert "| cope | 1600 (2.00x (1.60-2.80)) | 1000 (-) |" in page
+
+
+def test_a_default_that_is_the_naive_path_is_not_timed_against_itself() -> None:
+    """A scheme whose ``auto`` keeps the naive path at a length (its auto_blockwise_from) has
+    its default and naive arms run the same program: the page says so instead of reading the
+    noise between them as a ratio."""
+    rows = [
+        {**_side("tape", [1.1, 1.2], length=4096), "path": "naive"},
+        _side("tape naive", [1.0, 1.0], length=4096),
+        {**_side("fox", [1.0, 1.0], length=4096), "path": "blockwise"},
+        _side("fox naive", [2.0, 2.0], length=4096),
+    ]
+    line = next(t for t in targets({"rows": rows}) if "every scheme's default path" in t)
+    assert "naive: fox 0.50x; tape: the default is the naive path)" in line
+    assert "NOT met" not in line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from copejax.attention_paths import AUTO_BLOCKWISE_FROM
 from copejax.model_config import KERNEL_SITES
 from copejax.positions import registry
 from copejax.positions.base import PositionScheme
@@ -13,12 +14,17 @@ def attention_paths(cls: type[PositionScheme]) -> str:
     """The attention paths a scheme runs on (``model.attention_impl``), and the blockwise
     engine's backwards: flash (custom VJP) and remat for every scheme (flash for a walk carry
     or stick-breaking only outside windows; ``auto`` keeps remat for PaTH's carry, see
-    ``copejax.ops.engine``)."""
+    ``copejax.ops.engine``), and what ``auto`` takes on a CPU (``choose_impl``; on a GPU it
+    also weighs the (B, N, T, S) bytes)."""
     paths = ["naive", "blockwise (flash / remat)"]
     extra = set(cls.sites) - KERNEL_SITES
     if not extra or (extra == {"bias"} and cls.position_only_bias):
         paths.append("dot_product_attention")
-    return ", ".join(paths)
+    start = cls.auto_blockwise_from or AUTO_BLOCKWISE_FROM
+    auto = f"auto on CPU: naive below {start} keys, blockwise from there"
+    if cls.max_engine_block is not None:
+        auto += f" in blocks of at most {cls.max_engine_block}"
+    return f"{', '.join(paths)}; {auto}"
 
 
 def table() -> str:

@@ -229,6 +229,10 @@ class PositionScheme:
     # holds (block x block) arrays per key block (PaTH's UT transforms) pays for large
     # blocks in memory.
     max_engine_block: ClassVar[int | None] = None
+    # From how many keys model.attention_impl = "auto" takes the blockwise engine on a CPU
+    # (None: copejax.attention_paths.AUTO_BLOCKWISE_FROM), for a scheme whose naive path
+    # measured faster at longer lengths.
+    auto_blockwise_from: ClassVar[int | None] = None
 
     def validate(self, dims: Dims) -> None:
         """Raises ValueError naming the bad value and what is allowed."""

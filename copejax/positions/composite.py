@@ -65,6 +65,11 @@ class Composite(PositionScheme):
         return min(caps) if caps else None
 
     @property
+    def auto_blockwise_from(self) -> int | None:  # type: ignore[override]
+        starts = [p.auto_blockwise_from for p in self.parts if p.auto_blockwise_from is not None]
+        return max(starts) if starts else None
+
+    @property
     def position_only_bias(self) -> bool:  # type: ignore[override]
         return all(p.position_only_bias for p in self.parts if "bias" in p.sites)
 

@@ -143,6 +143,11 @@ class Tape(PositionScheme):
     sites = ("embed", "qk", "carry")
     cache_in_key_order = True
     paper = "Zhu et al. 2025, arXiv 2501.00712"
+    # "auto" keeps the naive path below 8192 keys: at T = 4096 (B x N = 8, 2-core CPU) it
+    # measured faster than the engine, whose value blocks carry TAPE's position tensors as
+    # extra features (side-by-side rounds: 1259 against 1391 ms, and 1.04x in an earlier
+    # run; experiments/results/bench.md), while its float32 logits take 1.6 GiB of buffers.
+    auto_blockwise_from = 8192
 
     init: str = "rope"
     block: int = 2

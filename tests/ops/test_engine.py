@@ -296,3 +296,15 @@ def test_block_length_follows_the_length_rule_capped_by_the_scheme() -> None:
     assert tiny_config("path").attention_block_for(16384) == 128
     assert tiny_config("path+fox").attention_block_for(16384) == 128
     assert tiny_config("path", attention_block=512).attention_block_for(16384) == 512
+
+
+def test_a_scheme_may_start_the_blockwise_path_later() -> None:
+    """TAPE's auto_blockwise_from (8192: its naive path measured faster at 4096 on a CPU)
+    replaces AUTO_BLOCKWISE_FROM for it; other schemes keep it."""
+    start = attention_paths.AUTO_BLOCKWISE_FROM
+    assert attention_paths.choose_impl(tiny_config("nope"), start, False, backend="cpu") == (
+        "blockwise"
+    )
+    tape = tiny_config("tape")
+    assert attention_paths.choose_impl(tape, 4096, False, backend="cpu") == "naive"
+    assert attention_paths.choose_impl(tape, 8192, False, backend="cpu") == "blockwise"

@@ -10,7 +10,7 @@ terms, with their carries). Shape letters as in :mod:`copejax.ops.engine`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -207,65 +207,46 @@ class Layout:
         params: Sequence[Pytree],
         prepared: Sequence[Pytree],
         carries: Sequence[Pytree],
-        *,
-        qf: dict,
-        qn: dict,
-        kf: dict,
-        kn: dict,
-        allowed_BQK: jax.Array,
-        offset: jax.Array,
-        qi: jax.Array,
-        kj: jax.Array,
+        **pair: jax.Array | dict,
     ) -> list[Pytree]:
         """The carries after the pair, as :meth:`scores` returns them, computing a term's bias
         only where it has no ``advance`` of its own. A term's ``advance`` gets no content
-        logits (``logits_BNQK`` None): it computes what it needs, where it needs it."""
+        logits (``logits_BNQK`` None): it computes what it needs, where it needs it. ``pair``:
+        :meth:`scores`'s keywords (qf, qn, kf, kn, allowed_BQK, offset, qi, kj)."""
         fallback = any(t.init is not None and t.advance is None for t in self.terms)
-        logits_BNQK = content_logits_BNQK(qf["q"], kf["k"]) if fallback else None
-        pairs = self._pairs(
-            logits_BNQK,
-            qf=qf,
-            qn=qn,
-            kf=kf,
-            kn=kn,
-            allowed_BQK=allowed_BQK,
-            offset=offset,
-            qi=qi,
-            kj=kj,
-        )
-        return [
-            None
-            if term.init is None
-            else (term.advance or (lambda *a, t=term: t.bias(*a)[1]))(p, pair, prep, carry)
-            for term, p, prep, carry, pair in zip(
-                self.terms, params, prepared, carries, pairs, strict=True
-            )
-        ]
+        logits_BNQK = content_logits_BNQK(pair["qf"]["q"], pair["kf"]["k"]) if fallback else None
+        steps = [t.advance or (lambda *a, t=t: t.bias(*a)[1]) for t in self.terms]
+        return self._carried(steps, params, prepared, carries, logits_BNQK=logits_BNQK, pair=pair)
 
     def retreat(
         self,
         params: Sequence[Pytree],
         prepared: Sequence[Pytree],
         carries: Sequence[Pytree],
-        *,
-        qf: dict,
-        qn: dict,
-        kf: dict,
-        kn: dict,
-        allowed_BQK: jax.Array,
-        offset: jax.Array,
-        qi: jax.Array,
-        kj: jax.Array,
+        **pair: jax.Array | dict,
     ) -> list[Pytree]:
         """The carries entering a pair that is not settled from those leaving it (every
-        carried term's ``retreat``; see :attr:`replays_oldest_first`)."""
-        pairs = self._pairs(
-            None, qf=qf, qn=qn, kf=kf, kn=kn, allowed_BQK=allowed_BQK, offset=offset, qi=qi, kj=kj
-        )
+        carried term's ``retreat``; see :attr:`replays_oldest_first`); ``pair`` as in
+        :meth:`advance`."""
+        steps = [t.retreat for t in self.terms]
+        return self._carried(steps, params, prepared, carries, logits_BNQK=None, pair=pair)
+
+    def _carried(
+        self,
+        steps: Sequence[Callable | None],
+        params: Sequence[Pytree],
+        prepared: Sequence[Pytree],
+        carries: Sequence[Pytree],
+        *,
+        logits_BNQK: jax.Array | None,
+        pair: dict,
+    ) -> list[Pytree]:
+        """Each carried term's ``step(params, pair, prepared, carry)``; None for the others."""
+        pairs = self._pairs(logits_BNQK, **pair)
         return [
-            None if term.init is None else term.retreat(p, pair, prep, carry)
-            for term, p, prep, carry, pair in zip(
-                self.terms, params, prepared, carries, pairs, strict=True
+            None if term.init is None else step(p, one_pair, prep, carry)
+            for term, step, p, prep, carry, one_pair in zip(
+                self.terms, steps, params, prepared, carries, pairs, strict=True
             )
         ]
 

@@ -354,6 +354,19 @@ def peer_per_seed(
     return sweep.markdown_table(["arm", *(f"{SPLITS[s]} %" for s in SPLITS)], rows)
 
 
+def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> list[str]:
+    """The flags beyond ``--scale`` that this page was made with, so that its regenerate
+    command makes the same page (the same tasks, peer and probe sections)."""
+    options = [] if tuple(tasks) == SCALE_TASKS[scale] else [f"--tasks={','.join(tasks)}"]
+    if own.peer:
+        options.append("--peer")
+        if own.peer_threads:
+            options.append(f"--peer-threads={own.peer_threads}")
+    if own.init_probe:
+        options.append("--init-probe")
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--peer", action="store_true", help="also run x-transformers")
@@ -469,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if own.init_probe
             else "",
             "",
-            sweep.commands_block(STUDY, args.scale, result),
+            sweep.commands_block(STUDY, args.scale, result, page_options(own, tasks, args.scale)),
         ]
     )
     return sweep.write_outputs(

@@ -271,12 +271,14 @@ def paper_cell(paper: Mapping[str, Mapping[str, float]], label: str, column: str
     return "-" if value is None else f"{value:g}"
 
 
-def commands_block(study: str, scale: str, sweep: Sweep) -> str:
+def commands_block(study: str, scale: str, sweep: Sweep, options: Sequence[str] = ()) -> str:
+    """The command that regenerates a page (with the study's own ``options``, the flags it was
+    run with beyond ``--scale``) and every training run it makes."""
     lines = [
         "Regenerate this page (all runs, then the table and plots):",
         "",
         "```",
-        f"python -m experiments.{study} --scale={scale}",
+        " ".join([f"python -m experiments.{study}", f"--scale={scale}", *options]),
         "```",
         "",
         "which trains, one after another (each line also runs alone):",

@@ -4,6 +4,7 @@ train more models and are marked slow."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -264,6 +265,33 @@ def test_length_generalization_summary_and_step_time() -> None:
         {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}}, ["parity_check"]
     )
     assert tie == "`parity_check`: 2 arms tie on the test lengths at 40.0 % (`rope`, `fox`)."
+
+
+def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
+    """The page's regenerate command repeats the flags that shaped it: a subset of tasks,
+    the peer (with its threads) and the init probe; none of them for a full default run."""
+    lg = length_generalization
+    Own = argparse.Namespace
+    plain = Own(peer=False, peer_threads=0, init_probe=False)
+    assert lg.page_options(plain, lg.SCALE_TASKS["cpu"], "cpu") == []
+    everything = Own(peer=True, peer_threads=1, init_probe=True)
+    got = lg.page_options(everything, ["reverse_string", "duplicate_string"], "cpu")
+    tasks = "--tasks=reverse_string,duplicate_string"
+    assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe"]
+    runs = sweep.Sweep(
+        study=lg.STUDY,
+        scale="cpu",
+        seeds=[0],
+        records={},
+        commands=["<run>"],
+        wall_time_s=1.0,
+        workdirs={},
+    )
+    block = sweep.commands_block(lg.STUDY, "cpu", runs, got)
+    assert (
+        "python -m experiments.length_generalization --scale=cpu "
+        "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe\n"
+    ) in block
 
 
 @pytest.mark.slow  # eight arms, one compile each (about a minute on 2 cores)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from copejax.model_config import ModelConfig
 from copejax.ops import engine_blocks
-from copejax.positions.base import AttentionContext, AttentionSite
+from copejax.positions.base import AttentionContext, AttentionSite, PositionScheme
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
 # Side-by-side probes on a 2-core CPU had the engine at or below the naive path from T = 256
@@ -65,8 +65,13 @@ def choose_impl(
             return "dot_product_attention"
     if position_only and pairs is not None:
         return "naive" if 4 * pairs <= GPU_NAIVE_MAX_BYTES else "blockwise"
-    start = cfg.scheme.auto_blockwise_from or AUTO_BLOCKWISE_FROM
-    return "naive" if length_k < start else "blockwise"
+    return "naive" if length_k < auto_blockwise_start(cfg.scheme) else "blockwise"
+
+
+def auto_blockwise_start(scheme: PositionScheme | type[PositionScheme]) -> int:
+    """From how many keys ``auto`` takes the blockwise engine on a CPU: the scheme's
+    ``auto_blockwise_from``, or ``AUTO_BLOCKWISE_FROM``."""
+    return scheme.auto_blockwise_from or AUTO_BLOCKWISE_FROM
 
 
 def ring_cache_applies(cfg: ModelConfig) -> bool:

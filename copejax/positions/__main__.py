@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from copejax.attention_paths import AUTO_BLOCKWISE_FROM
+from copejax.attention_paths import auto_blockwise_start
 from copejax.model_config import KERNEL_SITES
 from copejax.positions import registry
 from copejax.positions.base import PositionScheme
@@ -20,8 +20,7 @@ def attention_paths(cls: type[PositionScheme]) -> str:
     extra = set(cls.sites) - KERNEL_SITES
     if not extra or (extra == {"bias"} and cls.position_only_bias):
         paths.append("dot_product_attention")
-    start = cls.auto_blockwise_from or AUTO_BLOCKWISE_FROM
-    auto = f"auto on CPU: naive below {start} keys, blockwise from there"
+    auto = f"auto on CPU: naive below {auto_blockwise_start(cls)} keys, blockwise from there"
     if cls.max_engine_block is not None:
         auto += f" in blocks of at most {cls.max_engine_block}"
     return f"{', '.join(paths)}; {auto}"

@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args.scale, result),
+            sweep.commands_block(STUDY, args, result),
         ]
     )
     path = sweep.write_outputs(

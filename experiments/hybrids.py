@@ -183,7 +183,7 @@ def write(
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args.scale, result),
+            sweep.commands_block(STUDY, args, result),
         ]
     )
     path = sweep.write_outputs(

@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if own.init_probe
             else "",
             "",
-            sweep.commands_block(STUDY, args.scale, result, page_options(own, tasks, args.scale)),
+            sweep.commands_block(STUDY, args, result, page_options(own, tasks, args.scale)),
         ]
     )
     return sweep.write_outputs(

@@ -158,7 +158,7 @@ def write(
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args.scale, result),
+            sweep.commands_block(STUDY, args, result),
             "",
             "The extrapolation numbers are those of `python -m copejax.extrapolate "
             f"--workdir=<run> --max_examples={EVAL_ROWS[args.scale]}`.",

@@ -271,14 +271,18 @@ def paper_cell(paper: Mapping[str, Mapping[str, float]], label: str, column: str
     return "-" if value is None else f"{value:g}"
 
 
-def commands_block(study: str, scale: str, sweep: Sweep, options: Sequence[str] = ()) -> str:
-    """The command that regenerates a page (with the study's own ``options``, the flags it was
-    run with beyond ``--scale``) and every training run it makes."""
+def commands_block(
+    study: str, args: argparse.Namespace, sweep: Sweep, options: Sequence[str] = ()
+) -> str:
+    """The command that regenerates a page and every training run it makes. The command
+    repeats the ``args`` that shape the page (``--scale``, and ``--seeds`` when it was given)
+    and the study's own ``options`` (its flags beyond :func:`parse_args`)."""
+    seeds = [f"--seeds={args.seeds}"] if args.seeds else []
     lines = [
         "Regenerate this page (all runs, then the table and plots):",
         "",
         "```",
-        " ".join([f"python -m experiments.{study}", f"--scale={scale}", *options]),
+        " ".join([f"python -m experiments.{study}", f"--scale={args.scale}", *seeds, *options]),
         "```",
         "",
         "which trains, one after another (each line also runs alone):",

@@ -102,7 +102,7 @@ def write_page(
             *extra_sections,
             "## Commands",
             "",
-            sweep.commands_block(study, args.scale, result),
+            sweep.commands_block(study, args, result),
         ]
     )
     path = sweep.write_outputs(

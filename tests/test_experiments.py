@@ -269,7 +269,8 @@ def test_length_generalization_summary_and_step_time() -> None:
 
 def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     """The page's regenerate command repeats the flags that shaped it: a subset of tasks,
-    the peer (with its threads) and the init probe; none of them for a full default run."""
+    the peer (with its threads), the init probe and a non-default seed count; none of them
+    for a full default run (``--jobs`` only changes the wall time, so it is not repeated)."""
     lg = length_generalization
     Own = argparse.Namespace
     plain = Own(peer=False, peer_threads=0, init_probe=False)
@@ -287,11 +288,15 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
         wall_time_s=1.0,
         workdirs={},
     )
-    block = sweep.commands_block(lg.STUDY, "cpu", runs, got)
+    default_seeds = sweep.parse_args(["--scale=cpu"], lg.STUDY)
+    block = sweep.commands_block(lg.STUDY, default_seeds, runs, got)
     assert (
         "python -m experiments.length_generalization --scale=cpu "
         "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe\n"
     ) in block
+    three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg.STUDY)
+    block = sweep.commands_block(lg.STUDY, three_seeds, runs, [])
+    assert "python -m experiments.length_generalization --scale=cpu --seeds=3\n" in block
 
 
 @pytest.mark.slow  # eight arms, one compile each (about a minute on 2 cores)

@@ -72,7 +72,7 @@ Published numbers: the paper's results table is not retrievable offline (only it
 and introduction are), so no published column is shown."""
 
 
-INIT_PROBE_NOTE = """## Why the peer is ahead: an initialisation probe
+INIT_PROBE_NOTE = """## Where the peer and copejax differ: an initialisation probe
 
 Where x-transformers and copejax disagree, the first difference between them is where they
 start: copejax draws every weight from N(0, 0.02²) (and, here, multiplies the token
@@ -100,6 +100,7 @@ copejax runs (the header says how those were trained)."""
 # at fan_in = D = 64) for every weight, and no sqrt(D) on the token embeddings.
 INIT_PROBE = ",init_std=0.072,scale_embeddings=False"
 INIT_PROBE_ARMS = ("nope", "alibi", "fox")
+INITS = ("copejax init", "torch-scale init")
 
 
 def label(task: str, arm: str) -> str:
@@ -266,6 +267,17 @@ def select_tasks(scale: str, names: str) -> tuple[str, ...]:
     return tuple(t for t in allowed if t in chosen)
 
 
+def within_spread(mine: Mapping[str, Any], theirs: Sequence[float]) -> str:
+    """Whether copejax's mean (a ``sweep.spread``) and the peer's seeds' mean agree: "yes"
+    when they differ by no more than the larger of the two seed stds, else "no" with the gap
+    in points; "n/a" when either side has a single seed (no spread to judge by)."""
+    mean, std = sweep.mean_std(theirs)
+    gap = abs(mine["mean"] - mean)
+    if min(len(theirs), len(mine["per_seed"])) < 2:
+        return f"n/a, one seed (gap {100 * gap:.1f})"
+    return "yes" if gap <= max(mine["std"], std) else f"no (gap {100 * gap:.1f})"
+
+
 def peer_section(
     summary: Mapping[str, Mapping[str, Any]],
     peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
@@ -282,20 +294,13 @@ def peer_section(
             values = [r["long/accuracy"] for r in by_task[task]]
             theirs = sweep.mean_std(values)
             times = sweep.mean_std([r["step_ms"] for r in by_task[task]])
-            gap = abs(mine["long"]["mean"] - theirs[0])
-            if min(len(values), len(mine["long"]["per_seed"])) < 2:
-                verdict = f"n/a, one seed (gap {100 * gap:.1f})"
-            elif gap <= max(mine["long"]["std"], theirs[1]):
-                verdict = "yes"
-            else:
-                verdict = f"no (gap {100 * gap:.1f})"
             rows.append(
                 [
                     f"`{arm}`",
                     task,
                     _cell(mine["long"]),
                     sweep.percent(theirs),
-                    verdict,
+                    within_spread(mine["long"], values),
                     _cell(mine["step_ms"], 1.0),
                     sweep.percent(times, scale=1.0),
                 ]
@@ -319,18 +324,22 @@ def init_probe_section(
         for arm in INIT_PROBE_ARMS:
             if task not in probe.get(arm, {}):
                 continue
+            runs = peer.get(arm, {}).get(task, [])
             cells = []
             for split in ("test", "long"):
                 cells += [_cell(mine[arm][task][split]), _cell(probe[arm][task][split])]
-                runs = peer.get(arm, {}).get(task, [])
                 values = [r[f"{split}/accuracy"] for r in runs]
                 cells.append(sweep.percent(sweep.mean_std(values)) if values else "-")
+            peer_long = [r["long/accuracy"] for r in runs]
+            for start in (mine, probe):
+                cells.append(within_spread(start[arm][task]["long"], peer_long) if runs else "-")
             rows.append([f"`{arm}`", task, *cells])
     header = ["arm", "task"] + [
         f"{where}: {who}"
         for where in ("training lengths %", "test lengths %")
-        for who in ("copejax init", "torch-scale init", "x-transformers")
+        for who in (*INITS, "x-transformers")
     ]
+    header += [f"test lengths: {who} within the peer's seed spread" for who in INITS]
     return sweep.markdown_table(header, rows)
 
 

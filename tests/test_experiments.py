@@ -355,7 +355,8 @@ def test_length_generalization_peer_side_by_side() -> None:
 
 def test_length_generalization_init_probe_section_and_json() -> None:
     """The probe table: copejax's init, the torch-scale init and the peer side by side per
-    split; the probe's config carries the options it names."""
+    split, and whether each init's test-length accuracy is within the peer's seed spread; the
+    probe's config carries the options it names."""
     lg = length_generalization
     from copejax.config_base import load_config
 
@@ -378,7 +379,7 @@ def test_length_generalization_init_probe_section_and_json() -> None:
     table = lg.init_probe_section(result, peer, ["parity_check"])
     assert (
         "| `nope` | parity_check | 80.0 ± 10.0 | 100.0 ± 0.0 | 95.0 ± 0.0 "
-        "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 |" in table
+        "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 | no (gap 15.0) | yes |" in table
     )
     assert "`alibi`" not in table  # probe arms that did not run are left out
     probe = lg.summarize(result, ["parity_check"], lg.INIT_PROBE_ARMS, lg.probe_label)

@@ -80,9 +80,11 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
-# Keys a resumed run may change: they decide what happens at a future non-finite step, not
-# what the saved state is. A run stopped by a non-finite loss can go on with nonfinite=skip.
-RESUMABLE = ("train.nonfinite",)
+# Keys a resumed run may change: they decide what happens at future steps, not what the saved
+# state is or how training goes on from it. A run stopped by a non-finite loss can go on with
+# nonfinite=skip; a run may evaluate more or less often (evaluating leaves training untouched:
+# tests/train/test_train.py). The config file then records the latest invocation's value.
+RESUMABLE = ("train.nonfinite", "train.eval_every")
 
 
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:

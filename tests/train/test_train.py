@@ -69,6 +69,27 @@ def test_resume_gives_identical_metrics(uninterrupted: tuple, tmp_path) -> None:
     assert _deterministic(read_jsonl(root / "metrics.jsonl")) == _deterministic(uninterrupted[2])
 
 
+def test_evaluation_leaves_training_untouched(uninterrupted: tuple, tmp_path) -> None:
+    """Evaluating at step 3 changes nothing that training or the last evaluation sees, so a
+    study may evaluate less often without changing its numbers."""
+    train.run(tiny_config(eval_every=6), tmp_path)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert "eval/test/loss" not in records[2]
+    full = _deterministic(uninterrupted[2])
+    without_mid_eval = [
+        {k: v for k, v in r.items() if r["step"] == 6 or not k.startswith("eval/")} for r in full
+    ]
+    assert _deterministic(records) == without_mid_eval
+
+
+def test_resume_may_change_how_often_it_evaluates(uninterrupted: tuple, tmp_path) -> None:
+    train.run(tiny_config(), tmp_path, stop_after=4)  # evaluated at 3, checkpoint 3
+    train.run(tiny_config(eval_every=0), tmp_path)  # only the final evaluation from here
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert _deterministic(records) == _deterministic(uninterrupted[2])
+    assert workdir.read_config(tmp_path)["train"]["eval_every"] == 0
+
+
 def test_different_config_is_refused_unless_restart(uninterrupted: tuple, tmp_path) -> None:
     root = tmp_path / "copy"
     shutil.copytree(uninterrupted[0], root)

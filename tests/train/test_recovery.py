@@ -59,7 +59,22 @@ def _tear_config_json(step_dir: Path) -> None:
     path.write_bytes(path.read_bytes()[:40])
 
 
-@pytest.mark.parametrize("corrupt", [_truncate_array_files, _remove_state_item, _tear_config_json])
+# Restoring truncated array files fails inside tensorstore while other reads are in flight; their
+# callbacks can arrive after orbax's event loop closed (intermittent, third-party cleanup, after
+# the error copejax handles). Only that unraisable is ignored, only for that case.
+_LATE_TENSORSTORE_CALLBACK = pytest.mark.filterwarnings(
+    "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(_truncate_array_files, marks=_LATE_TENSORSTORE_CALLBACK),
+        _remove_state_item,
+        _tear_config_json,
+    ],
+)
 def test_unreadable_latest_checkpoint_falls_back(
     corrupt: object, uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

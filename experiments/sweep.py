@@ -23,6 +23,7 @@ import numpy as np
 from copejax.config_base import load_config
 from copejax.metrics import read_jsonl
 from copejax.results_json import write_json
+from copejax.workdir import config_to_dict, read_config, same_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ("smoke", "cpu", "paper")
@@ -89,14 +90,23 @@ def is_complete(arm: Arm, seed: int, workdir: Path) -> bool:
 
 
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
-    """Trains (or resumes, or finds complete) one arm and seed; returns its metric records."""
+    """Trains (or resumes, or finds complete) one arm and seed; returns its metric records.
+
+    A complete run of the same config (``copejax.workdir.same_run``) is only read: restoring
+    its checkpoint to learn that there is nothing to do costs ~25 s a run. Any other workdir
+    goes through ``train.run``, which resumes it or refuses a different config."""
     from copejax import train
 
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
-    if is_complete(arm, seed, workdir):
+    complete = is_complete(arm, seed, workdir)
+    if complete:
         REUSED.add(workdir)
     print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
-    train.run(config, workdir)
+    saved = read_config(workdir)
+    if complete and saved is not None and same_run(saved, config_to_dict(config)):
+        print("complete: its metrics are read, its checkpoints left alone", flush=True)
+    else:
+        train.run(config, workdir)
     return read_jsonl(workdir / "metrics.jsonl")
 
 

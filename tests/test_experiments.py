@@ -223,6 +223,31 @@ def test_parallel_sweep_trains_each_run_once_as_alone(tmp_path: Path) -> None:
     assert again.reused == 2 and again.records == result.records
 
 
+def test_complete_run_is_read_without_restoring_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workdir holding the final step of the same config is read, not handed to
+    ``train.run``; one whose config differs (beyond workdir.RESUMABLE) still is, so that
+    ``train.run`` refuses it with the differing keys."""
+    from copejax import train
+    from copejax.config_base import load_config
+    from copejax.workdir import config_to_dict
+
+    arm = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
+    config = load_config(sweep.ROOT / arm.config_file, arm.config_arg(0))
+    records = [{"step": 2, "train/loss": 1.0}, {"step": 4, "eval/test/error": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    saved = config_to_dict(config)
+    saved["train"]["eval_every"] += 1  # resumable: still the same run
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    called = []
+    monkeypatch.setattr(train, "run", lambda config, workdir: called.append(workdir))
+    assert sweep.train_arm(arm, 0, tmp_path) == records and called == []
+    saved["train"]["learning_rate"] *= 2
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert sweep.train_arm(arm, 0, tmp_path) == records and called == [tmp_path]
+
+
 def test_length_generalization_summary_and_step_time() -> None:
     """The study's page numbers from records written here: per-task accuracy over seeds and
     ms/step from the logged steps/s without the first (compiling) window."""

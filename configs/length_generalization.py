@@ -54,6 +54,7 @@ SHORTCUTS = {
     "test_step": "task.options.test_length_step",
     "per_length": "task.options.samples_per_length",
     "init_std": "model.init_std",
+    "dense_init": "model.dense_init",
     "scale_embeddings": "model.scale_embeddings",
 }
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from copejax import logit_scaling, ring_decode
 from copejax import sharding as ax
 from copejax.attention_paths import choose_impl, dot_product_attention, ring_cache_applies
+from copejax.dense_init import contracted_size, kernel_init
 from copejax.kv_cache import KeyCache, RingCache
 from copejax.model_config import ModelConfig
 from copejax.ops import engine, engine_blocks
@@ -49,9 +50,11 @@ class Projection(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         std = cfg.init_std if self.init_std is None else self.init_std
+        fan_in = contracted_size(self.equation, self.kernel_shape)
+        init = kernel_init(cfg.dense_init, std, fan_in)
         kernel = self.param(
             "kernel",
-            nn.with_logical_partitioning(nn.initializers.normal(std), self.kernel_axes),
+            nn.with_logical_partitioning(init, self.kernel_axes),
             self.kernel_shape,
             jnp.float32,
         )

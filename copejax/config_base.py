@@ -49,6 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.position_options = ml_collections.ConfigDict()
     c.model.max_len = ml_collections.config_dict.placeholder(int)  # None: the task's length
     c.model.init_std = 0.02
+    c.model.dense_init = "normal"  # or "fan_in": haiku's Linear default (copejax.dense_init)
     c.model.scale_embeddings = False  # token embeddings times sqrt(width) (Vaswani et al.)
     # auto | naive | blockwise | dot_product_attention (copejax.model_config.ModelConfig).
     c.model.attention_impl = "auto"

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from copejax import ring_decode
 from copejax import sharding as ax
 from copejax.attention import Attention
+from copejax.dense_init import kernel_init
 from copejax.kv_cache import DecodeCursor
 from copejax.model_config import ModelConfig
 from copejax.positions.base import AttentionContext, Carry, EmbedOutput
@@ -49,11 +50,13 @@ class Mlp(nn.Module):
         gpt2 = cfg.block == "gpt2"
 
         def dense(features: int, axes: tuple[str, str], std: float, name: str) -> nn.Module:
+            fan_in = cfg.d_model if axes[0] == ax.EMBED else hidden
+            init = kernel_init(cfg.dense_init, std, fan_in)
             return nn.Dense(
                 features,
                 use_bias=gpt2,
                 dtype=cfg.compute_dtype,
-                kernel_init=nn.with_logical_partitioning(nn.initializers.normal(std), axes),
+                kernel_init=nn.with_logical_partitioning(init, axes),
                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
                 name=name,
             )
@@ -132,7 +135,7 @@ class Transformer(nn.Module):
                 cfg.vocab_size,
                 use_bias=False,
                 kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(cfg.init_std), (ax.EMBED, ax.VOCAB)
+                    kernel_init(cfg.dense_init, cfg.init_std, cfg.d_model), (ax.EMBED, ax.VOCAB)
                 ),
                 name="lm_head",
             )

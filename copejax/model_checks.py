@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from copejax.dense_init import DENSE_INITS
 from copejax.logit_scaling import LOGIT_SCALINGS
 from copejax.model_config import (
     ATTENTION_BACKWARDS,
@@ -40,7 +41,8 @@ def check_sizes(cfg: ModelConfig) -> None:
 
 
 def check_choices(cfg: ModelConfig) -> None:
-    """block, dtype, dropout, the attention path options and the engine's block length."""
+    """block, dtype, dropout, dense_init, the attention path options and the engine's block
+    length."""
     if cfg.block not in BLOCKS:
         raise ValueError(f"model.block must be one of {BLOCKS}, got {cfg.block!r}")
     if cfg.dtype not in DTYPES:
@@ -54,6 +56,7 @@ def check_choices(cfg: ModelConfig) -> None:
     if not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"model.dropout must be in [0, 1), got {cfg.dropout!r}")
     for key, allowed in (
+        ("dense_init", DENSE_INITS),
         ("attention_impl", ATTENTION_IMPLS),
         ("attention_backward", ATTENTION_BACKWARDS),
         ("scan_impl", SCAN_IMPLS),

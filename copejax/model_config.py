@@ -76,6 +76,10 @@ class ModelConfig:
       position_options: options of the scheme (a mapping; stored as sorted pairs).
       max_len: training context length T (learned tables, FIRE's L, YaRN's original length).
       init_std: standard deviation of the weight initialisers.
+      dense_init: how the block's dense kernels start: "normal" (default; N(0, init_std²),
+        output projections init_std / sqrt(2 L)) or "fan_in" (haiku's hk.Linear default,
+        truncated normal with std 1 / sqrt(fan_in), as the models of Ruoss et al. 2023); see
+        ``copejax.dense_init``.
       scale_embeddings: multiply the token embeddings by sqrt of their width before the embed
         site (Vaswani et al. 2017 §3.4; the models of Ruoss et al. 2023, whose inputs the
         length-generalisation study follows). Off by default (GPT-2 / Llama inputs). With
@@ -148,6 +152,7 @@ class ModelConfig:
     position_options: Any = ()
     max_len: int = 512
     init_std: float = 0.02
+    dense_init: str = "normal"
     scale_embeddings: bool = False
     attention_impl: str = "auto"
     attention_block: int | None = None

@@ -57,6 +57,7 @@ UNSET_AS_ZERO = (
 ADDED_KEYS: dict[str, Any] = {
     "model.norm_eps": 1e-6,
     "train.init_from": "",
+    "model.dense_init": "normal",
     # Earlier runs decoded window layers of key-ordered schemes with the full cache; the ring
     # gives the same numbers (tests/test_ring_decode.py), and training never decodes.
     "model.window_decode_cache": "ring",

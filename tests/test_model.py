@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -109,6 +111,46 @@ def _embedded(model: Transformer, tokens_BT: jax.Array, positions_BT: jax.Array,
     return model.embed(tokens_BT, positions_BT, det).x_BTD
 
 
+def _truncated_std(bound: float = 2.0) -> float:
+    """The std of a standard normal truncated to [-bound, bound]."""
+    mass = math.erf(bound / math.sqrt(2.0))
+    density = math.exp(-(bound**2) / 2) / math.sqrt(2 * math.pi)
+    return math.sqrt(1.0 - 2.0 * bound * density / mass)
+
+
+@pytest.mark.parametrize("dense_init", ["normal", "fan_in"])
+def test_dense_init_scales_each_kernel_by_its_fan_in(dense_init: str) -> None:
+    """ "fan_in" is haiku's Linear default (truncated normal, std 1 / sqrt(fan_in) before the
+    truncation, so 0.8796 / sqrt(fan_in) after it); fan_in is what each kernel contracts: D
+    for query and MLP input, N H (here 64, not D = 128) for the attention output, the MLP
+    width for its output. "normal" keeps init_std, output projections / sqrt(2 L)."""
+    cfg = tiny_config(
+        "rope", d_model=128, num_heads=4, head_dim=16, mlp_dim=512, tie_embeddings=False,
+        dense_init=dense_init,
+    )  # fmt: skip
+    tokens_BT, positions_BT = tokens_and_positions()
+    variables = Transformer(cfg).init(jax.random.key(0), tokens_BT, positions_BT)
+    params = nn.meta.unbox(variables)["params"]
+    block = params["block_0"]
+    kernels = {  # name: (kernel, fan_in, std of "normal")
+        "query": (block["attention"]["query"]["kernel"], 128, 0.02),
+        "out": (block["attention"]["out"]["kernel"], 64, 0.02 / math.sqrt(4)),
+        "wi_gate": (block["mlp"]["wi_gate"]["kernel"], 128, 0.02),
+        "wo": (block["mlp"]["wo"]["kernel"], 512, 0.02 / math.sqrt(4)),
+        "lm_head": (params["lm_head"]["kernel"], 128, 0.02),
+    }
+    for name, (kernel, fan_in, normal_std) in kernels.items():
+        w = np.asarray(kernel).ravel()
+        if dense_init == "fan_in":
+            assert np.abs(w).max() <= 2.0 / math.sqrt(fan_in), name
+            want = _truncated_std() / math.sqrt(fan_in)
+        else:
+            want = normal_std
+        assert w.std() == pytest.approx(want, rel=0.05), name
+    embedding = np.asarray(params["token_embed"]["embedding"])
+    assert embedding.std() == pytest.approx(0.02, rel=0.3)  # init_std in both (13 x 128)
+
+
 def test_dropout_is_active_only_in_training() -> None:
     cfg = tiny_config("rope", dropout=0.5)
     model = Transformer(cfg)
@@ -130,6 +172,10 @@ def test_dropout_is_active_only_in_training() -> None:
         ({"block": "t5"}, "block must be one of"),
         ({"dtype": "float16"}, "dtype must be one of"),
         ({"dropout": 1.5}, r"dropout must be in \[0, 1\)"),
+        (
+            {"dense_init": "xavier"},
+            r"dense_init must be one of \('normal', 'fan_in'\), got 'xavier'",
+        ),
         ({"position": "sinusoid"}, "unknown position scheme 'sinusoid'; known schemes: "),
         ({"position": "rope", "head_dim": 7}, "head_dim must be even"),
         ({"position": "rope", "position_options": {"bse": 2}}, r"unknown option\(s\) \['bse'\]"),

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "saved_configs",
             "model_config",
+            "dense_init",
             "model_checks",
             "layouts",
             "logit_scaling",

@@ -18,15 +18,19 @@ gradients clipped at norm 1, 512 test sequences per length; tested at 41 to 500,
 "a few hundred", where their example evaluates lengths up to 100). Shortcuts:
 ``position=<scheme>``, ``seed``, ``steps``, ``batch_size``, ``lr``, ``layers``, ``heads``,
 ``d_model``, ``train_max=<n>``, ``test_max=<n>``, ``test_step=<n>``, ``per_length=<test
-sequences per length>``, ``init_std``, ``scale_embeddings``.
+sequences per length>``, ``init_std``, ``dense_init``, ``scale_embeddings``.
 
 Their model is an encoder that emits all output tokens at once from empty queries; copejax's
 is a causal decoder reading ``input <sep> output`` with teacher forcing (see the suite
 module), and its block is copejax's (``model.block``, pre-norm), not their post-norm one.
-As their models do, the token embeddings are multiplied by sqrt(D)
-(``model.scale_embeddings``; their ``embeddings *= jnp.sqrt(embedding_dim)``, init std 0.02),
-for every arm: without it the sinusoidal encoding is about 35 times the token embedding and
-the sinusoidal and randomized arms stay at chance even on the training lengths.
+The weights start as theirs do (``models/transformer.py`` of
+google-deepmind/randomized_positional_encodings), for every arm: every dense kernel at haiku's
+``hk.Linear`` default, a truncated normal with std 1 / sqrt(fan_in) (``model.dense_init =
+"fan_in"``; copejax's default N(0, 0.02²) leaves the cpu scale's models short of learning
+even the training lengths), and the token embeddings at N(0, 0.02²) times sqrt(D)
+(``model.scale_embeddings``; their ``embeddings *= jnp.sqrt(embedding_dim)``): without the
+sqrt(D) the sinusoidal encoding is about 35 times the token embedding and the sinusoidal and
+randomized arms stay at chance even on the training lengths.
 ``model.max_len`` is the ``long`` split's length, so a learned table and the randomized
 scheme's position range cover it (the learned rows past the training length are never
 trained).
@@ -85,6 +89,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.model.position = "rope"
     c.model.scale_embeddings = True
+    c.model.dense_init = "fan_in"
     c.train.weight_decay = 0.0
     c.eval.splits = ("test", "long")
 
@@ -101,9 +106,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             eval_every=2000, checkpoint_every=500,
         )  # fmt: skip
         # One evaluation, at the end (~40 s a run saved): the study reads only the last one.
-        # Evaluating leaves training untouched (tests/train/test_train.py), so the runs made
-        # with eval_every=1000 (reverse_string, duplicate_string) end with the same numbers,
-        # and their workdirs are re-read under this config (eval_every is workdir.RESUMABLE).
         c.eval.update(batch_size=32, max_examples=0)
     else:
         c.task.options.update(samples_per_length=512)

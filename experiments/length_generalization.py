@@ -21,7 +21,11 @@ for the arms both have, and puts its accuracy and step time beside copejax's. Wi
 page says that the peer was not run. ``--tasks`` runs a subset of the scale's tasks (the page
 then shows only those); ``--jobs`` runs that many copejax runs, and then that many peer runs,
 at a time. ``--init-probe`` also trains ``INIT_PROBE_ARMS`` at x-transformers' initial scales
-(``INIT_PROBE``) and tables them beside copejax's initialisation and the peer's.
+(``INIT_PROBE``) and tables them beside the study's initialisation and the peer's.
+``--records=experiments/records`` keeps the config and metrics of every complete run (and the
+peer's results) in the repository and reads them back on the next run
+(:mod:`experiments.run_records`), so that the study's ~30 hours on 2 cores can be trained over
+several machines; the page's regenerate command then re-reads them.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from copejax.data._length_suite import TASKS
-from experiments import sweep
+from experiments import run_records, sweep
 
 STUDY = "length_generalization"
 CONFIG = "configs/length_generalization.py"
@@ -66,7 +70,9 @@ batch); here lengths are drawn per example and padded. Their `experiments/exampl
 the randomised relative encoding (`NOISY_RELATIVE`, Transformer-XL's with randomised
 positions); copejax's `randomized` arm randomises sinusoidal absolute positions (its default
 `encoding`) and, as their code does, samples positions at evaluation too
-(`sample_at_eval=True`, one fixed key per evaluation).
+(`sample_at_eval=True`, one fixed key per evaluation). The initialisation is theirs: every
+dense kernel starts at haiku's default, a normal truncated at two std with std 1 / sqrt(fan_in)
+(`model.dense_init = "fan_in"`), and the token embeddings at N(0, 0.02²) times sqrt(D).
 
 Published numbers: the paper's results table is not retrievable offline (only its abstract
 and introduction are), so no published column is shown."""
@@ -75,11 +81,12 @@ and introduction are), so no published column is shown."""
 INIT_PROBE_NOTE = """## Where the peer and copejax differ: an initialisation probe
 
 Where x-transformers and copejax disagree, the first difference between them is where they
-start: copejax draws every weight from N(0, 0.02²) (and, here, multiplies the token
-embeddings by sqrt(D)); x-transformers keeps torch's defaults (Linear: uniform with std
-1 / sqrt(3 fan_in), 0.072 at D = 64; token embeddings Kaiming normal, std 0.18). The probe
-trains the arms below again with `init_std=0.072,scale_embeddings=False`, the same seeds and
-batches; everything else unchanged. If the gap closes, the disagreement is the
+start: the study starts every dense kernel as Ruoss et al.'s code does (truncated normal, std
+1 / sqrt(fan_in), 0.125 at D = 64) and multiplies the token embeddings by sqrt(D);
+x-transformers keeps torch's defaults (Linear: uniform with std 1 / sqrt(3 fan_in), 0.072 at
+D = 64; token embeddings Kaiming normal, std 0.18). The probe trains the arms below again with
+`dense_init=normal,init_std=0.072,scale_embeddings=False` (every weight N(0, 0.072²)), the
+same seeds and batches; everything else unchanged. If the gap closes, the disagreement is the
 initialisation, not the position scheme or a bug."""
 
 PEER_NOTE = """x-transformers 2.31.10 (torch 2.13.0, CPU) trained by
@@ -96,11 +103,11 @@ copejax runs (the header says how those were trained)."""
 
 
 # The initialisation probe (``--init-probe``): copejax arms started at x-transformers' scales
-# instead of copejax's: torch's default Linear init (uniform, std 1 / sqrt(3 fan_in) = 0.072
+# instead of the study's: torch's default Linear init (uniform, std 1 / sqrt(3 fan_in) = 0.072
 # at fan_in = D = 64) for every weight, and no sqrt(D) on the token embeddings.
-INIT_PROBE = ",init_std=0.072,scale_embeddings=False"
+INIT_PROBE = ",dense_init=normal,init_std=0.072,scale_embeddings=False"
 INIT_PROBE_ARMS = ("nope", "alibi", "fox")
-INITS = ("copejax init", "torch-scale init")
+INITS = ("study init", "torch-scale init")
 
 
 def label(task: str, arm: str) -> str:
@@ -373,6 +380,8 @@ def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> l
             options.append(f"--peer-threads={own.peer_threads}")
     if own.init_probe:
         options.append("--init-probe")
+    if own.records:
+        options.append(f"--records={own.records}")
     return options
 
 
@@ -384,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     extra.add_argument(
         "--init-probe", action="store_true", help="also train INIT_PROBE_ARMS at torch's scales"
     )
+    extra.add_argument("--records", default="", help="keep and reuse complete runs here")
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
     tasks = select_tasks(args.scale, own.tasks)
@@ -405,12 +415,15 @@ def main(argv: Sequence[str] | None = None) -> Path:
         sweep.seeds_for(args, SEEDS[args.scale]),
         args.workroot,
         jobs=args.jobs,
+        records_dir=own.records,
     )
     summary = summarize(result, tasks)
     peer = {}
     if own.peer:
         seeds = sweep.seeds_for(args, SEEDS[args.scale])
         peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads, jobs=args.jobs)
+        if own.records:
+            run_records.save(args.workroot, own.records, STUDY, args.scale)
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),

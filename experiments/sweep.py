@@ -24,6 +24,7 @@ from copejax.config_base import load_config
 from copejax.metrics import read_jsonl
 from copejax.results_json import write_json
 from copejax.workdir import config_to_dict, read_config, same_run
+from experiments import run_records
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ("smoke", "cpu", "paper")
@@ -83,10 +84,7 @@ def workdir_of(workroot: str | Path, study: str, scale: str, arm: Arm, seed: int
 def is_complete(arm: Arm, seed: int, workdir: Path) -> bool:
     """Whether ``workdir`` already holds the metrics of this arm and seed's last step."""
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
-    metrics = workdir / "metrics.jsonl"
-    return metrics.exists() and any(
-        r.get("step") == config.train.steps for r in read_jsonl(metrics)
-    )
+    return run_records.finished(workdir, config.train.steps)
 
 
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
@@ -188,10 +186,17 @@ def run_sweep(
     workroot: str | Path,
     *,
     jobs: int = 1,
+    records_dir: str | Path = "",
 ) -> Sweep:
     """Trains every arm with every seed: one after another, or ``jobs`` runs at a time (see
-    :func:`train_parallel`), then reads every run's records in order."""
+    :func:`train_parallel`), then reads every run's records in order. With ``records_dir``, the
+    runs kept there are copied in first and every complete run is kept there at the end
+    (:mod:`experiments.run_records`; only for studies that read nothing but the runs'
+    metrics, since a kept run has no checkpoints)."""
     start, load_start = time.perf_counter(), os.getloadavg()[0]
+    if records_dir:
+        restored = run_records.restore(records_dir, workroot, study, scale)
+        print(f"{restored} runs from {records_dir}")
     trained_by_workers: set[Path] = set()
     if jobs > 1:
         todo = [
@@ -213,6 +218,9 @@ def run_sweep(
             workdirs.setdefault(arm.label, []).append(workdir)
     REUSED.difference_update(trained_by_workers)
     reused = sum(w in REUSED for ws in workdirs.values() for w in ws)
+    if records_dir:
+        saved = run_records.save(workroot, records_dir, study, scale)
+        print(f"{saved} runs kept in {records_dir}")
     return Sweep(
         study, scale, list(seeds), records, commands, time.perf_counter() - start, workdirs,
         reused, (load_start, os.getloadavg()[0]), jobs,

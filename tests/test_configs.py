@@ -129,6 +129,9 @@ def test_length_generalization_task_word_and_shortcuts() -> None:
     config = module.get_config(arg)
     assert config.task.name == "parity_check" and config.model.position == "cope"
     assert config.task.options.max_train_length == 5 and config.model.max_len == 9 + 1
+    for variant in VARIANTS:  # Ruoss et al.'s initialisation at every size (haiku's default)
+        assert module.get_config(variant).model.dense_init == "fan_in"
+    assert module.get_config("cpu,dense_init=normal").model.dense_init == "normal"
     with pytest.raises(ValueError, match="at most one task"):
         module.get_config("parity_check,bucket_sort")
     with pytest.raises(ValueError, match="nonsense"):

@@ -294,16 +294,18 @@ def test_length_generalization_summary_and_step_time() -> None:
 
 def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     """The page's regenerate command repeats the flags that shaped it: a subset of tasks,
-    the peer (with its threads), the init probe and a non-default seed count; none of them
-    for a full default run (``--jobs`` only changes the wall time, so it is not repeated)."""
+    the peer (with its threads), the init probe, the kept runs and a non-default seed count;
+    none of them for a full default run (``--jobs`` only changes the wall time, so it is not
+    repeated)."""
     lg = length_generalization
     Own = argparse.Namespace
-    plain = Own(peer=False, peer_threads=0, init_probe=False)
+    plain = Own(peer=False, peer_threads=0, init_probe=False, records="")
     assert lg.page_options(plain, lg.SCALE_TASKS["cpu"], "cpu") == []
-    everything = Own(peer=True, peer_threads=1, init_probe=True)
+    everything = Own(peer=True, peer_threads=1, init_probe=True, records="experiments/records")
     got = lg.page_options(everything, ["reverse_string", "duplicate_string"], "cpu")
     tasks = "--tasks=reverse_string,duplicate_string"
-    assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe"]
+    records = "--records=experiments/records"
+    assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe", records]
     runs = sweep.Sweep(
         study=lg.STUDY,
         scale="cpu",
@@ -317,7 +319,8 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     block = sweep.commands_block(lg.STUDY, default_seeds, runs, got)
     assert (
         "python -m experiments.length_generalization --scale=cpu "
-        "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe\n"
+        "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe "
+        "--records=experiments/records\n"
     ) in block
     three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg.STUDY)
     block = sweep.commands_block(lg.STUDY, three_seeds, runs, [])
@@ -379,7 +382,7 @@ def test_length_generalization_peer_side_by_side() -> None:
 
 
 def test_length_generalization_init_probe_section_and_json() -> None:
-    """The probe table: copejax's init, the torch-scale init and the peer side by side per
+    """The probe table: the study's init, the torch-scale init and the peer side by side per
     split, and whether each init's test-length accuracy is within the peer's seed spread; the
     probe's config carries the options it names."""
     lg = length_generalization
@@ -415,8 +418,9 @@ def test_length_generalization_init_probe_section_and_json() -> None:
         f"parity_check,smoke,position=nope{lg.INIT_PROBE}",
     )
     assert config.model.init_std == 0.072 and config.model.scale_embeddings is False
+    assert config.model.dense_init == "normal"  # every weight N(0, 0.072^2)
     default = load_config(sweep.ROOT / lg.CONFIG, "parity_check,smoke,position=nope")
-    assert default.model.scale_embeddings is True
+    assert default.model.scale_embeddings is True and default.model.dense_init == "fan_in"
 
 
 def test_length_generalization_tasks_subset() -> None:

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import venv
 from pathlib import Path
@@ -55,16 +56,22 @@ ARMS = ("nope", "sinusoidal", "learned", "rope", "alibi", "cope", "fox")
 EVAL_SPLITS = ("test", "long")
 
 
+_VENV_LOCK = threading.Lock()  # run_peer's threads: one creates and installs, the rest wait
+
+
 def ensure_venv() -> Path:
     """The side venv's Python, created on first use and (re)installed whenever ``PINS``
-    differ from the ones it was installed with (``pins.txt`` in the venv)."""
+    differ from the ones it was installed with (``pins.txt`` in the venv). A venv without
+    ``pins.txt`` (new, or an install that did not finish) is created afresh; callers in
+    several threads wait for the one that builds it."""
     python, marker = PEER_VENV / "bin" / "python", PEER_VENV / "pins.txt"
-    if not python.exists():
-        venv.EnvBuilder(with_pip=True).create(PEER_VENV)
-    if not marker.exists() or marker.read_text().split() != list(PINS):
-        install = [str(python), "-m", "pip", "install", "--quiet", *PINS]
-        subprocess.run(install, check=True)
-        marker.write_text("\n".join(PINS) + "\n")
+    with _VENV_LOCK:
+        if not marker.exists():
+            venv.EnvBuilder(with_pip=True, clear=True).create(PEER_VENV)
+        if not marker.exists() or marker.read_text().split() != list(PINS):
+            install = [str(python), "-m", "pip", "install", "--quiet", *PINS]
+            subprocess.run(install, check=True)
+            marker.write_text("\n".join(PINS) + "\n")
     return python
 
 

@@ -436,6 +436,47 @@ def test_length_generalization_tasks_subset() -> None:
         lg.select_tasks("smoke", "parity_check")  # not among the smoke scale's tasks
 
 
+def test_peer_venv_is_built_once_for_concurrent_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_peer's threads all ask for the side venv at once: one creates and installs it, the
+    others wait and reuse it (they used to pip-install into a venv still being created); a
+    venv whose install did not finish (no pins.txt) is created afresh."""
+    import threading
+    import time
+
+    peer = length_generalization_peer
+    monkeypatch.setattr(peer, "PEER_VENV", tmp_path / "venv")
+    created, installed = [], []
+
+    class Builder:
+        def __init__(self, *, with_pip: bool, clear: bool) -> None:
+            assert with_pip and clear
+
+        def create(self, path: Path) -> None:
+            created.append(path)
+            time.sleep(0.2)  # long enough for the other threads to arrive
+            (path / "bin").mkdir(parents=True, exist_ok=True)
+            (path / "bin" / "python").write_text("")
+
+    def install(command: list[str], check: bool) -> None:
+        assert Path(command[0]).exists(), "pip ran before the venv existed"
+        installed.append(command[-len(peer.PINS) :])
+
+    monkeypatch.setattr(peer.venv, "EnvBuilder", Builder)
+    monkeypatch.setattr(peer.subprocess, "run", install)
+    threads = [threading.Thread(target=peer.ensure_venv) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(created) == 1 and installed == [list(peer.PINS)]
+    assert peer.ensure_venv() == tmp_path / "venv" / "bin" / "python" and len(created) == 1
+    (tmp_path / "venv" / "pins.txt").unlink()  # an install that was cut off
+    peer.ensure_venv()
+    assert len(created) == 2 and len(installed) == 2
+
+
 def test_peer_runs_train_once_each_with_jobs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,6 +22,9 @@ page says that the peer was not run. ``--tasks`` runs a subset of the scale's ta
 then shows only those); ``--jobs`` runs that many copejax runs, and then that many peer runs,
 at a time. ``--init-probe`` also trains ``INIT_PROBE_ARMS`` at x-transformers' initial scales
 (``INIT_PROBE``) and tables them beside the study's initialisation and the peer's.
+``--peer-probe`` also trains the peer's ``PEER_PROBE_ARMS`` in copejax's parametrisation
+(``length_generalization_peer``'s ``parametrisation="copejax"``: copejax's embedding scales,
+initialisation and bias-free MLP in x-transformers' network) and tables it beside both.
 ``--records=experiments/records`` keeps the config and metrics of every complete run (and the
 peer's results) in the repository and reads them back on the next run
 (:mod:`experiments.run_records`), so that the study's ~30 hours on 2 cores can be trained over
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from copejax.data._length_suite import TASKS
+from experiments import length_generalization_peer as peer_module
 from experiments import run_records, sweep
 
 STUDY = "length_generalization"
@@ -108,6 +112,23 @@ copejax runs (the header says how those were trained)."""
 INIT_PROBE = ",dense_init=normal,init_std=0.072,scale_embeddings=False"
 INIT_PROBE_ARMS = ("nope", "alibi", "fox")
 INITS = ("study init", "torch-scale init")
+PEER_PROBE_ARMS = peer_module.COPEJAX_PARAMETRISED_ARMS
+PEER_PROBE = "copejax"  # the peer's parametrisation in the probe
+
+PEER_PROBE_NOTE = """## Where the peer and copejax differ: a parametrisation probe
+
+x-transformers and copejax's study config build the same function at initialisation for the
+arms below (a pre-norm RMSNorm block with SwiGLU and tied embeddings) but parametrise and
+start it differently: x-transformers keeps its token table at Kaiming scale (std 0.18) and
+multiplies the tied logits by D^-1/2, where copejax keeps the table at 0.02 and multiplies the
+embeddings by sqrt(D), so that Adam's steps, of one size whatever the scale, move copejax's
+embeddings about 8 times faster; its linear kernels start at torch's uniform (std 1 / sqrt(3
+fan_in)), copejax's at a truncated normal (std 1 / sqrt(fan_in)); its SwiGLU has biases; its
+sinusoidal table has a learned scale started at D^-1/2, copejax adds it at scale 1. The probe
+trains x-transformers again, the same seeds and batches, with all of copejax's choices
+(`length_generalization_peer.py --parametrisation=copejax`). If it then lands on copejax's
+numbers, the two implementations agree and the gap is the parametrisation; if not, the
+difference is in the code."""
 
 
 def label(task: str, arm: str) -> str:
@@ -229,23 +250,27 @@ def run_peer(
     threads: int,
     *,
     jobs: int = 1,
+    parametrisation: str = peer_module.PARAMETRISATIONS[0],
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """x-transformers results: arm -> task -> one result dict per seed (cached as JSON under
     ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them). Runs not
-    cached yet train ``jobs`` at a time, each in its own side-venv process."""
-    from experiments import length_generalization_peer as peer
-
-    cache = Path(workroot) / STUDY / scale / "peer"
+    cached yet train ``jobs`` at a time, each in its own side-venv process. With
+    ``parametrisation="copejax"`` the arms are ``PEER_PROBE_ARMS``, cached apart."""
+    cache = Path(workroot) / STUDY / scale / run_records.PEER
     cache.mkdir(parents=True, exist_ok=True)
-    runs = [(task, arm, seed) for task in tasks for arm in peer.ARMS for seed in seeds]
+    default = parametrisation == peer_module.PARAMETRISATIONS[0]
+    arms = peer_module.ARMS if default else PEER_PROBE_ARMS
+    runs = [(task, arm, seed) for task in tasks for arm in arms for seed in seeds]
+    suffix = "" if default else f"_{parametrisation}"
 
     def path_of(task: str, arm: str, seed: int) -> Path:
-        return cache / f"{task}_{arm}_seed{seed}.json"
+        return cache / f"{task}_{arm}_seed{seed}{suffix}.json"
 
     def train(run: tuple[str, str, int]) -> None:
         task, arm, seed = run
-        print(f"== peer x-transformers {task}, {arm} seed {seed}", flush=True)
-        result = peer.run(f"{task},{ARGS[scale]},seed={seed}", arm, threads)
+        print(f"== peer x-transformers{suffix} {task}, {arm} seed {seed}", flush=True)
+        config_arg = f"{task},{ARGS[scale]},seed={seed}"
+        result = peer_module.run(config_arg, arm, threads, parametrisation)
         path_of(*run).write_text(json.dumps(result))
 
     todo = [run for run in runs if not path_of(*run).exists()]
@@ -350,6 +375,43 @@ def init_probe_section(
     return sweep.markdown_table(header, rows)
 
 
+def peer_probe_section(
+    summary: Mapping[str, Mapping[str, Any]],
+    peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    probe: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+    tasks: Sequence[str],
+) -> str:
+    """Per probed arm and task: accuracy on the training and the test lengths of copejax,
+    x-transformers, and x-transformers in copejax's parametrisation (mean ± std over seeds),
+    and whether each peer's test-length mean is within the seed spread of copejax's."""
+    rows = []
+    for task in tasks:
+        for arm in PEER_PROBE_ARMS:
+            if task not in probe.get(arm, {}) or task not in summary.get(arm, {}):
+                continue
+            theirs = [peer.get(arm, {}).get(task, []), probe[arm][task]]
+            cells = []
+            for split in ("test", "long"):
+                cells.append(_cell(summary[arm][task][split]))
+                for runs in theirs:
+                    values = [r[f"{split}/accuracy"] for r in runs]
+                    cells.append(sweep.percent(sweep.mean_std(values)) if values else "-")
+            for runs in theirs:
+                values = [r["long/accuracy"] for r in runs]
+                cells.append(within_spread(summary[arm][task]["long"], values) if runs else "-")
+            per_seed = " / ".join(f"{100 * r['long/accuracy']:.1f}" for r in probe[arm][task])
+            rows.append([f"`{arm}`", task, *cells, per_seed])
+    peers = ("x-transformers", "x-transformers, copejax's parametrisation")
+    header = ["arm", "task"] + [
+        f"{where}: {who}"
+        for where in ("training lengths %", "test lengths %")
+        for who in ("copejax", *peers)
+    ]
+    header += [f"test lengths: {who} within copejax's seed spread" for who in peers]
+    header += ["test lengths %, every seed: x-transformers, copejax's parametrisation"]
+    return sweep.markdown_table(header, rows)
+
+
 def peer_per_seed(
     peer: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]], tasks: Sequence[str]
 ) -> str:
@@ -380,6 +442,8 @@ def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> l
             options.append(f"--peer-threads={own.peer_threads}")
     if own.init_probe:
         options.append("--init-probe")
+    if own.peer_probe:
+        options.append("--peer-probe")
     if own.records:
         options.append(f"--records={own.records}")
     return options
@@ -392,6 +456,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
     extra.add_argument("--tasks", default="", help="comma-separated subset of the scale's tasks")
     extra.add_argument(
         "--init-probe", action="store_true", help="also train INIT_PROBE_ARMS at torch's scales"
+    )
+    extra.add_argument(
+        "--peer-probe",
+        action="store_true",
+        help="also train the peer's PEER_PROBE_ARMS in copejax's parametrisation",
     )
     extra.add_argument("--records", default="", help="keep and reuse complete runs here")
     own, rest = extra.parse_known_args(argv)
@@ -418,12 +487,24 @@ def main(argv: Sequence[str] | None = None) -> Path:
         records_dir=own.records,
     )
     summary = summarize(result, tasks)
-    peer = {}
-    if own.peer:
+
+    def peer_runs(parametrisation: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
         seeds = sweep.seeds_for(args, SEEDS[args.scale])
-        peer = run_peer(tasks, args.scale, seeds, args.workroot, own.peer_threads, jobs=args.jobs)
+        found = run_peer(
+            tasks,
+            args.scale,
+            seeds,
+            args.workroot,
+            own.peer_threads,
+            jobs=args.jobs,
+            parametrisation=parametrisation,
+        )
         if own.records:
             run_records.save(args.workroot, own.records, STUDY, args.scale)
+        return found
+
+    peer = peer_runs(peer_module.PARAMETRISATIONS[0]) if own.peer else {}
+    probe = peer_runs(PEER_PROBE) if own.peer_probe else {}
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),
@@ -504,6 +585,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if own.init_probe
             else "",
             "",
+            PEER_PROBE_NOTE + "\n\n" + peer_probe_section(summary, peer, probe, tasks)
+            if probe
+            else "",
+            "",
             sweep.commands_block(STUDY, args, result, page_options(own, tasks, args.scale)),
         ]
     )
@@ -516,6 +601,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         results=summary,
         peer=peer_json(peer),
         init_probe=summarize(result, tasks, INIT_PROBE_ARMS, probe_label) if own.init_probe else {},
+        peer_probe=peer_json(probe),
     )
 
 

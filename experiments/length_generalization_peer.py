@@ -20,6 +20,17 @@ learned scale), ``learned`` (its absolute embedding table), ``rope`` (``rotary_p
 p_max), ``fox`` (``attn_data_dependent_alibi``, its forgetting-transformer gate). The block
 is pre-norm RMSNorm with a SwiGLU MLP of copejax's width and tied embeddings, as copejax's
 ``llama`` block; everything else is x-transformers' default.
+
+``parametrisation="copejax"`` (``--parametrisation``; arms ``nope`` and ``sinusoidal``) starts
+and parametrises the same x-transformers network as copejax's study config does, to tell a
+difference of parametrisation from one of implementation: token embeddings N(0, init_std²)
+multiplied by sqrt(D) on the way in and tied logits without x-transformers' D^-1/2 (its
+default: Kaiming-normal embeddings, std sqrt(2 / D), logits times D^-1/2; the same function
+at init, but Adam's steps are 8 times larger relative to copejax's 0.02-scale table); every
+linear kernel of the blocks at haiku's truncated normal, std 1 / sqrt(fan_in)
+(``model.dense_init = "fan_in"``; torch's default is uniform, std 1 / sqrt(3 fan_in)); no
+MLP biases (x-transformers' SwiGLU has them); and the sinusoidal table at a fixed scale 1, as
+copejax adds it (x-transformers learns one scale, initialised to D^-1/2).
 """
 
 from __future__ import annotations
@@ -53,6 +64,8 @@ PINS = (
 )
 CONFIG = ROOT / "configs" / "length_generalization.py"
 ARMS = ("nope", "sinusoidal", "learned", "rope", "alibi", "cope", "fox")
+PARAMETRISATIONS = ("x-transformers", "copejax")
+COPEJAX_PARAMETRISED_ARMS = ("nope", "sinusoidal")  # arms whose every weight copejax's covers
 EVAL_SPLITS = ("test", "long")
 
 
@@ -75,13 +88,23 @@ def ensure_venv() -> Path:
     return python
 
 
-def spec_of(config_arg: str, arm: str) -> dict[str, Any]:
-    """Everything the worker needs from the copejax config of ``config_arg`` with ``arm``."""
+def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") -> dict[str, Any]:
+    """Everything the worker needs from the copejax config of ``config_arg`` with ``arm``,
+    for the peer started as ``parametrisation`` says (see the module docstring)."""
     from copejax.config_base import load_config
     from copejax.train import validate
 
     if arm not in ARMS:
         raise ValueError(f"unknown peer arm {arm!r}; allowed: {ARMS}")
+    if parametrisation not in PARAMETRISATIONS:
+        raise ValueError(
+            f"unknown peer parametrisation {parametrisation!r}; allowed: {PARAMETRISATIONS}"
+        )
+    if parametrisation == "copejax" and arm not in COPEJAX_PARAMETRISED_ARMS:
+        raise ValueError(
+            f"parametrisation='copejax' covers the arms {COPEJAX_PARAMETRISED_ARMS}, not "
+            f"{arm!r}: its position scheme's own weights start differently in the two codebases"
+        )
     config = load_config(CONFIG, f"{config_arg},position={arm}")
     model = validate(config, device_count=1).model_config
     train = config.train
@@ -89,6 +112,7 @@ def spec_of(config_arg: str, arm: str) -> dict[str, Any]:
         "task": config.task.name,
         "task_options": config.task.options.to_dict(),
         "arm": arm,
+        "parametrisation": parametrisation,
         "seed": int(config.seed),
         "vocab_size": model.vocab_size,
         "max_len": model.max_len,
@@ -98,6 +122,7 @@ def spec_of(config_arg: str, arm: str) -> dict[str, Any]:
         "head_dim": model.resolved_head_dim,
         "mlp_dim": model.resolved_mlp_dim,
         "dropout": model.dropout,
+        "init_std": model.init_std,
         "cope_p_max": int(model.scheme.p_max) if arm == "cope" else 0,
         "train": {k: train[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps",
                                         "schedule", "end_learning_rate_fraction",
@@ -134,14 +159,16 @@ def write_data(spec: dict[str, Any], path: Path) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def run(config_arg: str, arm: str, threads: int = 0) -> dict[str, Any]:
+def run(
+    config_arg: str, arm: str, threads: int = 0, parametrisation: str = "x-transformers"
+) -> dict[str, Any]:
     """Trains and evaluates the peer for one copejax config and arm; returns its results.
 
     ``threads``: torch's intra-op threads (0: torch's default, all cores, as XLA's CPU client
     uses). On a loaded machine the default spin-waits: a 2-layer D = 32 step measured 73 to
     1,150 ms with 2 threads and 5 to 38 ms with 1 at a load average of 13 on 2 cores."""
     python = ensure_venv()
-    spec = {**spec_of(config_arg, arm), "threads": threads}
+    spec = {**spec_of(config_arg, arm, parametrisation), "threads": threads}
     with tempfile.TemporaryDirectory() as tmp:
         data, spec_path, out = Path(tmp, "data.npz"), Path(tmp, "spec.json"), Path(tmp, "out.json")
         write_data(spec, data)
@@ -193,15 +220,52 @@ def build_model(spec: dict[str, Any]) -> Any:
         layers.update(attn_use_cope=True, attn_cope_max_pos=spec["cope_p_max"])
     if arm == "fox":
         layers.update(attn_data_dependent_alibi=True)
-    return TransformerWrapper(
+    as_copejax = spec.get("parametrisation", "x-transformers") == "copejax"
+    if as_copejax:
+        layers.update(ff_no_bias=True)
+    model = TransformerWrapper(
         num_tokens=spec["vocab_size"],
         max_seq_len=spec["max_len"],
         attn_layers=Decoder(**layers),
         use_abs_pos_emb=arm in ("learned", "sinusoidal"),
         scaled_sinu_pos_emb=arm == "sinusoidal",
         tie_embedding=True,
+        tie_embedding_scale=1.0 if as_copejax else None,
         emb_dropout=spec["dropout"],
     )
+    if as_copejax:
+        _parametrise_as_copejax(model, spec)
+    return model
+
+
+def _parametrise_as_copejax(model: Any, spec: dict[str, Any]) -> None:
+    """Re-starts ``model`` (built with ``ff_no_bias`` and ``tie_embedding_scale=1``) as
+    copejax's study config starts its network; see the module docstring."""
+    import torch
+
+    token_emb = model.token_emb
+    token_emb.forward = _scaled_lookup(token_emb, math.sqrt(spec["d_model"]))
+    with torch.no_grad():
+        torch.nn.init.normal_(token_emb.emb.weight, std=spec["init_std"])
+        for module in model.attn_layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                std = 1.0 / math.sqrt(module.in_features)
+                torch.nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+                if module.bias is not None:  # the SwiGLU input's, which ff_no_bias keeps
+                    module.register_parameter("bias", None)
+        if spec["arm"] == "sinusoidal":
+            model.pos_emb.scale.fill_(1.0)
+            model.pos_emb.scale.requires_grad_(False)
+
+
+def _scaled_lookup(token_emb: Any, factor: float) -> Any:
+    """``token_emb``'s lookup times ``factor`` (copejax's ``model.scale_embeddings``)."""
+    lookup = token_emb.forward
+
+    def forward(tokens: Any) -> Any:
+        return lookup(tokens) * factor
+
+    return forward
 
 
 def _task(spec: dict[str, Any]) -> Any:
@@ -278,11 +342,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="reverse_string,smoke", help="config argument")
     parser.add_argument("--out", default="", help="JSON file for the results (else stdout)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--parametrisation", choices=PARAMETRISATIONS, default=PARAMETRISATIONS[0])
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
         return
-    results = run(args.config, args.arm, args.threads)
+    results = run(args.config, args.arm, args.threads, args.parametrisation)
     text = json.dumps(results, indent=1)
     Path(args.out).write_text(text) if args.out else print(text)
 

@@ -299,13 +299,15 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     repeated)."""
     lg = length_generalization
     Own = argparse.Namespace
-    plain = Own(peer=False, peer_threads=0, init_probe=False, records="")
+    plain = Own(peer=False, peer_threads=0, init_probe=False, peer_probe=False, records="")
     assert lg.page_options(plain, lg.SCALE_TASKS["cpu"], "cpu") == []
-    everything = Own(peer=True, peer_threads=1, init_probe=True, records="experiments/records")
+    everything = Own(
+        peer=True, peer_threads=1, init_probe=True, peer_probe=True, records="experiments/records"
+    )
     got = lg.page_options(everything, ["reverse_string", "duplicate_string"], "cpu")
     tasks = "--tasks=reverse_string,duplicate_string"
     records = "--records=experiments/records"
-    assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe", records]
+    assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe", "--peer-probe", records]
     runs = sweep.Sweep(
         study=lg.STUDY,
         scale="cpu",
@@ -320,7 +322,7 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     assert (
         "python -m experiments.length_generalization --scale=cpu "
         "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe "
-        "--records=experiments/records\n"
+        "--peer-probe --records=experiments/records\n"
     ) in block
     three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg.STUDY)
     block = sweep.commands_block(lg.STUDY, three_seeds, runs, [])
@@ -485,10 +487,11 @@ def test_peer_runs_train_once_each_with_jobs(
     peer = length_generalization_peer
     calls = []
 
-    def fake_run(config_arg: str, arm: str, threads: int) -> dict[str, float]:
+    def fake_run(config_arg: str, arm: str, threads: int, parametrisation: str) -> dict:
         calls.append((config_arg, arm, threads))
         seed = int(config_arg.rsplit("seed=", 1)[1])
-        return {"long/accuracy": seed / 10, "step_ms": 1.0}
+        offset = 0.5 if parametrisation == "copejax" else 0.0
+        return {"long/accuracy": offset + seed / 10, "step_ms": 1.0}
 
     monkeypatch.setattr(peer, "run", fake_run)
     lg = length_generalization
@@ -499,6 +502,40 @@ def test_peer_runs_train_once_each_with_jobs(
     assert [r["long/accuracy"] for r in out["rope"]["parity_check"]] == [0.0, 0.1]
     again = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
     assert len(calls) == 2 * len(peer.ARMS) and again == out
+    probe = lg.run_peer(
+        ["parity_check"], "smoke", [0, 1], str(tmp_path), 1, parametrisation="copejax"
+    )
+    assert sorted(probe) == sorted(lg.PEER_PROBE_ARMS) == ["nope", "sinusoidal"]
+    assert [r["long/accuracy"] for r in probe["nope"]["parity_check"]] == [0.5, 0.6]
+    assert len(calls) == 2 * len(peer.ARMS) + 4  # cached apart from the default runs
+    cached = sorted(p.name for p in (tmp_path / lg.STUDY / "smoke" / "peer").iterdir())
+    assert "parity_check_nope_seed1_copejax.json" in cached and len(cached) == 18
+    assert lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1) == out
+
+
+def test_length_generalization_peer_probe_section() -> None:
+    """The parametrisation probe's table: copejax, the peer and the re-parametrised peer per
+    split, each peer's agreement with copejax's spread, and the probe's every seed."""
+    lg = length_generalization
+    ours = {
+        "test": sweep.spread(0.9, 0.0, [0.9, 0.9]),
+        "long": sweep.spread(0.6, 0.1, [0.5, 0.7]),
+    }
+    peer = {"nope": {"parity_check": [{"test/accuracy": 1.0, "long/accuracy": 0.9}] * 2}}
+    probe = {
+        "nope": {
+            "parity_check": [
+                {"test/accuracy": 0.8, "long/accuracy": 0.55},
+                {"test/accuracy": 1.0, "long/accuracy": 0.65},
+            ]
+        }
+    }
+    table = lg.peer_probe_section({"nope": {"parity_check": ours}}, peer, probe, ["parity_check"])
+    assert (
+        "| `nope` | parity_check | 90.0 ± 0.0 | 100.0 ± 0.0 | 90.0 ± 10.0 | 60.0 ± 10.0 "
+        "| 90.0 ± 0.0 | 60.0 ± 5.0 | no (gap 30.0) | yes | 55.0 / 65.0 |" in table
+    )
+    assert "`sinusoidal`" not in table  # probe arms that did not run are left out
 
 
 def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
@@ -527,6 +564,13 @@ def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
     assert data["long_inputs"].shape[-1] == task.split_length("long")
     with pytest.raises(ValueError, match="unknown peer arm"):
         peer.spec_of("parity_check,smoke", "randomized")
+    assert spec["parametrisation"] == "x-transformers" and spec["init_std"] == 0.02
+    as_copejax = peer.spec_of("parity_check,smoke", "sinusoidal", "copejax")
+    assert as_copejax["parametrisation"] == "copejax"
+    with pytest.raises(ValueError, match=r"covers the arms .*not 'rope'"):
+        peer.spec_of("parity_check,smoke", "rope", "copejax")
+    with pytest.raises(ValueError, match="unknown peer parametrisation 'haiku'"):
+        peer.spec_of("parity_check,smoke", "nope", "haiku")
 
 
 @pytest.mark.slow  # creates the side venv (torch, x-transformers) on first use
@@ -535,3 +579,7 @@ def test_length_generalization_peer_trains() -> None:
     for split in ("test", "long"):
         assert 0.0 <= results[f"{split}/accuracy"] <= 1.0
     assert results["step_ms"] > 0 and results["threads"] == 1
+    probe = length_generalization_peer.run(
+        "parity_check,smoke,steps=3", "sinusoidal", threads=1, parametrisation="copejax"
+    )
+    assert 0.0 <= probe["long/accuracy"] <= 1.0 and probe["final_loss"] > 0

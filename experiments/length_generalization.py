@@ -69,14 +69,17 @@ DIFFERENCES = """How this differs from Ruoss et al.: their model is an encoder (
 bidirectional attention) that reads the input followed by one empty query per output token and
 emits all outputs at once; copejax's is a causal pre-norm decoder that reads `input <sep>
 output` and predicts each output token from the true previous ones (teacher forcing; greedy
-argmax scored per token, as their accuracy is). Their batches share one length (drawn per
-batch); here lengths are drawn per example and padded. Their `experiments/example.py` trains
-the randomised relative encoding (`NOISY_RELATIVE`, Transformer-XL's with randomised
-positions); copejax's `randomized` arm randomises sinusoidal absolute positions (its default
-`encoding`) and, as their code does, samples positions at evaluation too
-(`sample_at_eval=True`, one fixed key per evaluation). The initialisation is theirs: every
-dense kernel starts at haiku's default, a normal truncated at two std with std 1 / sqrt(fan_in)
-(`model.dense_init = "fan_in"`), and the token embeddings at N(0, 0.02²) times sqrt(D).
+argmax scored per token, as their accuracy is). Their block's MLP is ReLU with biases and
+their output layer a separate linear map; copejax's is its `llama` block (RMSNorm, SwiGLU,
+no biases) with the output tied to the token embeddings. Their batches share one length
+(drawn per batch); here lengths are drawn per example and padded. Their
+`experiments/example.py` trains the randomised relative encoding (`NOISY_RELATIVE`,
+Transformer-XL's with randomised positions); copejax's `randomized` arm randomises
+sinusoidal absolute positions (its default `encoding`) and, as their code does, samples
+positions at evaluation too (`sample_at_eval=True`, one fixed key per evaluation). The
+initialisation is theirs: every dense kernel starts at haiku's default, a normal truncated at
+two std with std 1 / sqrt(fan_in) (`model.dense_init = "fan_in"`), and the token embeddings
+at N(0, 0.02²) times sqrt(D).
 
 Published numbers: the paper's results table is not retrievable offline (only its abstract
 and introduction are), so no published column is shown."""
@@ -268,7 +271,7 @@ def run_peer(
 
     def train(run: tuple[str, str, int]) -> None:
         task, arm, seed = run
-        print(f"== peer x-transformers{suffix} {task}, {arm} seed {seed}", flush=True)
+        print(f"== peer x-transformers ({parametrisation}) {task}, {arm} seed {seed}", flush=True)
         config_arg = f"{task},{ARGS[scale]},seed={seed}"
         result = peer_module.run(config_arg, arm, threads, parametrisation)
         path_of(*run).write_text(json.dumps(result))

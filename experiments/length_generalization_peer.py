@@ -220,7 +220,7 @@ def build_model(spec: dict[str, Any]) -> Any:
         layers.update(attn_use_cope=True, attn_cope_max_pos=spec["cope_p_max"])
     if arm == "fox":
         layers.update(attn_data_dependent_alibi=True)
-    as_copejax = spec.get("parametrisation", "x-transformers") == "copejax"
+    as_copejax = spec["parametrisation"] == "copejax"
     if as_copejax:
         layers.update(ff_no_bias=True)
     model = TransformerWrapper(

@@ -432,6 +432,20 @@ def _processes(jobs: int) -> str:
     return "one process" if jobs == 1 else f"{jobs} single-threaded training processes"
 
 
+def logged_training_s(sweep: Sweep) -> float:
+    """Seconds of training steps in the runs' logs: each logged window's steps over its
+    ``train/steps_per_sec``, summed over windows, seeds and arms (evaluation left out)."""
+    total = 0.0
+    for per_seed in sweep.records.values():
+        for records in per_seed:
+            previous = 0
+            for record in records:
+                if "train/steps_per_sec" in record:
+                    total += (record["step"] - previous) / record["train/steps_per_sec"]
+                    previous = record["step"]
+    return total
+
+
 def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
     return "\n".join(
         [
@@ -443,7 +457,9 @@ def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
             f"average {sweep.load_average[0]:.1f} at the start, {sweep.load_average[1]:.1f} "
             "at the end"
             + (
-                f"; {sweep.reused} runs were already complete and only re-read"
+                f"; {sweep.reused} runs were already complete and only re-read; the training"
+                f" logs of all {sum(map(len, sweep.records.values()))} runs add up to"
+                f" {logged_training_s(sweep) / 60:.1f} min of training steps"
                 if sweep.reused
                 else ""
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +204,20 @@ def test_mean_std_and_arm_command() -> None:
         "python -m copejax.main --config=configs/lm.py:cpu,position=cope,gates=values,seed=2"
         " --workdir=/w"
     )
+
+
+def test_header_of_reread_runs_states_their_logged_training_time() -> None:
+    """When runs were only re-read, the header's wall time is that of the invocation; the
+    training cost is then summed from the logs: each window's steps over its steps/s."""
+    log = [
+        {"step": 100, "train/steps_per_sec": 2.0},
+        {"step": 100, "eval/test/error": 0.5},
+        {"step": 300, "train/steps_per_sec": 4.0},
+    ]  # 50 s + 50 s
+    result = sweep.Sweep("s", "cpu", [0, 1], {"a": [log, log[:1]]}, [], 3.0, {}, reused=2)
+    assert sweep.logged_training_s(result) == pytest.approx(150.0)
+    text = sweep.header("t", "cpu", result, "")
+    assert "2 runs were already complete" in text and "all 2 runs add up to 2.5 min" in text
 
 
 @pytest.mark.slow  # two spawned processes and a third run: about 30 s on 2 cores
@@ -583,3 +598,68 @@ def test_length_generalization_peer_trains() -> None:
         "parity_check,smoke,steps=3", "sinusoidal", threads=1, parametrisation="copejax"
     )
     assert 0.0 <= probe["long/accuracy"] <= 1.0 and probe["final_loss"] > 0
+
+
+# Run by the side venv's Python: builds the peer for the spec in argv[1] and prints what its
+# weights and maps are (torch and x-transformers are not importable in the test's process).
+_DESCRIBE_PEER = """
+import json, math, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import length_generalization_peer as peer
+spec = json.loads(sys.argv[1])
+torch.manual_seed(spec["seed"])
+model = peer.build_model(spec)
+table = model.token_emb.emb.weight
+ids = torch.arange(spec["vocab_size"])
+linears = [m for m in model.attn_layers.modules() if isinstance(m, torch.nn.Linear)]
+scale = getattr(model.pos_emb, "scale", None)
+print(json.dumps({
+    "table_std": table.std().item(),
+    "lookup_over_row": (model.token_emb(ids) / table[ids]).flatten().tolist(),
+    "logit_scale": model.tie_embedding_scale,
+    "kernel_std_times_sqrt_fan_in": [m.weight.std().item() * math.sqrt(m.in_features)
+                                     for m in linears],
+    "kernel_max_times_sqrt_fan_in": [m.weight.abs().max().item() * math.sqrt(m.in_features)
+                                     for m in linears],
+    "biases": sum(m.bias is not None for m in linears),
+    "sinusoid_scale": None if scale is None else [scale.item(), scale.requires_grad],
+}))
+"""
+
+
+@pytest.mark.slow  # the side venv (torch, x-transformers), created on first use
+def test_copejax_parametrised_peer_starts_as_copejax() -> None:
+    """The probe's peer: token table N(0, init_std^2) read times sqrt(D), tied logits at
+    scale 1, every block kernel a normal truncated at two std (std 1 / sqrt(fan_in), so the
+    sample std is 0.88 / sqrt(fan_in)), no biases, the sinusoid at a fixed scale 1; the
+    default peer keeps x-transformers' Kaiming table, D^-1/2 logits, uniform kernels (sample
+    std 0.58 / sqrt(fan_in)), MLP biases and a learned D^-1/2 sinusoid scale."""
+    peer = length_generalization_peer
+    python = peer.ensure_venv()
+
+    def describe(parametrisation: str) -> dict:
+        spec = peer.spec_of("parity_check,smoke", "sinusoidal", parametrisation)
+        command = [
+            str(python),
+            "-c",
+            _DESCRIBE_PEER,
+            json.dumps(spec),
+            str(peer.ROOT / "experiments"),
+        ]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        return {**json.loads(out), "d": spec["d_model"], "init_std": spec["init_std"]}
+
+    ours, theirs = describe("copejax"), describe("x-transformers")
+    d = ours["d"]
+    assert ours["table_std"] == pytest.approx(ours["init_std"], rel=0.25)
+    np.testing.assert_allclose(ours["lookup_over_row"], math.sqrt(d), rtol=1e-5)
+    assert ours["logit_scale"] == 1.0 and ours["biases"] == 0
+    assert all(0.75 < s < 1.0 for s in ours["kernel_std_times_sqrt_fan_in"])
+    assert all(m <= 2.0 + 1e-6 for m in ours["kernel_max_times_sqrt_fan_in"])
+    assert ours["sinusoid_scale"] == [1.0, False]
+    assert theirs["table_std"] == pytest.approx(math.sqrt(2 / d), rel=0.25)
+    np.testing.assert_allclose(theirs["lookup_over_row"], 1.0, rtol=1e-6)
+    assert theirs["logit_scale"] == pytest.approx(d**-0.5) and theirs["biases"] > 0
+    assert all(0.45 < s < 0.7 for s in theirs["kernel_std_times_sqrt_fan_in"])
+    assert theirs["sinusoid_scale"] == [pytest.approx(d**-0.5), True]

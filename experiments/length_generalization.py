@@ -103,7 +103,13 @@ scored with the task's own metric. Its block: pre-norm RMSNorm, SwiGLU MLP of co
 tied embeddings, x-transformers' defaults otherwise (its token embeddings start at Kaiming
 normal, std sqrt(2 / D) ≈ 0.18 at D = 64, near copejax's 0.02 · sqrt(D) = 0.16);
 `sinusoidal` is its scaled sinusoidal embedding (one learned scale, initialised to
-D^-1/2) and `fox` its data-dependent ALiBi (forgetting-transformer gate). Accuracies agree
+D^-1/2); `rope` rotates half of each head's features (its default `rotary_emb_dim =
+dim_head // 2`, 8 of 16 at the `cpu` scale, the full frequency spectrum over those 8), where
+copejax rotates all of them (`fraction = 1`); `fox` is its data-dependent ALiBi
+(forgetting-transformer gate) with the gate's bias started at 5 (f ≈ 0.993, almost no decay
+at first), where copejax starts it at 0 (`forget_bias_init`, f ≈ 0.5). These are
+x-transformers' choices and are kept; the parametrisation probe below covers only `nope`
+and `sinusoidal`. Accuracies agree
 when the means differ by no more than the larger seed std. Step times are medians after five
 steps, on a shared machine; torch ran with {threads}, and as many peer runs at a time as
 copejax runs (the header says how those were trained)."""

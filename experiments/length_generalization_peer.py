@@ -15,9 +15,11 @@ imported from ``copejax/data``).
 
 Arms (``--arm``, copejax's scheme names) and the x-transformers switches they set:
 ``nope`` (no absolute embedding), ``sinusoidal`` (``scaled_sinu_pos_emb``: sinusoidal with one
-learned scale), ``learned`` (its absolute embedding table), ``rope`` (``rotary_pos_emb``),
+learned scale), ``learned`` (its absolute embedding table), ``rope`` (``rotary_pos_emb``;
+it rotates ``dim_head // 2`` features by default, copejax all),
 ``alibi`` (``alibi_pos_bias``), ``cope`` (``attn_use_cope``, ``cope_max_pos`` = copejax's
-p_max), ``fox`` (``attn_data_dependent_alibi``, its forgetting-transformer gate). The block
+p_max), ``fox`` (``attn_data_dependent_alibi``, its forgetting-transformer gate, bias started
+at 5 where copejax starts at 0). The block
 is pre-norm RMSNorm with a SwiGLU MLP of copejax's width and tied embeddings, as copejax's
 ``llama`` block; everything else is x-transformers' default.
 

@@ -628,6 +628,28 @@ print(json.dumps({
 """
 
 
+def _describe_peer(script: str, arm: str, parametrisation: str) -> dict:
+    """Runs ``script`` in the peer's side venv on the spec of ``arm`` (``parity_check,smoke``)
+    and returns the JSON it prints, with the spec's ``d_model``, ``head_dim`` and
+    ``init_std``."""
+    peer = length_generalization_peer
+    spec = peer.spec_of("parity_check,smoke", arm, parametrisation)
+    command = [
+        str(peer.ensure_venv()),
+        "-c",
+        script,
+        json.dumps(spec),
+        str(peer.ROOT / "experiments"),
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return {
+        **json.loads(out),
+        "d": spec["d_model"],
+        "head_dim": spec["head_dim"],
+        "init_std": spec["init_std"],
+    }
+
+
 @pytest.mark.slow  # the side venv (torch, x-transformers), created on first use
 def test_copejax_parametrised_peer_starts_as_copejax() -> None:
     """The probe's peer: token table N(0, init_std^2) read times sqrt(D), tied logits at
@@ -635,22 +657,8 @@ def test_copejax_parametrised_peer_starts_as_copejax() -> None:
     sample std is 0.88 / sqrt(fan_in)), no biases, the sinusoid at a fixed scale 1; the
     default peer keeps x-transformers' Kaiming table, D^-1/2 logits, uniform kernels (sample
     std 0.58 / sqrt(fan_in)), MLP biases and a learned D^-1/2 sinusoid scale."""
-    peer = length_generalization_peer
-    python = peer.ensure_venv()
-
-    def describe(parametrisation: str) -> dict:
-        spec = peer.spec_of("parity_check,smoke", "sinusoidal", parametrisation)
-        command = [
-            str(python),
-            "-c",
-            _DESCRIBE_PEER,
-            json.dumps(spec),
-            str(peer.ROOT / "experiments"),
-        ]
-        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        return {**json.loads(out), "d": spec["d_model"], "init_std": spec["init_std"]}
-
-    ours, theirs = describe("copejax"), describe("x-transformers")
+    ours = _describe_peer(_DESCRIBE_PEER, "sinusoidal", "copejax")
+    theirs = _describe_peer(_DESCRIBE_PEER, "sinusoidal", "x-transformers")
     d = ours["d"]
     assert ours["table_std"] == pytest.approx(ours["init_std"], rel=0.25)
     np.testing.assert_allclose(ours["lookup_over_row"], math.sqrt(d), rtol=1e-5)
@@ -663,3 +671,32 @@ def test_copejax_parametrised_peer_starts_as_copejax() -> None:
     assert theirs["logit_scale"] == pytest.approx(d**-0.5) and theirs["biases"] > 0
     assert all(0.45 < s < 0.7 for s in theirs["kernel_std_times_sqrt_fan_in"])
     assert theirs["sinusoid_scale"] == [pytest.approx(d**-0.5), True]
+
+
+_DESCRIBE_PEER_POSITIONS = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import length_generalization_peer as peer
+spec = json.loads(sys.argv[1])
+model = peer.build_model(spec)
+rotary = model.attn_layers.rotary_pos_emb
+gates = [m.to_forget_gates[0].bias.tolist() for m in model.modules()
+         if type(m).__name__ == "DataDependentAlibi"]
+print(json.dumps({
+    "rotated": None if rotary is None else 2 * rotary.inv_freq.numel(),
+    "forget_bias": gates,
+}))
+"""
+
+
+@pytest.mark.slow  # the side venv (torch, x-transformers), created on first use
+def test_peer_rope_and_fox_keep_x_transformers_choices() -> None:
+    """What the page says of the peer's ``rope`` and ``fox`` arms holds for the pinned
+    x-transformers: its RoPE rotates dim_head // 2 features (copejax all of them) and its
+    forget gate's bias starts at 5 (copejax's ``forget_bias_init`` at 0)."""
+    rope = _describe_peer(_DESCRIBE_PEER_POSITIONS, "rope", "x-transformers")
+    assert rope["rotated"] == rope["head_dim"] // 2 and rope["forget_bias"] == []
+    fox = _describe_peer(_DESCRIBE_PEER_POSITIONS, "fox", "x-transformers")
+    assert fox["rotated"] is None and len(fox["forget_bias"]) > 0
+    np.testing.assert_array_equal(np.concatenate(fox["forget_bias"]), 5.0)

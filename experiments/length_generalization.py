@@ -22,9 +22,10 @@ page says that the peer was not run. ``--tasks`` runs a subset of the scale's ta
 then shows only those); ``--jobs`` runs that many copejax runs, and then that many peer runs,
 at a time. ``--init-probe`` also trains ``INIT_PROBE_ARMS`` at x-transformers' initial scales
 (``INIT_PROBE``) and tables them beside the study's initialisation and the peer's.
-``--peer-probe`` also trains the peer's ``PEER_PROBE_ARMS`` in copejax's parametrisation
+``--peer-probe`` also trains the peer's arms in copejax's parametrisation
 (``length_generalization_peer``'s ``parametrisation="copejax"``: copejax's embedding scales,
-initialisation and bias-free MLP in x-transformers' network) and tables it beside both.
+initialisation, bias-free MLP and position-scheme starts in x-transformers' network) and
+tables it beside both; ``--peer-probe-arms`` names a subset of them (all by default).
 ``--records=experiments/records`` keeps the config and metrics of every complete run (and the
 peer's results) in the repository and reads them back on the next run
 (:mod:`experiments.run_records`), so that the study's ~30 hours on 2 cores can be trained over
@@ -108,8 +109,8 @@ dim_head // 2`, 8 of 16 at the `cpu` scale, the full frequency spectrum over tho
 copejax rotates all of them (`fraction = 1`); `fox` is its data-dependent ALiBi
 (forgetting-transformer gate) with the gate's bias started at 5 (f ≈ 0.993, almost no decay
 at first), where copejax starts it at 0 (`forget_bias_init`, f ≈ 0.5). These are
-x-transformers' choices and are kept; the parametrisation probe below covers only `nope`
-and `sinusoidal`. Accuracies agree
+x-transformers' choices and are kept; the parametrisation probe below trains the arms again
+with copejax's. Accuracies agree
 when the means differ by no more than the larger seed std. Step times are medians after five
 steps, on a shared machine; torch ran with {threads}, and as many peer runs at a time as
 copejax runs (the header says how those were trained)."""
@@ -121,23 +122,26 @@ copejax runs (the header says how those were trained)."""
 INIT_PROBE = ",dense_init=normal,init_std=0.072,scale_embeddings=False"
 INIT_PROBE_ARMS = ("nope", "alibi", "fox")
 INITS = ("study init", "torch-scale init")
-PEER_PROBE_ARMS = peer_module.COPEJAX_PARAMETRISED_ARMS
+PEER_PROBE_ARMS = peer_module.ARMS  # --peer-probe-arms: a subset
 PEER_PROBE = "copejax"  # the peer's parametrisation in the probe
 
 PEER_PROBE_NOTE = """## Where the peer and copejax differ: a parametrisation probe
 
-x-transformers and copejax's study config build the same function at initialisation for the
-arms below (a pre-norm RMSNorm block with SwiGLU and tied embeddings) but parametrise and
-start it differently: x-transformers keeps its token table at Kaiming scale (std 0.18) and
-multiplies the tied logits by D^-1/2, where copejax keeps the table at 0.02 and multiplies the
-embeddings by sqrt(D), so that Adam's steps, of one size whatever the scale, move copejax's
-embeddings about 8 times faster; its linear kernels start at torch's uniform (std 1 / sqrt(3
-fan_in)), copejax's at a truncated normal (std 1 / sqrt(fan_in)); its SwiGLU has biases; its
-sinusoidal table has a learned scale started at D^-1/2, copejax adds it at scale 1. The probe
-trains x-transformers again, the same seeds and batches, with all of copejax's choices
-(`length_generalization_peer.py --parametrisation=copejax`). If it then lands on copejax's
-numbers, the two implementations agree and the gap is the parametrisation; if not, the
-difference is in the code."""
+x-transformers and copejax's study config build the same function at initialisation (a pre-norm
+RMSNorm block with SwiGLU and tied embeddings) but parametrise and start it differently:
+x-transformers keeps its token table at Kaiming scale (std 0.18) and multiplies the tied logits
+by D^-1/2, where copejax keeps the table at 0.02 and multiplies the embeddings by sqrt(D), so
+that Adam's steps, of one size whatever the scale, move copejax's embeddings about 8 times
+faster; its linear kernels start at torch's uniform (std 1 / sqrt(3 fan_in)), copejax's at a
+truncated normal (std 1 / sqrt(fan_in)); its SwiGLU has biases. The position schemes' own
+weights start differently too: x-transformers' sinusoidal table has a learned scale started at
+D^-1/2 (copejax adds it at scale 1); its learned table is N(0, 1) read times D^-1/2 (copejax's
+N(0, 0.02²) at scale 1); its RoPE rotates half of each head (copejax all of it); its FoX gate
+starts with a bias of 5 and torch's uniform kernel (copejax's at 0 and N(0, 0.02²)). ALiBi has
+no weights and both CoPE tables start at zero. The probe trains x-transformers again, the same
+seeds and batches, with all of copejax's choices (`length_generalization_peer.py
+--parametrisation=copejax`). If it then lands on copejax's numbers, the two implementations
+agree and the gap is the parametrisation; if not, the difference is in the code."""
 
 
 def label(task: str, arm: str) -> str:
@@ -260,15 +264,15 @@ def run_peer(
     *,
     jobs: int = 1,
     parametrisation: str = peer_module.PARAMETRISATIONS[0],
+    arms: Sequence[str] = peer_module.ARMS,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """x-transformers results: arm -> task -> one result dict per seed (cached as JSON under
     ``<workroot>/length_generalization/<scale>/peer``, so a re-run only reads them). Runs not
-    cached yet train ``jobs`` at a time, each in its own side-venv process. With
-    ``parametrisation="copejax"`` the arms are ``PEER_PROBE_ARMS``, cached apart."""
+    cached yet train ``jobs`` at a time, each in its own side-venv process, for ``arms``.
+    Runs with ``parametrisation="copejax"`` (the probe) are cached apart."""
     cache = Path(workroot) / STUDY / scale / run_records.PEER
     cache.mkdir(parents=True, exist_ok=True)
     default = parametrisation == peer_module.PARAMETRISATIONS[0]
-    arms = peer_module.ARMS if default else PEER_PROBE_ARMS
     runs = [(task, arm, seed) for task in tasks for arm in arms for seed in seeds]
     suffix = "" if default else f"_{parametrisation}"
 
@@ -306,6 +310,21 @@ def select_tasks(scale: str, names: str) -> tuple[str, ...]:
             f"{', '.join(allowed)}"
         )
     return tuple(t for t in allowed if t in chosen)
+
+
+def select_probe_arms(names: str) -> tuple[str, ...]:
+    """``PEER_PROBE_ARMS``, or the comma-separated subset ``names`` of them (in their order);
+    an unknown name is an error that lists the allowed ones."""
+    if not names:
+        return PEER_PROBE_ARMS
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in PEER_PROBE_ARMS]
+    if unknown or not chosen:
+        raise SystemExit(
+            f"--peer-probe-arms={names!r}: unknown {unknown or 'empty'}; the peer has "
+            f"{', '.join(PEER_PROBE_ARMS)}"
+        )
+    return tuple(a for a in PEER_PROBE_ARMS if a in chosen)
 
 
 def within_spread(mine: Mapping[str, Any], theirs: Sequence[float]) -> str:
@@ -453,6 +472,8 @@ def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> l
         options.append("--init-probe")
     if own.peer_probe:
         options.append("--peer-probe")
+        if own.peer_probe_arms and select_probe_arms(own.peer_probe_arms) != PEER_PROBE_ARMS:
+            options.append(f"--peer-probe-arms={','.join(select_probe_arms(own.peer_probe_arms))}")
     if own.records:
         options.append(f"--records={own.records}")
     return options
@@ -469,12 +490,16 @@ def main(argv: Sequence[str] | None = None) -> Path:
     extra.add_argument(
         "--peer-probe",
         action="store_true",
-        help="also train the peer's PEER_PROBE_ARMS in copejax's parametrisation",
+        help="also train the peer's arms in copejax's parametrisation",
+    )
+    extra.add_argument(
+        "--peer-probe-arms", default="", help="comma-separated subset of the probe's arms"
     )
     extra.add_argument("--records", default="", help="keep and reuse complete runs here")
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
     tasks = select_tasks(args.scale, own.tasks)
+    probe_arms = select_probe_arms(own.peer_probe_arms)
 
     def arm_arg(task: str, arm: str) -> str:
         return f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}"
@@ -497,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     )
     summary = summarize(result, tasks)
 
-    def peer_runs(parametrisation: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    def peer_runs(
+        parametrisation: str, arms: Sequence[str]
+    ) -> dict[str, dict[str, list[dict[str, Any]]]]:
         seeds = sweep.seeds_for(args, SEEDS[args.scale])
         found = run_peer(
             tasks,
@@ -507,13 +534,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
             own.peer_threads,
             jobs=args.jobs,
             parametrisation=parametrisation,
+            arms=arms,
         )
         if own.records:
             run_records.save(args.workroot, own.records, STUDY, args.scale)
         return found
 
-    peer = peer_runs(peer_module.PARAMETRISATIONS[0]) if own.peer else {}
-    probe = peer_runs(PEER_PROBE) if own.peer_probe else {}
+    peer = peer_runs(peer_module.PARAMETRISATIONS[0], peer_module.ARMS) if own.peer else {}
+    probe = peer_runs(PEER_PROBE, probe_arms) if own.peer_probe else {}
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),

@@ -23,16 +23,23 @@ at 5 where copejax starts at 0). The block
 is pre-norm RMSNorm with a SwiGLU MLP of copejax's width and tied embeddings, as copejax's
 ``llama`` block; everything else is x-transformers' default.
 
-``parametrisation="copejax"`` (``--parametrisation``; arms ``nope`` and ``sinusoidal``) starts
-and parametrises the same x-transformers network as copejax's study config does, to tell a
-difference of parametrisation from one of implementation: token embeddings N(0, init_std²)
-multiplied by sqrt(D) on the way in and tied logits without x-transformers' D^-1/2 (its
-default: Kaiming-normal embeddings, std sqrt(2 / D), logits times D^-1/2; the same function
-at init, but Adam's steps are 8 times larger relative to copejax's 0.02-scale table); every
-linear kernel of the blocks at haiku's truncated normal, std 1 / sqrt(fan_in)
-(``model.dense_init = "fan_in"``; torch's default is uniform, std 1 / sqrt(3 fan_in)); no
-MLP biases (x-transformers' SwiGLU has them); and the sinusoidal table at a fixed scale 1, as
-copejax adds it (x-transformers learns one scale, initialised to D^-1/2).
+``parametrisation="copejax"`` (``--parametrisation``, every arm) starts and parametrises the
+same x-transformers network as copejax's study config does, to tell a difference of
+parametrisation from one of implementation: token embeddings N(0, init_std²) multiplied by
+sqrt(D) on the way in and tied logits without x-transformers' D^-1/2 (its default:
+Kaiming-normal embeddings, std sqrt(2 / D), logits times D^-1/2; the same function at init,
+but Adam's steps are 8 times larger relative to copejax's 0.02-scale table); every linear
+kernel of the blocks at haiku's truncated normal, std 1 / sqrt(fan_in) (``model.dense_init =
+"fan_in"``; torch's default is uniform, std 1 / sqrt(3 fan_in)); no MLP biases
+(x-transformers' SwiGLU has them). Each arm's own weights then start as copejax's scheme
+starts them (``copejax_position`` in the spec, read from the config's scheme):
+``sinusoidal`` at a fixed scale 1, as copejax adds it (x-transformers learns one scale,
+initialised to D^-1/2); ``learned`` a table N(0, init_std²) added at scale 1 (x-transformers':
+N(0, 1) times D^-1/2); ``rope`` rotating copejax's ``rotary_dim(head_dim, fraction)``
+features (all of them at ``fraction = 1``); ``fox`` the forget gate's kernel N(0, 0.02²) and
+its bias at ``forget_bias_init`` (x-transformers: torch's uniform kernel, bias 5). ``nope``,
+``alibi`` (no weights of its own) and ``cope`` (its position table starts at zero in both)
+need nothing beyond the shared changes.
 """
 
 from __future__ import annotations
@@ -67,7 +74,6 @@ PINS = (
 CONFIG = ROOT / "configs" / "length_generalization.py"
 ARMS = ("nope", "sinusoidal", "learned", "rope", "alibi", "cope", "fox")
 PARAMETRISATIONS = ("x-transformers", "copejax")
-COPEJAX_PARAMETRISED_ARMS = ("nope", "sinusoidal")  # arms whose every weight copejax's covers
 EVAL_SPLITS = ("test", "long")
 
 
@@ -90,6 +96,32 @@ def ensure_venv() -> Path:
     return python
 
 
+def copejax_position(arm: str, scheme: Any, head_dim: int) -> dict[str, Any]:
+    """How copejax's ``scheme`` (the config's, for ``arm``) starts its own weights, for the
+    peer in copejax's parametrisation; an error for a scheme option the peer cannot build
+    (it has RoPE at base 10000 without scaling and FoX's basic gate only)."""
+    if arm == "rope":
+        from copejax.positions.rope import rotary_dim
+
+        if scheme.base != 10000.0 or scheme.scaling != "none" or scheme.p != 1.0:
+            raise ValueError(
+                f"the peer's RoPE has base 10000, no scaling and p = 1; got base={scheme.base}, "
+                f"scaling={scheme.scaling!r}, p={scheme.p}"
+            )
+        return {"rotary_dim": rotary_dim(head_dim, scheme.fraction)}
+    if arm == "fox":
+        from copejax.positions.fox import GATE_INIT_STD
+
+        extras = ("output_gate", "output_norm", "qk_norm", "key_shift", "value_shift")
+        on = [name for name in (*extras, "unit_forget_gate") if getattr(scheme, name)]
+        if on:
+            raise ValueError(f"the peer's FoX is the basic forget gate; the config turns on {on}")
+        return {"gate_std": GATE_INIT_STD, "bias_init": float(scheme.forget_bias_init)}
+    if arm == "learned":
+        return {"init_std": float(scheme.init_std)}
+    return {}
+
+
 def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") -> dict[str, Any]:
     """Everything the worker needs from the copejax config of ``config_arg`` with ``arm``,
     for the peer started as ``parametrisation`` says (see the module docstring)."""
@@ -101,11 +133,6 @@ def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") 
     if parametrisation not in PARAMETRISATIONS:
         raise ValueError(
             f"unknown peer parametrisation {parametrisation!r}; allowed: {PARAMETRISATIONS}"
-        )
-    if parametrisation == "copejax" and arm not in COPEJAX_PARAMETRISED_ARMS:
-        raise ValueError(
-            f"parametrisation='copejax' covers the arms {COPEJAX_PARAMETRISED_ARMS}, not "
-            f"{arm!r}: its position scheme's own weights start differently in the two codebases"
         )
     config = load_config(CONFIG, f"{config_arg},position={arm}")
     model = validate(config, device_count=1).model_config
@@ -126,6 +153,7 @@ def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") 
         "dropout": model.dropout,
         "init_std": model.init_std,
         "cope_p_max": int(model.scheme.p_max) if arm == "cope" else 0,
+        "copejax_position": copejax_position(arm, model.scheme, model.resolved_head_dim),
         "train": {k: train[k] for k in ("steps", "batch_size", "learning_rate", "warmup_steps",
                                         "schedule", "end_learning_rate_fraction",
                                         "weight_decay", "b1", "b2", "eps", "grad_clip")},
@@ -225,6 +253,8 @@ def build_model(spec: dict[str, Any]) -> Any:
     as_copejax = spec["parametrisation"] == "copejax"
     if as_copejax:
         layers.update(ff_no_bias=True)
+        if arm == "rope":
+            layers.update(rotary_emb_dim=spec["copejax_position"]["rotary_dim"])
     model = TransformerWrapper(
         num_tokens=spec["vocab_size"],
         max_seq_len=spec["max_len"],
@@ -247,17 +277,29 @@ def _parametrise_as_copejax(model: Any, spec: dict[str, Any]) -> None:
 
     token_emb = model.token_emb
     token_emb.forward = _scaled_lookup(token_emb, math.sqrt(spec["d_model"]))
+    position = spec["copejax_position"]
+    gates = [
+        module.to_forget_gates[0]
+        for module in model.attn_layers.modules()
+        if type(module).__name__ == "DataDependentAlibi"
+    ]
     with torch.no_grad():
         torch.nn.init.normal_(token_emb.emb.weight, std=spec["init_std"])
         for module in model.attn_layers.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, torch.nn.Linear) and not any(module is g for g in gates):
                 std = 1.0 / math.sqrt(module.in_features)
                 torch.nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
                 if module.bias is not None:  # the SwiGLU input's, which ff_no_bias keeps
                     module.register_parameter("bias", None)
+        for gate in gates:  # copejax's forget_w and forget_b
+            torch.nn.init.normal_(gate.weight, std=position["gate_std"])
+            gate.bias.fill_(position["bias_init"])
         if spec["arm"] == "sinusoidal":
             model.pos_emb.scale.fill_(1.0)
             model.pos_emb.scale.requires_grad_(False)
+        if spec["arm"] == "learned":
+            torch.nn.init.normal_(model.pos_emb.emb.weight, std=position["init_std"])
+            model.pos_emb.scale = 1.0
 
 
 def _scaled_lookup(token_emb: Any, factor: float) -> Any:

@@ -309,20 +309,30 @@ def test_length_generalization_summary_and_step_time() -> None:
 
 def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     """The page's regenerate command repeats the flags that shaped it: a subset of tasks,
-    the peer (with its threads), the init probe, the kept runs and a non-default seed count;
-    none of them for a full default run (``--jobs`` only changes the wall time, so it is not
-    repeated)."""
+    the peer (with its threads), the init probe, the parametrisation probe (with a subset of
+    its arms), the kept runs and a non-default seed count; none of them for a full default
+    run (``--jobs`` only changes the wall time, so it is not repeated)."""
     lg = length_generalization
     Own = argparse.Namespace
-    plain = Own(peer=False, peer_threads=0, init_probe=False, peer_probe=False, records="")
+    plain = Own(
+        peer=False, peer_threads=0, init_probe=False, peer_probe=False, peer_probe_arms="",
+        records="",
+    )  # fmt: skip
     assert lg.page_options(plain, lg.SCALE_TASKS["cpu"], "cpu") == []
     everything = Own(
-        peer=True, peer_threads=1, init_probe=True, peer_probe=True, records="experiments/records"
-    )
+        peer=True, peer_threads=1, init_probe=True, peer_probe=True, peer_probe_arms="",
+        records="experiments/records",
+    )  # fmt: skip
     got = lg.page_options(everything, ["reverse_string", "duplicate_string"], "cpu")
     tasks = "--tasks=reverse_string,duplicate_string"
     records = "--records=experiments/records"
     assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe", "--peer-probe", records]
+    all_arms = ",".join(lg.PEER_PROBE_ARMS)
+    every_arm = argparse.Namespace(**{**vars(everything), "peer_probe_arms": all_arms})
+    assert lg.page_options(every_arm, ["reverse_string", "duplicate_string"], "cpu") == got
+    some = argparse.Namespace(**{**vars(everything), "peer_probe_arms": "fox, rope"})
+    subset = lg.page_options(some, ["reverse_string", "duplicate_string"], "cpu")
+    assert subset == [*got[:5], "--peer-probe-arms=rope,fox", records]  # the probe's order
     runs = sweep.Sweep(
         study=lg.STUDY,
         scale="cpu",
@@ -453,6 +463,16 @@ def test_length_generalization_tasks_subset() -> None:
         lg.select_tasks("smoke", "parity_check")  # not among the smoke scale's tasks
 
 
+def test_length_generalization_probe_arms_subset() -> None:
+    """The parametrisation probe trains every peer arm, or a named subset in the peer's
+    order; an unknown name is an error that lists the peer's arms."""
+    lg = length_generalization
+    assert lg.select_probe_arms("") == lg.PEER_PROBE_ARMS == length_generalization_peer.ARMS
+    assert lg.select_probe_arms("fox,learned") == ("learned", "fox")
+    with pytest.raises(SystemExit, match="unknown \\['randomized'\\]; the peer has nope"):
+        lg.select_probe_arms("nope,randomized")  # copejax's arm, not the peer's
+
+
 def test_peer_venv_is_built_once_for_concurrent_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -518,9 +538,10 @@ def test_peer_runs_train_once_each_with_jobs(
     again = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
     assert len(calls) == 2 * len(peer.ARMS) and again == out
     probe = lg.run_peer(
-        ["parity_check"], "smoke", [0, 1], str(tmp_path), 1, parametrisation="copejax"
-    )
-    assert sorted(probe) == sorted(lg.PEER_PROBE_ARMS) == ["nope", "sinusoidal"]
+        ["parity_check"], "smoke", [0, 1], str(tmp_path), 1, parametrisation="copejax",
+        arms=("nope", "sinusoidal"),
+    )  # fmt: skip
+    assert sorted(probe) == ["nope", "sinusoidal"]
     assert [r["long/accuracy"] for r in probe["nope"]["parity_check"]] == [0.5, 0.6]
     assert len(calls) == 2 * len(peer.ARMS) + 4  # cached apart from the default runs
     cached = sorted(p.name for p in (tmp_path / lg.STUDY / "smoke" / "peer").iterdir())
@@ -582,8 +603,8 @@ def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
     assert spec["parametrisation"] == "x-transformers" and spec["init_std"] == 0.02
     as_copejax = peer.spec_of("parity_check,smoke", "sinusoidal", "copejax")
     assert as_copejax["parametrisation"] == "copejax"
-    with pytest.raises(ValueError, match=r"covers the arms .*not 'rope'"):
-        peer.spec_of("parity_check,smoke", "rope", "copejax")
+    rope = peer.spec_of("parity_check,smoke", "rope", "copejax")
+    assert rope["copejax_position"] == {"rotary_dim": rope["head_dim"]}
     with pytest.raises(ValueError, match="unknown peer parametrisation 'haiku'"):
         peer.spec_of("parity_check,smoke", "nope", "haiku")
 
@@ -680,12 +701,16 @@ sys.path.insert(0, sys.argv[2])
 import length_generalization_peer as peer
 spec = json.loads(sys.argv[1])
 model = peer.build_model(spec)
+torch.manual_seed(spec["seed"])
+model = peer.build_model(spec)
 rotary = model.attn_layers.rotary_pos_emb
-gates = [m.to_forget_gates[0].bias.tolist() for m in model.modules()
-         if type(m).__name__ == "DataDependentAlibi"]
+gates = [m.to_forget_gates[0] for m in model.modules() if type(m).__name__ == "DataDependentAlibi"]
+table = getattr(model.pos_emb, "emb", None)
 print(json.dumps({
     "rotated": None if rotary is None else 2 * rotary.inv_freq.numel(),
-    "forget_bias": gates,
+    "forget_bias": [g.bias.tolist() for g in gates],
+    "forget_kernel_std": [g.weight.std().item() for g in gates],
+    "position_table": None if table is None else [table.weight.std().item(), model.pos_emb.scale],
 }))
 """
 
@@ -700,3 +725,39 @@ def test_peer_rope_and_fox_keep_x_transformers_choices() -> None:
     fox = _describe_peer(_DESCRIBE_PEER_POSITIONS, "fox", "x-transformers")
     assert fox["rotated"] is None and len(fox["forget_bias"]) > 0
     np.testing.assert_array_equal(np.concatenate(fox["forget_bias"]), 5.0)
+
+
+@pytest.mark.slow  # the side venv (torch, x-transformers), created on first use
+def test_copejax_parametrised_peer_starts_positions_as_copejax() -> None:
+    """The probe's peer starts each scheme's own weights as copejax's scheme does: RoPE
+    rotates all of each head (``fraction = 1``), the FoX gate's kernel is N(0, 0.02²) and its
+    bias ``forget_bias_init`` = 0, the learned table N(0, 0.02²) at scale 1 (the default peer:
+    N(0, 1) at D^-1/2)."""
+    from copejax.positions import fox, learned, rope
+
+    ours = _describe_peer(_DESCRIBE_PEER_POSITIONS, "rope", "copejax")
+    assert ours["rotated"] == ours["head_dim"] and rope.RoPE().fraction == 1.0
+    ours = _describe_peer(_DESCRIBE_PEER_POSITIONS, "fox", "copejax")
+    np.testing.assert_array_equal(np.concatenate(ours["forget_bias"]), fox.FoX().forget_bias_init)
+    assert all(s == pytest.approx(fox.GATE_INIT_STD, rel=0.3) for s in ours["forget_kernel_std"])
+    ours = _describe_peer(_DESCRIBE_PEER_POSITIONS, "learned", "copejax")
+    theirs = _describe_peer(_DESCRIBE_PEER_POSITIONS, "learned", "x-transformers")
+    std = learned.Learned().init_std
+    assert ours["position_table"] == [pytest.approx(std, rel=0.1), 1.0]
+    d_scale = pytest.approx(ours["d"] ** -0.5)
+    assert theirs["position_table"] == [pytest.approx(1.0, rel=0.1), d_scale]
+
+
+def test_peer_refuses_schemes_it_cannot_build() -> None:
+    """The peer has RoPE at base 10000 without scaling and FoX's basic gate only: a config
+    asking for more is an error that names it, not a silently different peer."""
+    from copejax.positions import fox, rope
+
+    peer = length_generalization_peer
+    assert peer.copejax_position("rope", rope.RoPE(fraction=0.5), 16) == {"rotary_dim": 8}
+    with pytest.raises(ValueError, match="the config turns on \\['output_gate'\\]"):
+        peer.copejax_position("fox", fox.FoX(output_gate=True), 16)
+    with pytest.raises(ValueError, match=r"got base=500\.0"):
+        peer.copejax_position("rope", rope.RoPE(base=500.0), 16)
+    with pytest.raises(ValueError, match="scaling='linear'"):
+        peer.copejax_position("rope", rope.RoPE(scaling="linear", factor=2.0), 16)

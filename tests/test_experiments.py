@@ -21,6 +21,7 @@ from experiments import (
     hybrids,
     length_generalization,
     length_generalization_peer,
+    length_generalization_peer_weights,
     lm,
     selective_copy,
     sweep,
@@ -761,3 +762,42 @@ def test_peer_refuses_schemes_it_cannot_build() -> None:
         peer.copejax_position("rope", rope.RoPE(base=500.0), 16)
     with pytest.raises(ValueError, match="scaling='linear'"):
         peer.copejax_position("rope", rope.RoPE(scaling="linear", factor=2.0), 16)
+
+
+def test_peer_weight_map_layouts() -> None:
+    """The permutations that match copejax's layouts to x-transformers': RoPE's pairs
+    (f, f + R/2) to (2f, 2f + 1) over the rotated features only, and the residual stream's
+    sin/cos pairs to halves on each parameter's residual axis; a parameter without a known
+    residual axis is an error that names it."""
+    weights = length_generalization_peer_weights
+    kernel = np.arange(8.0).reshape(1, 1, 8)
+    np.testing.assert_array_equal(
+        weights._interleave_rotary(kernel, 8)[0, 0], [0, 4, 1, 5, 2, 6, 3, 7]
+    )
+    np.testing.assert_array_equal(
+        weights._interleave_rotary(kernel, 4)[0, 0], [0, 2, 1, 3, 4, 5, 6, 7]
+    )
+    params = {
+        "token_embed/embedding": np.arange(8.0)[None],
+        "block_0/attention/out/kernel": np.arange(8.0).reshape(1, 1, 8),
+    }
+    halves = weights._sinusoid_halves(params, 8)
+    np.testing.assert_array_equal(halves["token_embed/embedding"][0], [0, 2, 4, 6, 1, 3, 5, 7])
+    np.testing.assert_array_equal(
+        halves["block_0/attention/out/kernel"][0, 0], [0, 2, 4, 6, 1, 3, 5, 7]
+    )
+    with pytest.raises(ValueError, match="own_site/slopes: no residual axis of width 8"):
+        weights._sinusoid_halves({"block_0/attention/own_site/slopes": np.ones(4)}, 8)
+
+
+@pytest.mark.slow  # the side venv (torch, x-transformers) and seven small models
+def test_peer_with_copejax_weights_computes_copejax_logits() -> None:
+    """With copejax's (noised) initial weights copied in, x-transformers in copejax's
+    parametrisation computes copejax's logits for every study arm: the two implementations
+    build the same function, so a gap between their trained accuracies is the random
+    initialisation and the seeds, not the code."""
+    weights = length_generalization_peer_weights
+    for arm in length_generalization_peer.ARMS:
+        found = weights.max_logit_difference("parity_check,smoke", arm)
+        assert found["max_abs_logit"] > 0.5, arm  # logits large enough to tell a difference
+        assert found["max_abs_difference"] < 1e-4 * found["max_abs_logit"], (arm, found)

@@ -320,15 +320,14 @@ def _task(spec: dict[str, Any]) -> Any:
     return base._TASKS[spec["task"]](**spec["task_options"])
 
 
-def worker(spec_path: str, data_path: str, out_path: str) -> None:
+def train_steps(
+    model: Any, spec: dict[str, Any], data: Any, steps: int
+) -> tuple[list[float], list[float]]:
+    """Trains ``model`` on the first ``steps`` of ``data``'s training batches, in order, with
+    the AdamW, schedule and clipping of copejax's trainer (``spec["train"]``); returns each
+    step's loss and seconds."""
     import torch
 
-    spec = json.loads(Path(spec_path).read_text())
-    data = np.load(data_path)
-    torch.manual_seed(spec["seed"])
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    model = build_model(spec)
     train = spec["train"]
     optimizer = torch.optim.AdamW(
         model.parameters(),
@@ -339,7 +338,7 @@ def worker(spec_path: str, data_path: str, out_path: str) -> None:
     )
     step_seconds, losses = [], []
     model.train()
-    for step in range(train["steps"]):
+    for step in range(steps):
         start = time.perf_counter()
         inputs, targets, mask = (
             torch.from_numpy(data[f"train_{key}"][step].astype(np.int64))
@@ -358,6 +357,19 @@ def worker(spec_path: str, data_path: str, out_path: str) -> None:
         optimizer.step()
         step_seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
+    return losses, step_seconds
+
+
+def worker(spec_path: str, data_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    data = np.load(data_path)
+    torch.manual_seed(spec["seed"])
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    model = build_model(spec)
+    losses, step_seconds = train_steps(model, spec, data, spec["train"]["steps"])
     task, results = _task(spec), {}
     model.eval()
     with torch.no_grad():

@@ -6,12 +6,12 @@ the same function as copejax's model for each study arm?
 initialises copejax's model for the config and each arm (``length_generalization_peer.ARMS``),
 copies every parameter into the x-transformers network that the parametrisation probe trains
 (``length_generalization_peer.build_model`` with ``parametrisation="copejax"``), runs both on
-one batch of random tokens and prints the largest logit difference per arm. Equal logits for
-every weight draw mean equal gradients and, with the same AdamW, clipping and schedule on the
-same batches, the same training; a gap that remains between the two implementations'
-accuracies is then the random initialisation (torch's generator against JAX's) and the seed
-spread, not the code. The optimisers themselves (optax's AdamW and torch's) are not compared
-here.
+one batch of random tokens, then trains both from those weights for ``STEPS`` steps on the
+study's first batches (copejax with its optax AdamW, clipping and schedule; the peer with the
+worker's torch loop), and prints the largest logit difference and both loss curves' largest
+gap per arm. Equal logits and equal losses mean that the two implementations build and train
+the same function; a gap that remains between their trained accuracies is then the random
+initialisation (torch's generator against JAX's) and the seed spread, not the code.
 
 The map, copejax name -> x-transformers name (layer i; ``Decoder``'s layers alternate
 attention ``2i`` and feed-forward ``2i + 1``):
@@ -54,6 +54,7 @@ except ImportError:  # the worker: the side venv's Python runs this file, beside
 
 BATCH, LENGTH = 2, 48  # the random-token batch both models read
 NOISE = 0.1  # std of the noise added to every initial weight
+STEPS = 20  # training steps compared
 # The residual-stream axis of each copejax parameter, by the end of its name.
 RESIDUAL_AXIS = {"embedding": 1, "scale": 0, "query/kernel": 0, "key/kernel": 0,
                  "value/kernel": 0, "out/kernel": 2, "wi_gate/kernel": 0, "wi_up/kernel": 0,
@@ -62,57 +63,96 @@ RESIDUAL_AXIS = {"embedding": 1, "scale": 0, "query/kernel": 0, "key/kernel": 0,
 
 def copejax_logits(
     config_arg: str, arm: str, tokens_BT: np.ndarray
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
+) -> tuple[dict[str, np.ndarray], np.ndarray, Any]:
     """copejax's model of ``config_arg`` with ``position=arm``, initialised from the config's
     seed plus N(0, NOISE²) on every weight (so that the weights that start at zero, CoPE's
-    table and FoX's gate bias, take part): its parameters ('/'-joined names, float32) and its
-    float32 logits (B, T, V) on ``tokens_BT`` at positions 0 to T - 1."""
+    table and FoX's gate bias, take part): its parameters ('/'-joined names, float32), its
+    float32 logits (B, T, V) on ``tokens_BT`` at positions 0 to T - 1, and a function that
+    trains those parameters (``train(data, steps)`` -> each step's loss)."""
     import jax
     import jax.numpy as jnp
+    import optax
     from flax import linen as nn
 
+    from copejax import optim
     from copejax.config_base import load_config
     from copejax.model import Transformer
     from copejax.train import validate
+    from copejax.train_step import masked_loss_sums
 
     config = load_config(peer.CONFIG, f"{config_arg},position={arm}")
     model = Transformer(validate(config, device_count=1).model_config)
+
+    def positions(tokens: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
     tokens = jnp.asarray(tokens_BT, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    variables = model.init(jax.random.key(int(config.seed)), tokens, positions)
-    leaves, tree = jax.tree.flatten(nn.unbox(variables["params"]))
+    boxed = model.init(jax.random.key(int(config.seed)), tokens, positions(tokens))["params"]
+    leaves, tree = jax.tree.flatten(nn.unbox(boxed))
     keys = jax.random.split(jax.random.key(int(config.seed) + 1), len(leaves))
     noisy = [
         w + NOISE * jax.random.normal(k, w.shape, w.dtype)
         for w, k in zip(leaves, keys, strict=True)
     ]
     params = jax.tree.unflatten(tree, noisy)
-    logits = model.apply({"params": params}, tokens, positions)
+    logits = model.apply({"params": params}, tokens, positions(tokens))
     flat = {
         "/".join(k.key for k in path): np.asarray(leaf, np.float32)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
     }
-    return flat, np.asarray(logits, np.float32)
+    tx = optim.make_optimizer(config.train, boxed)
+
+    @jax.jit
+    def step(state: Any, inputs: jax.Array, targets: jax.Array, mask: jax.Array) -> Any:
+        weights, opt_state = state
+
+        def loss_fn(w: Any) -> jax.Array:
+            out = model.apply({"params": w}, inputs, positions(inputs))
+            total, scored = masked_loss_sums(out, targets, mask)
+            return total / jnp.maximum(scored, 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(weights)
+        updates, opt_state = tx.update(grads, opt_state, weights)
+        return (optax.apply_updates(weights, updates), opt_state), loss
+
+    def train(data: Any, steps: int) -> list[float]:
+        state, losses = (params, tx.init(params)), []
+        for i in range(steps):
+            batch = [jnp.asarray(data[f"train_{k}"][i], jnp.int32)
+                     for k in ("inputs", "targets", "loss_mask")]  # fmt: skip
+            state, loss = step(state, *batch)
+            losses.append(float(loss))
+        return losses
+
+    return flat, np.asarray(logits, np.float32), train
 
 
-def max_logit_difference(config_arg: str, arm: str) -> dict[str, float]:
-    """Largest |copejax logit - x-transformers logit| with copejax's weights in the peer, and
-    the largest |copejax logit| for scale, on one batch of random tokens."""
+def compare(config_arg: str, arm: str, steps: int = STEPS) -> dict[str, Any]:
+    """copejax and x-transformers (copejax's parametrisation) from the same weights: the
+    largest logit difference on a batch of random tokens (with the largest logit, for scale),
+    and each one's loss over the first ``steps`` training steps (at most the config's) on the
+    study's batches."""
     spec = peer.spec_of(config_arg, arm, "copejax")
+    steps = min(steps, spec["train"]["steps"])
     shape = (BATCH, min(LENGTH, spec["max_len"]))  # a learned table's rows bound T
     tokens = np.random.default_rng(0).integers(0, spec["vocab_size"], shape)
-    params, ours = copejax_logits(config_arg, arm, tokens)
+    params, ours, train = copejax_logits(config_arg, arm, tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, data, out = Path(tmp, "spec.json"), Path(tmp, "in.npz"), Path(tmp, "out.npy")
-        spec_path.write_text(json.dumps(spec))
-        np.savez(data, tokens=tokens, **{f"param:{k}": v for k, v in params.items()})
+        spec_path, data, out = Path(tmp, "spec.json"), Path(tmp, "in.npz"), Path(tmp, "out.npz")
+        spec_path.write_text(json.dumps({**spec, "check_steps": steps}))
+        peer.write_data(spec, Path(tmp, "batches.npz"))
+        batches = dict(np.load(Path(tmp, "batches.npz")))
+        np.savez(data, tokens=tokens, **{f"param:{k}": v for k, v in params.items()}, **batches)
         command = [str(peer.ensure_venv()), str(Path(__file__).resolve()), "--worker",
                    str(spec_path), str(data), str(out)]  # fmt: skip
         subprocess.run(command, check=True, cwd=peer.ROOT)
         theirs = np.load(out)
+        our_losses = train(batches, steps)
     return {
-        "max_abs_difference": float(np.abs(ours - theirs).max()),
+        "max_abs_difference": float(np.abs(ours - theirs["logits"]).max()),
         "max_abs_logit": float(np.abs(ours).max()),
+        "losses": our_losses,
+        "peer_losses": theirs["losses"].tolist(),
     }
 
 
@@ -221,7 +261,8 @@ def worker(spec_path: str, data_path: str, out_path: str) -> None:
     model.eval()
     with torch.no_grad():
         logits = model(torch.from_numpy(data["tokens"].astype(np.int64)))
-    np.save(out_path, logits.float().numpy())
+    losses, _ = peer.train_steps(model, spec, data, spec["check_steps"])
+    np.savez(out_path, logits=logits.float().numpy(), losses=np.asarray(losses))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,10 +276,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(*args.worker)
         return
-    print("| arm | max abs logit difference | max abs logit |\n|---|---|---|")
+    print(
+        f"| arm | max abs logit difference | max abs logit | loss at steps 1 / {STEPS}: "
+        f"copejax | x-transformers | max abs loss difference over {STEPS} steps |\n"
+        "|---|---|---|---|---|---|"
+    )
     for arm in args.arms.split(","):
-        found = max_logit_difference(args.config, arm.strip())
-        print(f"| `{arm}` | {found['max_abs_difference']:.2e} | {found['max_abs_logit']:.3g} |")
+        found = compare(args.config, arm.strip())
+        ours, theirs = found["losses"], found["peer_losses"]
+        gap = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+        print(
+            f"| `{arm}` | {found['max_abs_difference']:.2e} | {found['max_abs_logit']:.3g} | "
+            f"{ours[0]:.4f} / {ours[-1]:.4f} | {theirs[0]:.4f} / {theirs[-1]:.4f} | {gap:.2e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -791,13 +791,17 @@ def test_peer_weight_map_layouts() -> None:
 
 
 @pytest.mark.slow  # the side venv (torch, x-transformers) and seven small models
-def test_peer_with_copejax_weights_computes_copejax_logits() -> None:
+def test_peer_with_copejax_weights_computes_and_trains_as_copejax() -> None:
     """With copejax's (noised) initial weights copied in, x-transformers in copejax's
-    parametrisation computes copejax's logits for every study arm: the two implementations
-    build the same function, so a gap between their trained accuracies is the random
-    initialisation and the seeds, not the code."""
+    parametrisation computes copejax's logits for every study arm, and ten training steps on
+    the study's batches (optax's AdamW against torch's, clipping, schedule) give the same
+    losses: the two implementations build and train the same function, so a gap between their
+    trained accuracies is the random initialisation and the seeds, not the code."""
     weights = length_generalization_peer_weights
     for arm in length_generalization_peer.ARMS:
-        found = weights.max_logit_difference("parity_check,smoke", arm)
+        found = weights.compare("parity_check,smoke", arm, steps=10)
         assert found["max_abs_logit"] > 0.5, arm  # logits large enough to tell a difference
         assert found["max_abs_difference"] < 1e-4 * found["max_abs_logit"], (arm, found)
+        assert len(found["losses"]) == len(found["peer_losses"]) == 10
+        assert found["losses"][-1] < found["losses"][0], arm  # the steps do train
+        np.testing.assert_allclose(found["peer_losses"], found["losses"], rtol=1e-4, err_msg=arm)

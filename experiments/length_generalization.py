@@ -44,6 +44,7 @@ from typing import Any
 
 from copejax.data._length_suite import TASKS
 from experiments import length_generalization_peer as peer_module
+from experiments import length_generalization_peer_weights as peer_weights
 from experiments import run_records, sweep
 
 STUDY = "length_generalization"
@@ -142,6 +143,37 @@ no weights and both CoPE tables start at zero. The probe trains x-transformers a
 seeds and batches, with all of copejax's choices (`length_generalization_peer.py
 --parametrisation=copejax`). If it then lands on copejax's numbers, the two implementations
 agree and the gap is the parametrisation; if not, the difference is in the code."""
+
+
+SAME_FUNCTION_NOTE = """### The same function: copejax's weights in the peer
+
+`experiments/length_generalization_peer_weights.py` copies copejax's initial weights (plus
+N(0, {noise}²) on every weight, so that the ones that start at zero take part) into
+x-transformers in copejax's parametrisation, compares the logits on a batch of random tokens,
+and trains both from those weights for {steps} steps on the study's first `{task}` batches
+(copejax with optax's AdamW, the peer with torch's). Where logits and losses agree, the two
+implementations build and train the same function: a gap between the probe's accuracies and
+copejax's is then the random initialisation (torch's generator against JAX's) and the seeds,
+not the code."""
+
+
+def same_function_section(same: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per arm: the largest logit difference (and the largest logit, for scale) with copejax's
+    weights in the peer, copejax's loss at the first and last compared step, and the largest
+    loss difference between the two over those steps."""
+    rows = [
+        [
+            f"`{arm}`",
+            f"{found['max_abs_difference']:.1e}",
+            f"{found['max_abs_logit']:.2f}",
+            f"{found['losses'][0]:.4f} → {found['losses'][-1]:.4f}",
+            f"{found['max_loss_difference']:.1e}",
+        ]
+        for arm, found in same.items()
+    ]
+    header = ["arm", "largest logit difference", "largest logit",
+              "copejax's loss, first → last step", "largest loss difference"]  # fmt: skip
+    return sweep.markdown_table(header, rows)
 
 
 def label(task: str, arm: str) -> str:
@@ -542,6 +574,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
 
     peer = peer_runs(peer_module.PARAMETRISATIONS[0], peer_module.ARMS) if own.peer else {}
     probe = peer_runs(PEER_PROBE, probe_arms) if own.peer_probe else {}
+    same_task = f"{tasks[0]},{ARGS[args.scale]}"
+    same = (
+        {arm: peer_weights.compare(same_task, arm) for arm in probe_arms} if own.peer_probe else {}
+    )
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),
@@ -626,6 +662,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
             if probe
             else "",
             "",
+            SAME_FUNCTION_NOTE.format(
+                noise=peer_weights.NOISE, steps=peer_weights.STEPS, task=tasks[0]
+            )
+            + "\n\n"
+            + same_function_section(same)
+            if same
+            else "",
+            "",
             sweep.commands_block(STUDY, args, result, page_options(own, tasks, args.scale)),
         ]
     )
@@ -639,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         peer=peer_json(peer),
         init_probe=summarize(result, tasks, INIT_PROBE_ARMS, probe_label) if own.init_probe else {},
         peer_probe=peer_json(probe),
+        same_function=same,
     )
 
 

@@ -805,3 +805,19 @@ def test_peer_with_copejax_weights_computes_and_trains_as_copejax() -> None:
         assert len(found["losses"]) == len(found["peer_losses"]) == 10
         assert found["losses"][-1] < found["losses"][0], arm  # the steps do train
         np.testing.assert_allclose(found["peer_losses"], found["losses"], rtol=1e-4, err_msg=arm)
+
+
+def test_length_generalization_same_function_section() -> None:
+    """The same-function table: per arm the logit gap beside the largest logit, copejax's
+    first and last compared loss, and the largest loss gap."""
+    found = {
+        "max_abs_difference": 4.8e-6,
+        "max_abs_logit": 2.82,
+        "losses": [1.3512, 1.0, 0.7452],
+        "peer_losses": [1.3512, 1.0, 0.7452],
+        "max_loss_difference": 6e-7,
+    }
+    table = length_generalization.same_function_section({"nope": found})
+    assert "| `nope` | 4.8e-06 | 2.82 | 1.3512 → 0.7452 | 6.0e-07 |" in table
+    note = length_generalization.SAME_FUNCTION_NOTE.format(noise=0.1, steps=20, task="t")
+    assert "N(0, 0.1²)" in note and "20 steps" in note and "`t` batches" in note

@@ -328,35 +328,28 @@ def run_peer(
     return out
 
 
-def select_tasks(scale: str, names: str) -> tuple[str, ...]:
-    """The scale's tasks, or the comma-separated subset ``names`` of them (in the scale's
-    order); an unknown name is an error that lists the allowed ones."""
-    allowed = SCALE_TASKS[scale]
+def select_subset(flag: str, names: str, allowed: Sequence[str], owner: str) -> tuple[str, ...]:
+    """``allowed``, or the comma-separated subset ``names`` of it (in ``allowed``'s order); an
+    unknown or empty choice is an error naming ``flag`` and listing what ``owner`` has."""
     if not names:
-        return allowed
+        return tuple(allowed)
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in allowed]
     if unknown or not chosen:
         raise SystemExit(
-            f"--tasks={names!r}: unknown {unknown or 'empty'}; the {scale} scale has "
-            f"{', '.join(allowed)}"
+            f"{flag}={names!r}: unknown {unknown or 'empty'}; {owner} has {', '.join(allowed)}"
         )
-    return tuple(t for t in allowed if t in chosen)
+    return tuple(a for a in allowed if a in chosen)
+
+
+def select_tasks(scale: str, names: str) -> tuple[str, ...]:
+    """The scale's tasks, or the comma-separated subset ``names`` of them."""
+    return select_subset("--tasks", names, SCALE_TASKS[scale], f"the {scale} scale")
 
 
 def select_probe_arms(names: str) -> tuple[str, ...]:
-    """``PEER_PROBE_ARMS``, or the comma-separated subset ``names`` of them (in their order);
-    an unknown name is an error that lists the allowed ones."""
-    if not names:
-        return PEER_PROBE_ARMS
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in chosen if n not in PEER_PROBE_ARMS]
-    if unknown or not chosen:
-        raise SystemExit(
-            f"--peer-probe-arms={names!r}: unknown {unknown or 'empty'}; the peer has "
-            f"{', '.join(PEER_PROBE_ARMS)}"
-        )
-    return tuple(a for a in PEER_PROBE_ARMS if a in chosen)
+    """``PEER_PROBE_ARMS``, or the comma-separated subset ``names`` of them."""
+    return select_subset("--peer-probe-arms", names, PEER_PROBE_ARMS, "the peer")
 
 
 def within_spread(mine: Mapping[str, Any], theirs: Sequence[float]) -> str:

@@ -500,8 +500,9 @@ def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> l
         options.append("--init-probe")
     if own.peer_probe:
         options.append("--peer-probe")
-        if own.peer_probe_arms and select_probe_arms(own.peer_probe_arms) != PEER_PROBE_ARMS:
-            options.append(f"--peer-probe-arms={','.join(select_probe_arms(own.peer_probe_arms))}")
+        probe_arms = select_probe_arms(own.peer_probe_arms)
+        if probe_arms != PEER_PROBE_ARMS:
+            options.append(f"--peer-probe-arms={','.join(probe_arms)}")
     if own.records:
         options.append(f"--records={own.records}")
     return options

@@ -7,11 +7,12 @@ initialises copejax's model for the config and each arm (``length_generalization
 copies every parameter into the x-transformers network that the parametrisation probe trains
 (``length_generalization_peer.build_model`` with ``parametrisation="copejax"``), runs both on
 one batch of random tokens, then trains both from those weights for ``STEPS`` steps on the
-study's first batches (copejax with its optax AdamW, clipping and schedule; the peer with the
-worker's torch loop), and prints the largest logit difference and both loss curves' largest
-gap per arm. Equal logits and equal losses mean that the two implementations build and train
-the same function; a gap that remains between their trained accuracies is then the random
-initialisation (torch's generator against JAX's) and the seed spread, not the code.
+study's first batches (copejax with its trainer's own jitted step, ``make_steps``: optax's
+AdamW, clipping and schedule; the peer with the worker's torch loop), and prints the largest
+logit difference and both loss curves' largest gap per arm. Equal logits and equal losses
+mean that the two implementations build and train the same function; a gap that remains
+between their trained accuracies is then the random initialisation (torch's generator against
+JAX's) and the seed spread, not the code.
 
 The map, copejax name -> x-transformers name (layer i; ``Decoder``'s layers alternate
 attention ``2i`` and feed-forward ``2i + 1``):
@@ -41,7 +42,7 @@ import argparse
 import json
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,31 +64,30 @@ RESIDUAL_AXIS = {"embedding": 1, "scale": 0, "query/kernel": 0, "key/kernel": 0,
 
 def copejax_logits(
     config_arg: str, arm: str, tokens_BT: np.ndarray
-) -> tuple[dict[str, np.ndarray], np.ndarray, Any]:
+) -> tuple[dict[str, np.ndarray], np.ndarray, Callable[[int], list[float]]]:
     """copejax's model of ``config_arg`` with ``position=arm``, initialised from the config's
     seed plus N(0, NOISE²) on every weight (so that the weights that start at zero, CoPE's
     table and FoX's gate bias, take part): its parameters ('/'-joined names, float32), its
     float32 logits (B, T, V) on ``tokens_BT`` at positions 0 to T - 1, and a function that
-    trains those parameters (``train(data, steps)`` -> each step's loss)."""
+    trains those parameters for ``steps`` steps and returns each step's loss. It trains with
+    the study's own jitted step (``train_step.make_steps``) on the study's own batches
+    (``input_pipeline.train_dataset``), i.e. with the trainer's code, not a copy of it."""
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import linen as nn
 
-    from copejax import optim
+    from copejax import input_pipeline, sharding
     from copejax.config_base import load_config
     from copejax.model import Transformer
     from copejax.train import validate
-    from copejax.train_step import masked_loss_sums
+    from copejax.train_step import make_steps
 
     config = load_config(peer.CONFIG, f"{config_arg},position={arm}")
-    model = Transformer(validate(config, device_count=1).model_config)
-
-    def positions(tokens: jax.Array) -> jax.Array:
-        return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-
+    plan = validate(config, device_count=1)
+    model = Transformer(plan.model_config)
     tokens = jnp.asarray(tokens_BT, jnp.int32)
-    boxed = model.init(jax.random.key(int(config.seed)), tokens, positions(tokens))["params"]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    boxed = model.init(jax.random.key(int(config.seed)), tokens, positions)["params"]
     leaves, tree = jax.tree.flatten(nn.unbox(boxed))
     keys = jax.random.split(jax.random.key(int(config.seed) + 1), len(leaves))
     noisy = [
@@ -95,33 +95,27 @@ def copejax_logits(
         for w, k in zip(leaves, keys, strict=True)
     ]
     params = jax.tree.unflatten(tree, noisy)
-    logits = model.apply({"params": params}, tokens, positions(tokens))
+    logits = model.apply({"params": params}, tokens, positions)
     flat = {
         "/".join(k.key for k in path): np.asarray(leaf, np.float32)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
     }
-    tx = optim.make_optimizer(config.train, boxed)
 
-    @jax.jit
-    def step(state: Any, inputs: jax.Array, targets: jax.Array, mask: jax.Array) -> Any:
-        weights, opt_state = state
-
-        def loss_fn(w: Any) -> jax.Array:
-            out = model.apply({"params": w}, inputs, positions(inputs))
-            total, scored = masked_loss_sums(out, targets, mask)
-            return total / jnp.maximum(scored, 1.0)
-
-        loss, grads = jax.value_and_grad(loss_fn)(weights)
-        updates, opt_state = tx.update(grads, opt_state, weights)
-        return (optax.apply_updates(weights, updates), opt_state), loss
-
-    def train(data: Any, steps: int) -> list[float]:
-        state, losses = (params, tx.init(params)), []
-        for i in range(steps):
-            batch = [jnp.asarray(data[f"train_{k}"][i], jnp.int32)
-                     for k in ("inputs", "targets", "loss_mask")]  # fmt: skip
-            state, loss = step(state, *batch)
-            losses.append(float(loss))
+    def train(steps: int) -> list[float]:
+        mesh = sharding.make_mesh(*plan.mesh_shape)
+        rules = sharding.rules_tuple(config.axis_rules)
+        stream = input_pipeline.train_dataset(plan.task, config.seed, config.train.batch_size)
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            run = make_steps(model, config.train, config.seed, tokens.shape, mesh=mesh, rules=rules)
+            state = run.init()
+            state = jax.device_put(
+                state.replace(params=params, opt_state=run.tx.init(params)), run.state_shardings
+            )
+            losses = []
+            for i in range(steps):
+                batch = jax.device_put(dict(stream[i]), run.batch_sharding)
+                state, metrics = run.train(state, batch)
+                losses.append(float(metrics["loss"]))
         return losses
 
     return flat, np.asarray(logits, np.float32), train
@@ -138,16 +132,18 @@ def compare(config_arg: str, arm: str, steps: int = STEPS) -> dict[str, Any]:
     tokens = np.random.default_rng(0).integers(0, spec["vocab_size"], shape)
     params, ours, train = copejax_logits(config_arg, arm, tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, data, out = Path(tmp, "spec.json"), Path(tmp, "in.npz"), Path(tmp, "out.npz")
+        spec_path, batches = Path(tmp, "spec.json"), Path(tmp, "batches.npz")
+        weights, out = Path(tmp, "weights.npz"), Path(tmp, "out.npz")
+        # The worker keeps the full spec (its schedule spans the config's steps) and reads
+        # only the first ``steps`` batches, so only those are written.
         spec_path.write_text(json.dumps({**spec, "check_steps": steps}))
-        peer.write_data(spec, Path(tmp, "batches.npz"))
-        batches = dict(np.load(Path(tmp, "batches.npz")))
-        np.savez(data, tokens=tokens, **{f"param:{k}": v for k, v in params.items()}, **batches)
+        peer.write_data({**spec, "train": {**spec["train"], "steps": steps}}, batches)
+        np.savez(weights, tokens=tokens, **{f"param:{k}": v for k, v in params.items()})
         command = [str(peer.ensure_venv()), str(Path(__file__).resolve()), "--worker",
-                   str(spec_path), str(data), str(out)]  # fmt: skip
+                   str(spec_path), str(batches), str(weights), str(out)]  # fmt: skip
         subprocess.run(command, check=True, cwd=peer.ROOT)
         theirs = np.load(out)
-        our_losses = train(batches, steps)
+        our_losses = train(steps)
     return {
         "max_abs_difference": float(np.abs(ours - theirs["logits"]).max()),
         "max_abs_logit": float(np.abs(ours).max()),
@@ -251,18 +247,18 @@ def load_copejax_params(model: Any, params: Mapping[str, np.ndarray], spec: dict
             target[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
 
 
-def worker(spec_path: str, data_path: str, out_path: str) -> None:
+def worker(spec_path: str, batches_path: str, weights_path: str, out_path: str) -> None:
     import torch
 
     spec = json.loads(Path(spec_path).read_text())
-    data = np.load(data_path)
-    params = {k.removeprefix("param:"): data[k] for k in data.files if k.startswith("param:")}
+    weights = np.load(weights_path)
+    params = {k.removeprefix("param:"): weights[k] for k in weights.files if k != "tokens"}
     model = peer.build_model(spec)
     load_copejax_params(model, params, spec)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(data["tokens"].astype(np.int64)))
-    losses, _ = peer.train_steps(model, spec, data, spec["check_steps"])
+        logits = model(torch.from_numpy(weights["tokens"].astype(np.int64)))
+    losses, _ = peer.train_steps(model, spec, np.load(batches_path), spec["check_steps"])
     np.savez(out_path, logits=logits.float().numpy(), losses=np.asarray(losses))
 
 
@@ -270,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.length_generalization_peer_weights"
     )
-    parser.add_argument("--worker", nargs=3, metavar=("SPEC", "DATA", "OUT"))
+    parser.add_argument("--worker", nargs=4, metavar=("SPEC", "BATCHES", "WEIGHTS", "OUT"))
     parser.add_argument("--config", default="reverse_string,cpu", help="config argument")
     parser.add_argument("--arms", default=",".join(peer.ARMS), help="comma-separated peer arms")
     args = parser.parse_args(argv)

@@ -794,7 +794,7 @@ def test_peer_weight_map_layouts() -> None:
 def test_peer_with_copejax_weights_computes_and_trains_as_copejax() -> None:
     """With copejax's (noised) initial weights copied in, x-transformers in copejax's
     parametrisation computes copejax's logits for every study arm, and ten training steps on
-    the study's batches (optax's AdamW against torch's, clipping, schedule) give the same
+    the study's batches (copejax's own jitted train step against the torch loop) give the same
     losses: the two implementations build and train the same function, so a gap between their
     trained accuracies is the random initialisation and the seeds, not the code."""
     weights = length_generalization_peer_weights

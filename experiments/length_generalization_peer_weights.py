@@ -80,7 +80,7 @@ def copejax_logits(
     from copejax.config_base import load_config
     from copejax.model import Transformer
     from copejax.train import validate
-    from copejax.train_step import make_steps
+    from copejax.train_step import TrainState, make_steps
 
     config = load_config(peer.CONFIG, f"{config_arg},position={arm}")
     plan = validate(config, device_count=1)
@@ -107,10 +107,11 @@ def copejax_logits(
         stream = input_pipeline.train_dataset(plan.task, config.seed, config.train.batch_size)
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             run = make_steps(model, config.train, config.seed, tokens.shape, mesh=mesh, rules=rules)
-            state = run.init()
-            state = jax.device_put(
-                state.replace(params=params, opt_state=run.tx.init(params)), run.state_shardings
-            )
+            # Two zeros, not one shared: the step donates every buffer of the state.
+            state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=run.tx.init(params),
+                               nonfinite_count=jnp.zeros((), jnp.int32))  # fmt: skip
+            state = jax.device_put(state, run.state_shardings)
             losses = []
             for i in range(steps):
                 batch = jax.device_put(dict(stream[i]), run.batch_sharding)

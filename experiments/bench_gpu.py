@@ -14,6 +14,7 @@ path ``model.attention_impl="auto"`` takes on a GPU); in float32 it is XLA's imp
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 from pathlib import Path
@@ -63,6 +64,12 @@ def fastest_nope(group: dict) -> str:
     return min(times, key=times.get) if times else "-"
 
 
+def measured(group: dict) -> str:
+    """When ``group`` was measured: its ``measured`` day, which groups carried over by
+    ``--keep`` from a run before the field existed lack."""
+    return f"measured {group['measured']}" if "measured" in group else "measured: not recorded"
+
+
 def reading(groups: list[dict]) -> list[str]:
     """One line per group: the blockwise engine's nope, CoPE, FoX and stick-breaking against
     the fastest nope path, the ratios issue 13 sets targets for (on its CPU benchmark)."""
@@ -77,8 +84,8 @@ def reading(groups: list[dict]) -> list[str]:
             if label in ok
         )
         lines.append(
-            f"- T = {group['T']}, {group['dtype']}: fastest nope by median `{fastest_nope(group)}`;"
-            f" {named}."
+            f"- T = {group['T']}, {group['dtype']} ({measured(group)}): fastest nope by median "
+            f"`{fastest_nope(group)}`; {named}."
         )
     return lines
 
@@ -93,7 +100,9 @@ def page(groups: list[dict], device: str) -> str:
         "(experiments.bench_page.fastest_nope_ratios, as on the CPU page). `dpa` in bfloat16 "
         "is cuDNN's "
         "fused attention. XLA temp = the compiled program's temporary buffers. Each "
-        "(T, dtype) group is one process; `--keep` carries groups over from an earlier run.",
+        "(T, dtype) group is one process; `--keep` carries groups over from an earlier run, so "
+        "the reading gives the day each group was measured: compare groups of different days "
+        "with care, as the code may have changed in between.",
         "",
         "Command: `JAX_PLATFORMS=cuda python -m experiments.bench_gpu`",
         "",
@@ -150,7 +159,8 @@ def main() -> None:
     for length, dtype in runs:
         rows = side_by_side(length, arms(dtype, naive=length <= 4096), args.rounds)
         ratios(rows)
-        group = {"T": length, "dtype": dtype, "rows": rows}
+        today = datetime.date.today().isoformat()
+        group = {"T": length, "dtype": dtype, "measured": today, "rows": rows}
         print(page([group], device), flush=True)
         groups = sorted([*groups, group], key=lambda g: (g["T"], g["dtype"]))
         write_json(out / "bench_gpu.json", {"device": device, "groups": groups})

@@ -119,3 +119,22 @@ def test_a_default_that_is_the_naive_path_is_not_timed_against_itself() -> None:
     line = next(t for t in targets({"rows": rows}) if "every scheme's default path" in t)
     assert "naive: fox 0.50x; tape: the default is the naive path)" in line
     assert "NOT met" not in line
+
+
+def test_gpu_page_says_when_each_group_was_measured() -> None:
+    """bench_gpu's ``--keep`` mixes groups of different runs: the reading names each group's
+    day, and a group kept from before the field existed says that it has none."""
+    from experiments.bench_gpu import page
+
+    def row(scheme: str, seconds: float) -> dict:
+        return {"scheme": scheme, "T": 8, "time_s": seconds, "xla_temp_bytes": 0,
+                "ratio_to_fastest_nope": seconds / 0.001}  # fmt: skip
+
+    rows = [row("nope", 0.001), row("cope", 0.002)]
+    new = {"T": 8, "dtype": "float32", "measured": "2026-11-26", "rows": rows}
+    kept = {"T": 8, "dtype": "bfloat16", "rows": rows}
+    text = page([kept, new], "a GPU")
+    assert (
+        "- T = 8, float32 (measured 2026-11-26): fastest nope by median `nope`; cope 2.00x." in text
+    )
+    assert "- T = 8, bfloat16 (measured: not recorded)" in text

@@ -25,7 +25,8 @@ at a time. ``--init-probe`` also trains ``INIT_PROBE_ARMS`` at x-transformers' i
 ``--peer-probe`` also trains the peer's arms in copejax's parametrisation
 (``length_generalization_peer``'s ``parametrisation="copejax"``: copejax's embedding scales,
 initialisation, bias-free MLP and position-scheme starts in x-transformers' network) and
-tables it beside both; ``--peer-probe-arms`` names a subset of them (all by default).
+tables it beside both; ``--peer-probe-arms`` names a subset of them (all by default), for
+every task or per task (``reverse_string:nope+rope,odds_first:nope``).
 ``--records=experiments/records`` keeps the config and metrics of every complete run (and the
 peer's results) in the repository and reads them back on the next run
 (:mod:`experiments.run_records`), so that the study's ~30 hours on 2 cores can be trained over
@@ -46,6 +47,7 @@ from copejax.data._length_suite import TASKS
 from experiments import length_generalization_peer as peer_module
 from experiments import length_generalization_peer_weights as peer_weights
 from experiments import run_records, sweep
+from experiments.permutation_test import permutation_p
 
 STUDY = "length_generalization"
 CONFIG = "configs/length_generalization.py"
@@ -112,7 +114,11 @@ copejax rotates all of them (`fraction = 1`); `fox` is its data-dependent ALiBi
 at first), where copejax starts it at 0 (`forget_bias_init`, f ≈ 0.5). These are
 x-transformers' choices and are kept; the parametrisation probe below trains the arms again
 with copejax's. Accuracies agree
-when the means differ by no more than the larger seed std. Step times are medians after five
+when the means differ by no more than the larger seed std; each such cell also gives p, the
+two-sided exact permutation test of the two sets of seeds (every split of the pooled seeds
+into two groups, 252 for five a side, so p ≥ 0.008): a small p says that the two seed sets
+differ by more than reshuffling them does, a large one that five seeds cannot tell the two
+apart, whatever the std rule says. Step times are medians after five
 steps, on a shared machine; torch ran with {threads}, and as many peer runs at a time as
 copejax runs (the header says how those were trained)."""
 
@@ -355,15 +361,56 @@ def select_probe_arms(names: str) -> tuple[str, ...]:
     return select_subset("--peer-probe-arms", names, PEER_PROBE_ARMS, "the peer")
 
 
+def select_probe_plan(spec: str, tasks: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """task -> the peer arms the parametrisation probe trains on it, from
+    ``--peer-probe-arms``: empty (every peer arm on every task), a comma-separated subset of
+    the arms for every task, or ``TASK:ARM+ARM`` entries, comma-separated, one per probed task
+    (a task not named is not probed). A task outside ``tasks``, a task named twice or a mix
+    of the two forms is an error."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    per_task = [e for e in entries if ":" in e]
+    if not per_task:
+        return dict.fromkeys(tasks, select_probe_arms(spec))
+    if len(per_task) != len(entries):
+        raise SystemExit(
+            f"--peer-probe-arms={spec!r}: give either arms for every task (nope,rope) or "
+            "TASK:ARM+ARM entries for each probed task, not both"
+        )
+    plan: dict[str, tuple[str, ...]] = {}
+    for entry in per_task:
+        task, arms = (part.strip() for part in entry.split(":", 1))
+        if task not in tasks or task in plan:
+            why = "named twice" if task in plan else "not among the page's tasks"
+            raise SystemExit(
+                f"--peer-probe-arms={spec!r}: task {task!r} {why}; the page has {', '.join(tasks)}"
+            )
+        if not arms:
+            raise SystemExit(f"--peer-probe-arms={spec!r}: task {task!r} names no arm")
+        plan[task] = select_probe_arms(arms.replace("+", ","))
+    return {task: plan[task] for task in tasks if task in plan}
+
+
+def probe_plan_flag(plan: Mapping[str, Sequence[str]], tasks: Sequence[str]) -> str:
+    """The ``--peer-probe-arms`` value that ``select_probe_plan`` reads back as ``plan``:
+    empty when every task has every peer arm, the arms alone when every task has the same."""
+    probed = [tuple(plan.get(task, ())) for task in tasks]
+    if len(set(probed)) == 1 and probed[0]:
+        return "" if probed[0] == PEER_PROBE_ARMS else ",".join(probed[0])
+    return ",".join(f"{task}:{'+'.join(arms)}" for task, arms in plan.items() if arms)
+
+
 def within_spread(mine: Mapping[str, Any], theirs: Sequence[float]) -> str:
     """Whether copejax's mean (a ``sweep.spread``) and the peer's seeds' mean agree: "yes"
     when they differ by no more than the larger of the two seed stds, else "no" with the gap
-    in points; "n/a" when either side has a single seed (no spread to judge by)."""
+    in points; either way with the two-sided p of the exact permutation test of the two
+    sets of seeds (``permutation_test.permutation_p``). "n/a" when either side has a single
+    seed (no spread to judge by)."""
     mean, std = sweep.mean_std(theirs)
     gap = abs(mine["mean"] - mean)
     if min(len(theirs), len(mine["per_seed"])) < 2:
         return f"n/a, one seed (gap {100 * gap:.1f})"
-    return "yes" if gap <= max(mine["std"], std) else f"no (gap {100 * gap:.1f})"
+    p = f"p = {permutation_p(mine['per_seed'], theirs):.2g}"
+    return f"yes ({p})" if gap <= max(mine["std"], std) else f"no (gap {100 * gap:.1f}, {p})"
 
 
 def peer_section(
@@ -500,9 +547,9 @@ def page_options(own: argparse.Namespace, tasks: Sequence[str], scale: str) -> l
         options.append("--init-probe")
     if own.peer_probe:
         options.append("--peer-probe")
-        probe_arms = select_probe_arms(own.peer_probe_arms)
-        if probe_arms != PEER_PROBE_ARMS:
-            options.append(f"--peer-probe-arms={','.join(probe_arms)}")
+        flag = probe_plan_flag(select_probe_plan(own.peer_probe_arms, tasks), tasks)
+        if flag:
+            options.append(f"--peer-probe-arms={flag}")
     if own.records:
         options.append(f"--records={own.records}")
     return options
@@ -522,13 +569,15 @@ def main(argv: Sequence[str] | None = None) -> Path:
         help="also train the peer's arms in copejax's parametrisation",
     )
     extra.add_argument(
-        "--peer-probe-arms", default="", help="comma-separated subset of the probe's arms"
+        "--peer-probe-arms",
+        default="",
+        help="comma-separated subset of the probe's arms, or TASK:ARM+ARM per probed task",
     )
     extra.add_argument("--records", default="", help="keep and reuse complete runs here")
     own, rest = extra.parse_known_args(argv)
     args = sweep.parse_args(rest, STUDY)
     tasks = select_tasks(args.scale, own.tasks)
-    probe_arms = select_probe_arms(own.peer_probe_arms)
+    probe_plan = select_probe_plan(own.peer_probe_arms, tasks)
 
     def arm_arg(task: str, arm: str) -> str:
         return f"{task},{ARGS[args.scale]},position={arm}{ARM_OPTIONS.get(arm, '')}"
@@ -552,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     summary = summarize(result, tasks)
 
     def peer_runs(
-        parametrisation: str, arms: Sequence[str]
+        parametrisation: str, arms: Sequence[str], tasks: Sequence[str] = tasks
     ) -> dict[str, dict[str, list[dict[str, Any]]]]:
         seeds = sweep.seeds_for(args, SEEDS[args.scale])
         found = run_peer(
@@ -570,11 +619,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
         return found
 
     peer = peer_runs(peer_module.PARAMETRISATIONS[0], peer_module.ARMS) if own.peer else {}
-    probe = peer_runs(PEER_PROBE, probe_arms) if own.peer_probe else {}
+    probe: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    if own.peer_probe:
+        for task, arms_of_task in probe_plan.items():
+            for arm, by_task in peer_runs(PEER_PROBE, arms_of_task, [task]).items():
+                probe.setdefault(arm, {}).update(by_task)
+    probed = [arm for arm in PEER_PROBE_ARMS if any(arm in a for a in probe_plan.values())]
     same_task = f"{tasks[0]},{ARGS[args.scale]}"
-    same = (
-        {arm: peer_weights.compare(same_task, arm) for arm in probe_arms} if own.peer_probe else {}
-    )
+    same = {arm: peer_weights.compare(same_task, arm) for arm in probed} if own.peer_probe else {}
     plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
     sweep.bar_plot(
         list(tasks),

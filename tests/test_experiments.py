@@ -397,10 +397,10 @@ def test_length_generalization_peer_side_by_side() -> None:
         ["parity_check", "bucket_sort"],
     )
     assert (
-        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes | 5.0 ± 1.0 | 20.0 ± 0.0 |"
-        in table
-    )
-    assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0) |" in table
+        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes (p = 0.67) | 5.0 ± 1.0 "
+        "| 20.0 ± 0.0 |" in table
+    )  # 4 of the 6 splits of {0.5, 0.7, 0.65, 0.75} are at least 10 points apart
+    assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0, p = 0.33) |" in table
     one = lg.peer_section(
         {"rope": {"parity_check": {**ours, "long": sweep.spread(0.6, 0.0, [0.6])}}},
         {"rope": {"parity_check": theirs[:1]}},
@@ -435,7 +435,7 @@ def test_length_generalization_init_probe_section_and_json() -> None:
     table = lg.init_probe_section(result, peer, ["parity_check"])
     assert (
         "| `nope` | parity_check | 80.0 ± 10.0 | 100.0 ± 0.0 | 95.0 ± 0.0 "
-        "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 | no (gap 15.0) | yes |" in table
+        "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 | no (gap 15.0, p = 0.33) | yes (p = 1) |" in table
     )
     assert "`alibi`" not in table  # probe arms that did not run are left out
     probe = lg.summarize(result, ["parity_check"], lg.INIT_PROBE_ARMS, lg.probe_label)
@@ -472,6 +472,41 @@ def test_length_generalization_probe_arms_subset() -> None:
     assert lg.select_probe_arms("fox,learned") == ("learned", "fox")
     with pytest.raises(SystemExit, match="unknown \\['randomized'\\]; the peer has nope"):
         lg.select_probe_arms("nope,randomized")  # copejax's arm, not the peer's
+
+
+def test_length_generalization_probe_arms_per_task() -> None:
+    """``--peer-probe-arms`` names the probe's arms for every task, or per task as
+    ``TASK:ARM+ARM`` (a task not named is not probed); the page's regenerate command writes
+    the plan back in the shortest form that reads back the same."""
+    lg = length_generalization
+    tasks = ("reverse_string", "duplicate_string", "odds_first")
+    every = lg.select_probe_plan("", tasks)
+    assert every == dict.fromkeys(tasks, lg.PEER_PROBE_ARMS)
+    assert lg.select_probe_plan("fox,nope", tasks) == dict.fromkeys(tasks, ("nope", "fox"))
+    spec = "odds_first:sinusoidal+nope, reverse_string:fox+rope+nope"
+    plan = lg.select_probe_plan(spec, tasks)
+    assert plan == {"reverse_string": ("nope", "rope", "fox"), "odds_first": ("nope", "sinusoidal")}
+    flag = lg.probe_plan_flag(plan, tasks)
+    assert flag == "reverse_string:nope+rope+fox,odds_first:nope+sinusoidal"
+    assert lg.select_probe_plan(flag, tasks) == plan
+    assert lg.probe_plan_flag(every, tasks) == ""
+    same = lg.select_probe_plan(",".join(f"{t}:nope+rope" for t in tasks), tasks)
+    assert lg.probe_plan_flag(same, tasks) == "nope,rope"
+    with pytest.raises(SystemExit, match="task 'bucket_sort' not among the page's tasks"):
+        lg.select_probe_plan("bucket_sort:nope", tasks)
+    with pytest.raises(SystemExit, match="task 'odds_first' named twice"):
+        lg.select_probe_plan("odds_first:nope,odds_first:rope", tasks)
+    with pytest.raises(SystemExit, match="not both"):
+        lg.select_probe_plan("nope,odds_first:rope", tasks)
+    with pytest.raises(SystemExit, match="names no arm"):
+        lg.select_probe_plan("odds_first:", tasks)
+    with pytest.raises(SystemExit, match="unknown \\['randomized'\\]"):
+        lg.select_probe_plan("odds_first:nope+randomized", tasks)
+    own = argparse.Namespace(
+        peer=True, peer_threads=1, init_probe=False, peer_probe=True, peer_probe_arms=spec,
+        records="",
+    )  # fmt: skip
+    assert lg.page_options(own, tasks, "cpu")[-1] == f"--peer-probe-arms={flag}"
 
 
 def test_peer_venv_is_built_once_for_concurrent_runs(
@@ -570,7 +605,7 @@ def test_length_generalization_peer_probe_section() -> None:
     table = lg.peer_probe_section({"nope": {"parity_check": ours}}, peer, probe, ["parity_check"])
     assert (
         "| `nope` | parity_check | 90.0 ± 0.0 | 100.0 ± 0.0 | 90.0 ± 10.0 | 60.0 ± 10.0 "
-        "| 90.0 ± 0.0 | 60.0 ± 5.0 | no (gap 30.0) | yes | 55.0 / 65.0 |" in table
+        "| 90.0 ± 0.0 | 60.0 ± 5.0 | no (gap 30.0, p = 0.33) | yes (p = 1) | 55.0 / 65.0 |" in table
     )
     assert "`sinusoidal`" not in table  # probe arms that did not run are left out
 

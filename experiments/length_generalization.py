@@ -685,7 +685,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "## Step time",
             "",
             "Milliseconds per training step (1000 / the median logged steps/s after the "
-            "first window), mean ± std over seeds.",
+            "first window), mean ± std over seeds. Runs train as many at a time as the "
+            "header says; a run that trains partly alone (the last of a sweep) reads "
+            f"faster, so one fast seed can widen an arm's std (`{ARMS[-1]}` trains last).",
             "",
             time_table(summary, tasks),
             "",

@@ -209,6 +209,27 @@ class LengthTask(Task):
         return out
 
 
+def repeat_rule_accuracy(task: LengthTask, split: str, seed: int) -> dict[str, float]:
+    """:meth:`LengthTask.summarize` of the rule that needs no model: predict each output token
+    as the previous true one, which teacher forcing hands to the decoder, and the first output
+    token as the split's most frequent first output token.
+
+    Where the output repeats its previous token (``bucket_sort``: right except at the at most
+    ``len(symbols) - 1`` places the sorted symbol changes) this scores far above chance, so
+    it is the floor a causal decoder's accuracy should be read against.
+    """
+    source = task.source(split, seed)
+    batch = {
+        key: np.stack([np.asarray(source[i][key]) for i in range(len(source))])
+        for key in ("inputs", "targets", "loss_mask")
+    }
+    inputs_BT, targets_BT = batch["inputs"], batch["targets"]
+    first_BT = (batch["loss_mask"] > 0) & (inputs_BT == SEP_ID)
+    firsts, counts = np.unique(targets_BT[first_BT], return_counts=True)
+    predictions_BT = np.where(first_BT, firsts[np.argmax(counts)], inputs_BT)
+    return task.summarize(task.metrics(batch, predictions_BT))
+
+
 def random_symbols(rng: np.random.Generator, length: int, alphabet: int) -> list[int]:
     """``length`` symbols drawn uniformly from ``range(alphabet)``."""
     return [int(s) for s in rng.integers(0, alphabet, size=length)]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from copejax.data._length_suite import repeat_rule_accuracy
 from copejax.data.base import EXAMPLE_KEYS, make_task
 
 SMALL = {"max_train_length": 9, "test_max_length": 21, "test_length_step": 4}
@@ -198,3 +199,30 @@ def test_decode_example_reads_input_and_output(name: str) -> None:
     for index in range(5):
         inputs, outputs, _ = read(task.vocab, source[index])
         assert task.decode_example(source[index]) == (inputs, outputs)
+
+
+@pytest.mark.parametrize("name", ["bucket_sort", "reverse_string", "parity_check"])
+@pytest.mark.parametrize("split", ["test", "long"])
+def test_repeat_rule_scores_the_previous_true_output_token(name: str, split: str) -> None:
+    """The no-model floor, recomputed from the decoded outputs: each output symbol guessed as
+    the one before it, the first as the most frequent first symbol; per-length token accuracy,
+    then the mean over lengths."""
+    task = make_task(name, SMALL)
+    source = task.source(split, seed=3)
+    outputs = [read(task.vocab, source[i])[1:] for i in range(len(source))]
+    firsts = [out[0] for out, _ in outputs]
+    guess = max(sorted(set(firsts)), key=firsts.count)
+    right: dict[int, list[bool]] = {}
+    for out, sep in outputs:
+        hits = [a == b for a, b in zip([guess, *out[:-1]], out, strict=True)]
+        right.setdefault(sep, []).extend(hits)
+        if name == "bucket_sort":  # sorted: wrong only where the symbol changes, <= 4 times
+            assert hits.count(False) <= 4 + (out[0] != guess)
+    expected = np.mean([np.mean(hits) for hits in right.values()])
+    got = repeat_rule_accuracy(task, split, seed=3)
+    assert got["accuracy"] == pytest.approx(expected, abs=1e-12)
+    assert sorted(k for k in got if k.startswith("accuracy/")) == sorted(
+        f"accuracy/{n}" for n in right
+    )
+    if name == "bucket_sort" and split == "long":
+        assert got["accuracy"] > 0.7  # far above the 1/5 of a uniform guess

@@ -43,7 +43,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from copejax.data._length_suite import TASKS
+from copejax.config_base import load_config
+from copejax.data._length_suite import TASKS, repeat_rule_accuracy
+from copejax.data.base import make_task
 from experiments import length_generalization_peer as peer_module
 from experiments import length_generalization_peer_weights as peer_weights
 from experiments import run_records, sweep
@@ -57,6 +59,8 @@ ARM_OPTIONS = {"randomized": ",sample_at_eval=True"}
 SCALE_TASKS = {"smoke": ("reverse_string",), "cpu": TASKS, "paper": TASKS}
 ARGS = {"smoke": "smoke,steps=10", "cpu": "cpu", "paper": "paper"}
 SEEDS = {"smoke": 1, "cpu": 5, "paper": 5}  # 5 seeds per arm (issue 19)
+REPEAT_RULE = "repeat rule (no model)"  # the row of repeat_rule_accuracy in the accuracy tables
+REPEAT_SAMPLES = 64  # sequences per length the repeat rule is scored on (at least)
 SPLITS = {"long": "test lengths (41 and up)", "test": "training lengths (1 to 40)"}
 NOTES = {
     "smoke": "Smoke scale: 10 steps of a tiny model on inputs of 1 to 8 symbols, tested at 9, "
@@ -84,6 +88,16 @@ positions at evaluation too (`sample_at_eval=True`, one fixed key per evaluation
 initialisation is theirs: every dense kernel starts at haiku's default, a normal truncated at
 two std with std 1 / sqrt(fan_in) (`model.dense_init = "fan_in"`), and the token embeddings
 at N(0, 0.02²) times sqrt(D).
+
+Teacher forcing hands the decoder each previous output token, which Ruoss et al.'s encoder
+never sees. The accuracy tables therefore carry a floor that needs no model, the *repeat
+rule*: guess each output token to be the true one before it, and the first to be the most
+frequent first output token (`repeat_rule_accuracy` in `copejax/data/_length_suite.py`,
+scored on the study's lengths, data seed 0, at least 64 sequences per length). It sits at
+chance (about 50 %) on every task but `bucket_sort`: a sorted output changes symbol at most
+four times, so repeating is right on all other tokens, about 95 % at 41 to 161 symbols.
+There an arm below the rule does worse past the training lengths than copying the previous
+token, which a causal decoder can do at any length.
 
 Published numbers: the paper's results table is not retrievable offline (only its abstract
 and introduction are), so no published column is shown."""
@@ -241,8 +255,14 @@ def length_curves(result: sweep.Sweep, task: str) -> dict[str, list[list[tuple[f
     return curves
 
 
-def table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], split: str) -> str:
-    """Rows: arms; columns: tasks; cells: accuracy % mean ± std over seeds."""
+def table(
+    summary: Mapping[str, Mapping[str, Any]],
+    tasks: Sequence[str],
+    split: str,
+    repeat: Mapping[str, Mapping[str, Mapping[str, float]]],
+) -> str:
+    """Rows: arms, then the repeat rule; columns: tasks; cells: accuracy % mean ± std over
+    seeds (the rule's: one number, from ``repeat`` as :func:`repeat_rule` gives it)."""
     rows = []
     for arm, by_task in summary.items():
         cells = []
@@ -250,7 +270,35 @@ def table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str], split:
             cell = by_task.get(task)
             cells.append("-" if cell is None else _cell(cell[split]))
         rows.append([f"`{arm}`", *cells])
+    rows.append(
+        [f"*{REPEAT_RULE}*", *(f"*{100 * repeat[t][split]['accuracy']:.1f}*" for t in tasks)]
+    )
     return sweep.markdown_table(["arm", *(f"{t} %" for t in tasks)], rows)
+
+
+def repeat_rule(tasks: Sequence[str], scale: str) -> dict[str, dict[str, dict[str, float]]]:
+    """task -> split -> :func:`repeat_rule_accuracy` (``accuracy`` and ``accuracy/<n>``) on
+    the study's evaluation splits at ``scale``, data seed 0, at least ``REPEAT_SAMPLES``
+    sequences per length."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for task in tasks:
+        options = load_config(CONFIG, f"{task},{ARGS[scale]}").task.options.to_dict()
+        per_length = max(options.get("samples_per_length", 0), REPEAT_SAMPLES)
+        made = make_task(task, {**options, "samples_per_length": per_length})
+        out[task] = {split: repeat_rule_accuracy(made, split, seed=0) for split in SPLITS}
+    return out
+
+
+def repeat_curve(by_split: Mapping[str, Mapping[str, float]]) -> list[tuple[int, float]]:
+    """(input length, accuracy) of the repeat rule over the training and test lengths of one
+    task, from its :func:`repeat_rule` entry."""
+    points = {
+        int(key.rsplit("/", 1)[1]): float(value)
+        for summary in by_split.values()
+        for key, value in summary.items()
+        if key.startswith("accuracy/")
+    }
+    return sorted(points.items())
 
 
 def time_table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> str:
@@ -270,30 +318,51 @@ def _cell(spread: Mapping[str, Any], scale: float = 100.0) -> str:
     return sweep.percent((spread["mean"], spread["std"]), scale=scale)
 
 
-def reading(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> str:
-    """Per task, the arms ranked by accuracy on the test lengths, and whether the best is
-    ahead of the runner-up on every seed."""
+def reading(
+    summary: Mapping[str, Mapping[str, Any]],
+    tasks: Sequence[str],
+    repeat: Mapping[str, Mapping[str, Mapping[str, float]]],
+) -> str:
+    """Per task, the arms ranked by accuracy on the test lengths and whether the best is ahead
+    of the runner-up on every seed; where some arm has every seed at or below the repeat rule
+    on the test lengths, the arms whose every seed is above it and those at or below it."""
     lines = []
     for task in tasks:
-        scores = {arm: by_task[task]["long"] for arm, by_task in summary.items() if task in by_task}
-        if len(scores) < 2:
+        lines.extend(_reading_of(summary, task))
+        floor = repeat[task]["long"]["accuracy"]
+        seeds = {arm: by[task]["long"]["per_seed"] for arm, by in summary.items() if task in by}
+        below = [arm for arm, values in seeds.items() if max(values) <= floor]
+        if not below:
             continue
-        ranked = sorted(scores, key=lambda arm: -scores[arm]["mean"])
-        best, second = ranked[0], ranked[1]
-        tied = [arm for arm in ranked if scores[arm]["mean"] == scores[best]["mean"]]
-        if len(tied) > 1:
-            lines.append(
-                f"`{task}`: {len(tied)} arms tie on the test lengths at "
-                f"{100 * scores[best]['mean']:.1f} % ({', '.join(f'`{a}`' for a in tied)})."
-            )
-            continue
-        clear = min(scores[best]["per_seed"]) > max(scores[second]["per_seed"])
+        above = [arm for arm, values in seeds.items() if min(values) > floor]
+        named = lambda arms: ", ".join(f"`{a}`" for a in arms)
         lines.append(
-            f"`{task}`: best on the test lengths `{best}` {100 * scores[best]['mean']:.1f} %, "
-            f"then `{second}` {100 * scores[second]['mean']:.1f} % "
-            f"({'ahead on every seed' if clear else 'the seeds overlap'})."
+            f"On `{task}` the {REPEAT_RULE} scores {100 * floor:.1f} %:"
+            + (f" every seed of {named(above)} is above it," if above else "")
+            + f" every seed of {named(below)} at or below it."
         )
     return " ".join(lines)
+
+
+def _reading_of(summary: Mapping[str, Mapping[str, Any]], task: str) -> list[str]:
+    """The ranking sentence of one task (none with fewer than two arms)."""
+    scores = {arm: by_task[task]["long"] for arm, by_task in summary.items() if task in by_task}
+    if len(scores) < 2:
+        return []
+    ranked = sorted(scores, key=lambda arm: -scores[arm]["mean"])
+    best, second = ranked[0], ranked[1]
+    tied = [arm for arm in ranked if scores[arm]["mean"] == scores[best]["mean"]]
+    if len(tied) > 1:
+        return [
+            f"`{task}`: {len(tied)} arms tie on the test lengths at "
+            f"{100 * scores[best]['mean']:.1f} % ({', '.join(f'`{a}`' for a in tied)})."
+        ]
+    clear = min(scores[best]["per_seed"]) > max(scores[second]["per_seed"])
+    return [
+        f"`{task}`: best on the test lengths `{best}` {100 * scores[best]['mean']:.1f} %, "
+        f"then `{second}` {100 * scores[second]['mean']:.1f} % "
+        f"({'ahead on every seed' if clear else 'the seeds overlap'})."
+    ]
 
 
 def run_peer(
@@ -599,6 +668,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         records_dir=own.records,
     )
     summary = summarize(result, tasks)
+    repeat = repeat_rule(tasks, args.scale)
 
     def peer_runs(
         parametrisation: str, arms: Sequence[str], tasks: Sequence[str] = tasks
@@ -642,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     for task in tasks:
         path = sweep.plot_path(args.out, STUDY, args.scale, task)
         sweep.curve_plot(
-            length_curves(result, task),
+            {**length_curves(result, task), REPEAT_RULE: [repeat_curve(repeat[task])]},
             path,
             xlabel="input length n",
             ylabel="per-token accuracy",
@@ -664,23 +734,24 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "Per-output-token accuracy of each test length, averaged over the lengths (their "
             "score), last evaluation, mean ± std over seeds.",
             "",
-            table(summary, tasks, "long"),
+            table(summary, tasks, "long", repeat),
             "",
             f"![accuracy]({plot.name})",
             "",
-            reading(summary, tasks),
+            reading(summary, tasks, repeat),
             "",
             f"Every seed's accuracy (seeds {', '.join(map(str, result.seeds))}, in that order):",
             "",
             sweep.per_seed_table(result, {f"{s}/accuracy": f"{SPLITS[s]} %" for s in SPLITS}),
             "",
-            "Accuracy by input length (mean over seeds, band: one std), last evaluation:",
+            "Accuracy by input length (mean over seeds, band: one std), last evaluation, with "
+            f"the {REPEAT_RULE}:",
             "",
             *curve_images,
             "",
             "## Accuracy on the training lengths",
             "",
-            table(summary, tasks, "test"),
+            table(summary, tasks, "test", repeat),
             "",
             "## Step time",
             "",
@@ -731,6 +802,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         page,
         result,
         results=summary,
+        repeat_rule=repeat,
         peer=peer_json(peer),
         init_probe=summarize(result, tasks, INIT_PROBE_ARMS, probe_label) if own.init_probe else {},
         peer_probe=peer_json(probe),

@@ -290,20 +290,46 @@ def test_length_generalization_summary_and_step_time() -> None:
     assert cell["long"]["per_seed"] == [0.5, 0.7]
     assert cell["long"]["mean"] == pytest.approx(0.6) and cell["long"]["std"] == pytest.approx(0.1)
     assert cell["step_ms"]["per_seed"] == [pytest.approx(50.0), pytest.approx(20.0)]
-    assert "| `rope` | 60.0 ± 10.0 |" in lg.table(summary, ["parity_check"], "long")
+    repeat = {
+        "parity_check": {
+            "long": {"accuracy": 0.5, "accuracy/50": 0.5},
+            "test": {"accuracy": 0.45, "accuracy/2": 0.45},
+        },
+        "bucket_sort": {"long": {"accuracy": 0.9}},
+    }
+    long_table = lg.table(summary, ["parity_check"], "long", repeat)
+    assert "| `rope` | 60.0 ± 10.0 |" in long_table
+    assert long_table.endswith(f"| *{lg.REPEAT_RULE}* | *50.0* |")
+    assert f"| *{lg.REPEAT_RULE}* | *45.0* |" in lg.table(summary, ["parity_check"], "test", repeat)
     assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
-    assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long")
+    assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long", repeat)
+    assert lg.repeat_curve(repeat["parity_check"]) == [(2, 0.45), (50, 0.5)]
     assert lg.length_curves(result, "parity_check") == {
         "rope": [[(2, 1.0), (50, 0.5)], [(2, 0.9), (50, 0.7)]]
     }
     fox = {"long": sweep.spread(0.4, 0.0, [0.4, 0.4])}
-    ranked = lg.reading({"rope": summary["rope"], "fox": {"parity_check": fox}}, ["parity_check"])
+    two = {"rope": summary["rope"], "fox": {"parity_check": fox}}
+    ranked = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.3}}})
     assert ranked == (
         "`parity_check`: best on the test lengths `rope` 60.0 %, then `fox` 40.0 % "
         "(ahead on every seed)."
     )
+    # the rule is named only where some arm has every seed at or below it (rope's seeds
+    # are 0.5 and 0.7, fox's 0.4 and 0.4)
+    floor = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.45}}})
+    assert floor == ranked + (
+        f" On `parity_check` the {lg.REPEAT_RULE} scores 45.0 %: every seed of `rope` is "
+        "above it, every seed of `fox` at or below it."
+    )
+    straddled = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.6}}})
+    assert straddled == ranked + (
+        f" On `parity_check` the {lg.REPEAT_RULE} scores 60.0 %: every seed of `fox` at or "
+        "below it."
+    )
     tie = lg.reading(
-        {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}}, ["parity_check"]
+        {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}},
+        ["parity_check"],
+        {"parity_check": {"long": {"accuracy": 0.3}}},
     )
     assert tie == "`parity_check`: 2 arms tie on the test lengths at 40.0 % (`rope`, `fox`)."
 

@@ -335,13 +335,17 @@ def reading(
         if not below:
             continue
         above = [arm for arm, values in seeds.items() if min(values) > floor]
-        named = lambda arms: ", ".join(f"`{a}`" for a in arms)
         lines.append(
             f"On `{task}` the {REPEAT_RULE} scores {100 * floor:.1f} %:"
-            + (f" every seed of {named(above)} is above it," if above else "")
-            + f" every seed of {named(below)} at or below it."
+            + (f" every seed of {_code_list(above)} is above it," if above else "")
+            + f" every seed of {_code_list(below)} at or below it."
         )
     return " ".join(lines)
+
+
+def _code_list(names: Sequence[str]) -> str:
+    """``a``, ``b``, ... as markdown code, comma-separated."""
+    return ", ".join(f"`{name}`" for name in names)
 
 
 def _reading_of(summary: Mapping[str, Mapping[str, Any]], task: str) -> list[str]:
@@ -355,7 +359,7 @@ def _reading_of(summary: Mapping[str, Mapping[str, Any]], task: str) -> list[str
     if len(tied) > 1:
         return [
             f"`{task}`: {len(tied)} arms tie on the test lengths at "
-            f"{100 * scores[best]['mean']:.1f} % ({', '.join(f'`{a}`' for a in tied)})."
+            f"{100 * scores[best]['mean']:.1f} % ({_code_list(tied)})."
         ]
     clear = min(scores[best]["per_seed"]) > max(scores[second]["per_seed"])
     return [

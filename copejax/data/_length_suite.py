@@ -41,7 +41,7 @@ from typing import ClassVar
 import numpy as np
 
 from copejax.data import _sequence as seq
-from copejax.data.base import Example, Task, TaskSource
+from copejax.data.base import EXAMPLE_KEYS, Example, Task, TaskSource
 
 SEP_ID = 1  # vocabulary: "<pad>", "<sep>", then the task's symbols
 FIRST_SYMBOL_ID = 2
@@ -219,10 +219,8 @@ def repeat_rule_accuracy(task: LengthTask, split: str, seed: int) -> dict[str, f
     it is the floor a causal decoder's accuracy should be read against.
     """
     source = task.source(split, seed)
-    batch = {
-        key: np.stack([np.asarray(source[i][key]) for i in range(len(source))])
-        for key in ("inputs", "targets", "loss_mask")
-    }
+    examples = [source[i] for i in range(len(source))]  # each one generated once
+    batch = {key: np.stack([e[key] for e in examples]) for key in EXAMPLE_KEYS}
     inputs_BT, targets_BT = batch["inputs"], batch["targets"]
     first_BT = (batch["loss_mask"] > 0) & (inputs_BT == SEP_ID)
     firsts, counts = np.unique(targets_BT[first_BT], return_counts=True)

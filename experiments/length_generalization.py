@@ -13,7 +13,7 @@ RoPE, ALiBi, learned, CoPE, FoX, randomized positions) over seeds: train on inpu
 to 40, report the per-output-token accuracy averaged over the test lengths (the ``long``
 split, 41 and up) and over the training lengths (``test``), mean ± std over seeds, and each
 arm's training step time (median of the logged steps/s after the first window, which holds
-the compilation).
+the compilation; the median over seeds, with the fastest and slowest seed).
 
 ``--peer`` also trains x-transformers (PyTorch; ``experiments/length_generalization_peer.py``,
 in a side venv it creates) on the same batches with the same sizes, schedule, steps and seeds
@@ -132,9 +132,10 @@ when the means differ by no more than the larger seed std; each such cell also g
 two-sided exact permutation test of the two sets of seeds (every split of the pooled seeds
 into two groups, 252 for five a side, so p ≥ 0.008): a small p says that the two seed sets
 differ by more than reshuffling them does, a large one that five seeds cannot tell the two
-apart, whatever the std rule says. Step times are medians after five
-steps, on a shared machine; torch ran with {threads}, and as many peer runs at a time as
-copejax runs (the header says how those were trained)."""
+apart, whatever the std rule says. Step times are medians after five steps, on a shared
+machine, and each cell the median over seeds (fastest-slowest seed); torch ran with
+{threads}, and as many peer runs at a time as copejax runs (the header says how those were
+trained)."""
 
 
 # The initialisation probe (``--init-probe``): copejax arms started at x-transformers' scales
@@ -302,9 +303,16 @@ def repeat_curve(by_split: Mapping[str, Mapping[str, float]]) -> list[tuple[int,
 
 
 def time_table(summary: Mapping[str, Mapping[str, Any]], tasks: Sequence[str]) -> str:
-    """Rows: arms; columns: tasks; cells: ms per training step, mean ± std over seeds."""
+    """Rows: arms; columns: tasks; cells: ms per training step, the median over seeds and
+    the fastest and slowest seed."""
     rows = [
-        [f"`{arm}`", *(_cell(by_task[t]["step_ms"], 1.0) if t in by_task else "-" for t in tasks)]
+        [
+            f"`{arm}`",
+            *(
+                sweep.median_range(by_task[t]["step_ms"]["per_seed"]) if t in by_task else "-"
+                for t in tasks
+            ),
+        ]
         for arm, by_task in summary.items()
     ]
     return sweep.markdown_table(["arm", *(f"{t} ms/step" for t in tasks)], rows)
@@ -314,8 +322,8 @@ def _threads(threads: int) -> str:
     return "its default threads" if threads == 0 else f"{threads} thread(s)"
 
 
-def _cell(spread: Mapping[str, Any], scale: float = 100.0) -> str:
-    return sweep.percent((spread["mean"], spread["std"]), scale=scale)
+def _cell(spread: Mapping[str, Any]) -> str:
+    return sweep.percent((spread["mean"], spread["std"]))
 
 
 def reading(
@@ -501,7 +509,7 @@ def peer_section(
             mine = summary[arm][task]
             values = [r["long/accuracy"] for r in by_task[task]]
             theirs = sweep.mean_std(values)
-            times = sweep.mean_std([r["step_ms"] for r in by_task[task]])
+            times = [r["step_ms"] for r in by_task[task]]
             rows.append(
                 [
                     f"`{arm}`",
@@ -509,8 +517,8 @@ def peer_section(
                     _cell(mine["long"]),
                     sweep.percent(theirs),
                     within_spread(mine["long"], values),
-                    _cell(mine["step_ms"], 1.0),
-                    sweep.percent(times, scale=1.0),
+                    sweep.median_range(mine["step_ms"]["per_seed"]),
+                    sweep.median_range(times),
                 ]
             )
     header = ["arm", "task", "copejax %", "x-transformers %", "within the seed spread",
@@ -760,9 +768,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "## Step time",
             "",
             "Milliseconds per training step (1000 / the median logged steps/s after the "
-            "first window), mean ± std over seeds. Runs train as many at a time as the "
-            "header says; a run that trains partly alone (the last of a sweep) reads "
-            f"faster, so one fast seed can widen an arm's std (`{ARMS[-1]}` trains last).",
+            "first window), the median over seeds and, in brackets, the fastest and the "
+            "slowest seed. Runs train as many at a time as the header says; a run that "
+            "trains partly alone (the last of a sweep) reads faster, which the range shows "
+            f"and the median leaves out (`{ARMS[-1]}` trains last).",
             "",
             time_table(summary, tasks),
             "",

@@ -301,7 +301,7 @@ def test_length_generalization_summary_and_step_time() -> None:
     assert "| `rope` | 60.0 ± 10.0 |" in long_table
     assert long_table.endswith(f"| *{lg.REPEAT_RULE}* | *50.0* |")
     assert f"| *{lg.REPEAT_RULE}* | *45.0* |" in lg.table(summary, ["parity_check"], "test", repeat)
-    assert "| `rope` | 35.0 ± 15.0 |" in lg.time_table(summary, ["parity_check"])
+    assert "| `rope` | 35.0 (20.0-50.0) |" in lg.time_table(summary, ["parity_check"])
     assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long", repeat)
     assert lg.repeat_curve(repeat["parity_check"]) == [(2, 0.45), (50, 0.5)]
     assert lg.length_curves(result, "parity_check") == {
@@ -411,6 +411,14 @@ def test_length_generalization_peer_per_seed_and_json() -> None:
     assert cell["test"]["per_seed"] == [0.9, 1.0] and cell["step_ms"]["mean"] == 20.0
 
 
+def test_median_range_keeps_one_fast_run_out_of_the_cell() -> None:
+    """Timing cells: the median over seeds, the fastest and slowest in brackets."""
+    assert sweep.median_range([150.0, 148.0, 92.0, 152.0, 149.0]) == "149.0 (92.0-152.0)"
+    assert sweep.median_range([10.0, 20.0]) == "15.0 (10.0-20.0)"
+    assert sweep.median_range([7.25]) == "7.2"
+    assert sweep.median_range([]) == "n/a" and sweep.median_range([float("nan")]) == "n/a"
+
+
 def test_length_generalization_peer_side_by_side() -> None:
     """The peer table: agreement within the larger seed std, one-seed cells marked n/a."""
     lg = length_generalization
@@ -423,8 +431,8 @@ def test_length_generalization_peer_side_by_side() -> None:
         ["parity_check", "bucket_sort"],
     )
     assert (
-        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes (p = 0.67) | 5.0 ± 1.0 "
-        "| 20.0 ± 0.0 |" in table
+        "| `rope` | parity_check | 60.0 ± 10.0 | 70.0 ± 5.0 | yes (p = 0.67) | 5.0 (4.0-6.0) "
+        "| 20.0 (20.0-20.0) |" in table
     )  # 4 of the 6 splits of {0.5, 0.7, 0.65, 0.75} are at least 10 points apart
     assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0, p = 0.33) |" in table
     one = lg.peer_section(

@@ -8,6 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
+from experiments import sweep
 from experiments.bench import LONG_RUN_S, LONG_SCHEMES, NOPE_ARMS, STEP_MODEL
 
 
@@ -72,7 +73,7 @@ def round_ratios(rows: list[dict], label: str, length: int, base: str = "nope") 
 def _ratio_cell(ratios: list[float]) -> str:
     if not ratios:
         return "-"
-    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return sweep.median_range(ratios, digits=2, unit="x")
 
 
 def fastest_nope_ratios(rows: list[dict], label: str, length: int) -> list[float]:

@@ -259,19 +259,17 @@ def percent(mean_std_pair: tuple[float, float], scale: float = 100.0, digits: in
     return f"{mean * scale:.{digits}f} ± {std * scale:.{digits}f}"
 
 
-def median_range(values: Sequence[float], digits: int = 1) -> str:
-    """``"12.3 (10.1-15.0)"``: the median of ``values`` and, in brackets, the smallest and
-    largest (``"12.3"`` alone for one value; ``"n/a"`` for none). For timings on a shared
-    machine, where one run that trained alone should show in the range without moving the
-    cell, as it moves a mean."""
+def median_range(values: Sequence[float], digits: int = 1, unit: str = "") -> str:
+    """``"12.3 (10.1-15.0)"``: the median of ``values`` (NaNs left out), then ``unit``, and in
+    brackets the smallest and largest; ``"n/a"`` for none. For timings and speed ratios on a
+    shared machine, where one run that trained alone should show in the range without moving
+    the cell, as it moves a mean."""
     array = np.asarray(values, dtype=np.float64)
     array = array[~np.isnan(array)]
     if array.size == 0:
         return "n/a"
-    median = f"{float(np.median(array)):.{digits}f}"
-    if array.size == 1:
-        return median
-    return f"{median} ({array.min():.{digits}f}-{array.max():.{digits}f})"
+    median = float(np.median(array))
+    return f"{median:.{digits}f}{unit} ({array.min():.{digits}f}-{array.max():.{digits}f})"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

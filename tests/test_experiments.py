@@ -415,7 +415,8 @@ def test_median_range_keeps_one_fast_run_out_of_the_cell() -> None:
     """Timing cells: the median over seeds, the fastest and slowest in brackets."""
     assert sweep.median_range([150.0, 148.0, 92.0, 152.0, 149.0]) == "149.0 (92.0-152.0)"
     assert sweep.median_range([10.0, 20.0]) == "15.0 (10.0-20.0)"
-    assert sweep.median_range([7.25]) == "7.2"
+    assert sweep.median_range([7.25]) == "7.2 (7.2-7.2)"
+    assert sweep.median_range([1.0, 1.5, 1.25], digits=2, unit="x") == "1.25x (1.00-1.50)"
     assert sweep.median_range([]) == "n/a" and sweep.median_range([float("nan")]) == "n/a"
 
 

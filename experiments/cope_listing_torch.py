@@ -33,8 +33,6 @@ import time
 import venv
 from pathlib import Path
 
-from copejax.ops import engine_blocks
-
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_VENV = ROOT / ".venv-torch"
 TORCH_VERSION = "2.14.1"
@@ -139,7 +137,7 @@ def jax_worker(length: int) -> dict:
 
     from copejax.attention_paths import AUTO_BLOCKWISE_FROM
     from copejax.ops import cope as cope_ops
-    from copejax.ops import engine
+    from copejax.ops import engine, engine_blocks
     from copejax.ops.cope_block import cope_block_term
     from copejax.positions.base import masked_softmax_BNTS
 

@@ -138,3 +138,15 @@ def test_gpu_page_says_when_each_group_was_measured() -> None:
         "- T = 8, float32 (measured 2026-11-26): fastest nope by median `nope`; cope 2.00x." in text
     )
     assert "- T = 8, bfloat16 (measured: not recorded)" in text
+
+
+def test_cope_listing_script_imports_only_the_standard_library() -> None:
+    """The listing's torch worker runs ``experiments/cope_listing_torch.py`` in a side venv that
+    has torch and numpy but not copejax or JAX, so the script's top level must import the
+    standard library only (``-S``: no site-packages)."""
+    script = Path(__file__).resolve().parents[1] / "experiments" / "cope_listing_torch.py"
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", str(script), "--help"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr

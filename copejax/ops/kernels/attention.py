@@ -1,0 +1,211 @@
+"""Fused causal attention with in-kernel logit terms, forward and backward (issue 45).
+
+``fused_attention`` is FlashAttention-2 (Dao 2023, arXiv 2307.08691) in Pallas: the forward
+kernel (:mod:`copejax.ops.kernels.forward`) keeps each query's log-sum-exp, the backward
+kernels (:mod:`copejax.ops.kernels.backward`) recompute each pair's scores from it, all
+wired by ``jax.custom_vjp``. The scores are ``q . k / sqrt(H)`` plus the sum of the given
+:class:`~copejax.ops.kernels.terms.KernelTerm` biases, computed tile by tile inside the
+kernels: no (T, S) array exists, forward or backward. Masking: causal, packed segments,
+a sliding window W with StreamingLLM's sink tokens (the mask of
+:func:`copejax.ops.segments.pair_allowed_BQK`); grouped KV heads (G divides N); tiles with
+no allowed pair are skipped. Inputs in bfloat16 or float32; logits, softmax statistics and
+the terms in float32; the matmuls take the inputs' dtype with float32 accumulation.
+
+Backends: on a GPU the kernels lower to Triton (:mod:`copejax.ops.kernels.triton_params`
+says why not Mosaic GPU); elsewhere they run in Pallas interpret mode, which is how the CPU
+tests check them (slow: a correctness path, not a fast one). TPU: untested, see there.
+
+Shape letters: B batch, T queries (= S keys: self-attention), N query heads, G key/value
+heads, H head dim, W value width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.kernels.backward import backward_calls
+from copejax.ops.kernels.forward import forward_call
+from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.tiles import Plan
+
+DEFAULT_BLOCK = 128
+MIN_BLOCK = 16  # Triton's smallest matmul tile
+NOT_A_SINK = 2**30  # the rank given to padding keys
+
+
+def _tile(block: int, length: int) -> int:
+    """A power-of-two tile of at most ``block``, no longer than needed for ``length``."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < MIN_BLOCK:
+        raise ValueError(f"kernel: block must be an integer >= {MIN_BLOCK}, got {block!r}")
+    if block & (block - 1):
+        raise ValueError(f"kernel: block must be a power of two, got {block}")
+    size = MIN_BLOCK
+    while size < min(block, length):
+        size *= 2
+    return size
+
+
+def _pad(x: jax.Array, length: int, value: jax.Array | float | None = None) -> jax.Array:
+    """Pads axis 1 to ``length``: with ``value``, or repeating the last entry (None)."""
+    extra = length - x.shape[1]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, extra)
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def fused_attention(
+    q_BTNH: jax.Array,
+    k_BTGH: jax.Array,
+    v_BTGW: jax.Array,
+    *,
+    q_positions_BT: jax.Array,
+    k_positions_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    terms: Sequence[KernelTerm] = (),
+    window: int | None = None,
+    sink_tokens: int = 0,
+    k_rank_BT: jax.Array | None = None,
+    block_q: int = DEFAULT_BLOCK,
+    block_k: int = DEFAULT_BLOCK,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Causal self-attention through the fused kernels.
+
+    Args:
+      q_BTNH: queries (after any qk transform).
+      k_BTGH, v_BTGW: keys and values of the G key/value heads (G divides N; query head n
+        reads head ``n // (N / G)``, as ``repeat_kv_heads`` does).
+      q_positions_BT, k_positions_BT: integer positions the terms read.
+      segment_ids_BT: packed documents; query i sees key j <= i of its own segment.
+      terms: logit terms computed in the kernels (:mod:`copejax.ops.kernels.terms`).
+      window: sliding window W (keys ``i - W < j <= i``); None: full causal attention.
+      sink_tokens: with a window, each segment's first n keys stay visible.
+      k_rank_BT: each key's index within its segment; needed for ``sink_tokens``.
+      block_q, block_k: tile lengths (powers of two, at least 16; shorter for short inputs).
+      interpret: Pallas interpret mode; None: everywhere but on a GPU.
+
+    Returns:
+      y_BTNW in ``v_BTGW``'s dtype.
+    """
+    length, heads = q_BTNH.shape[1:3]
+    kv_heads = k_BTGH.shape[2]
+    if k_BTGH.shape[1] != length or heads % kv_heads:
+        raise ValueError(
+            f"kernel: needs self-attention (T = S) and G dividing N, got q {q_BTNH.shape}, "
+            f"k {k_BTGH.shape}"
+        )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
+    sinks = sink_tokens if window is not None else 0
+    if sinks and k_rank_BT is None:
+        raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    size_q, size_k = _tile(block_q, length), _tile(block_k, length)
+    padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
+    terms = tuple(terms)
+    plan = Plan(
+        size_q=size_q,
+        size_k=size_k,
+        count_q=padded // size_q,
+        count_k=padded // size_k,
+        window=window,
+        sink_tokens=sinks,
+        groups=heads // kv_heads,
+        biases=tuple(t.bias for t in terms),
+        interpret=bool(interpret),
+    )
+    segments_BT = segment_ids_BT.astype(jnp.int32)
+    lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
+    rank_BT = jnp.zeros_like(segments_BT) if k_rank_BT is None else k_rank_BT
+    ints = {
+        "q_pos": _pad(q_positions_BT.astype(jnp.int32), padded),
+        "k_pos": _pad(k_positions_BT.astype(jnp.int32), padded),
+        "q_seg": _pad(segments_BT, padded, lowest - 1),
+        "k_seg": _pad(segments_BT, padded, lowest - 2),
+        "k_rank": _pad(rank_BT.astype(jnp.int32), padded, NOT_A_SINK),
+    }
+    arrays = {
+        "q": _pad(q_BTNH, padded, 0),
+        "k": _pad(k_BTGH, padded, 0),
+        "v": _pad(v_BTGW, padded, 0),
+        "terms": [_term_arrays(t, padded) for t in terms],
+    }
+    y_BTNW = _attention(plan, arrays, ints)
+    return y_BTNW[:, :length]
+
+
+def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
+    """A term's arrays as the kernels read them: (N, P) params, (B, N, T) values."""
+    out = {"params": None, "q": None, "k": None}
+    if term.params_NP is not None:
+        out["params"] = term.params_NP.astype(jnp.float32)
+    for key, values_BTN in (("q", term.q_values_BTN), ("k", term.k_values_BSN)):
+        if values_BTN is not None:
+            out[key] = jnp.moveaxis(_pad(values_BTN.astype(jnp.float32), padded, 0), 2, 1)
+    return out
+
+
+def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
+    """The kernels as one differentiable function of ``arrays`` (the integer ``ints`` get
+    no gradient)."""
+
+    @jax.custom_vjp
+    def attend(arrays: dict, ints: dict) -> jax.Array:
+        return forward(arrays, ints)[0]
+
+    def forward(arrays: dict, ints: dict) -> tuple[jax.Array, tuple]:
+        o_BTNW, lse_BNT = forward_call(
+            plan, arrays["q"], arrays["k"], arrays["v"], ints=ints, terms=arrays["terms"]
+        )
+        return o_BTNW, (arrays, ints, o_BTNW, lse_BNT)
+
+    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[dict, None]:
+        arrays, ints, o_BTNW, lse_BNT = residuals
+        q_BTNH, k_BTGH, v_BTGW = arrays["q"], arrays["k"], arrays["v"]
+        do_BTNW = do_BTNW.astype(o_BTNW.dtype)
+        delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW.astype(jnp.float32), axis=-1)
+        dq_BTNH, dk_BTNH, dv_BTNW, term_grads = backward_calls(
+            plan,
+            q_BTNH,
+            k_BTGH,
+            v_BTGW,
+            do_BTNW,
+            lse_BNT=lse_BNT,
+            delta_BNT=jnp.moveaxis(delta_BTN, 2, 1),
+            ints=ints,
+            terms=arrays["terms"],
+        )
+        batch, length, heads = q_BTNH.shape[:3]
+        kv_heads = k_BTGH.shape[2]
+
+        def per_kv_head(x_BTNW: jax.Array, like: jax.Array) -> jax.Array:
+            x = x_BTNW.reshape(batch, length, kv_heads, heads // kv_heads, -1)
+            return jnp.sum(x, axis=3).astype(like.dtype)
+
+        grads = {
+            "q": dq_BTNH,
+            "k": per_kv_head(dk_BTNH, k_BTGH),
+            "v": per_kv_head(dv_BTNW, v_BTGW),
+            "terms": [
+                {
+                    "params": None if g["params"] is None else jnp.sum(g["params"], axis=(0, 2)),
+                    "q": g["q"],
+                    "k": g["k"],
+                }
+                for g in term_grads
+            ],
+        }
+        return grads, None
+
+    attend.defvjp(forward, backward)
+    return attend(arrays, ints)

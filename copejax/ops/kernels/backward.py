@@ -1,0 +1,268 @@
+"""The fused attention backward kernels (FlashAttention-2, Dao 2023, arXiv 2307.08691).
+
+With ``P_ij = exp(s_ij - L_i)`` on allowed pairs (``L`` the forward's log-sum-exp) and
+``D_i = sum_w dO_iw O_iw`` (computed before the kernels):
+
+    dV_j  = sum_i P_ij dO_i
+    dP_ij = dO_i . v_j
+    dS_ij = P_ij (dP_ij - D_i)
+    dq_i  = sum_j dS_ij k_j / sqrt(H),   dk_j = sum_i dS_ij q_i / sqrt(H)
+
+and the terms' inputs get ``dS`` pulled back through their tile functions (``jax.vjp``
+traced into the kernel; :mod:`copejax.ops.kernels.terms` states the contract). Two kernels,
+so that no program writes another's output: one program per (batch row, head, query tile)
+walks the key tiles for dq and the terms' per-query values; one per (batch row, head, key
+tile) walks the query tiles for dk, dv, the terms' per-key values and their parameters
+(one partial sum per key tile, added up outside). Both skip pairs with no allowed entry.
+With grouped heads, dk and dv come out per query head and are summed over each group
+outside. Shape letters as in :mod:`copejax.ops.kernels.forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from copejax.ops.kernels.forward import term_operands, term_refs
+from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
+from copejax.ops.kernels.triton_params import compiler_params
+
+
+def _pair_grads(plan: Plan, q_QH, k_KH, v_KW, *, do_QW, lse_Q, delta_Q, allowed_QK, inputs):
+    """(P, dS) of one pair, float32 (Q, K); ``inputs`` as :func:`scores_QK` reads them."""
+    s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
+    dp_QK = dot_f32(do_QW, v_KW, (1, 1))
+    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
+
+
+def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    dq_ref, *dqv_refs = refs[11 + num_term_refs :]
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH, do_QW = q_ref[...], do_ref[...]
+    lse_Q, delta_Q = lse_ref[...], delta_ref[...]
+    q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    scale = 1.0 / math.sqrt(q_QH.shape[-1])
+
+    def pair(kj: jax.Array, state: tuple) -> tuple:
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            dq_QH, dqv = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_KH, k_pos_K = k_ref[keys, :], kpos_ref[keys]
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
+            _, ds_QK = _pair_grads(
+                plan,
+                q_QH,
+                k_KH,
+                v_ref[keys, :],
+                do_QW=do_QW,
+                lse_Q=lse_Q,
+                delta_Q=delta_Q,
+                allowed_QK=allowed_QK,
+                inputs=inputs,
+            )
+            dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
+            if dqv:
+
+                def bias(qv: list) -> jax.Array:
+                    return tile_bias_QK(plan.biases, (params, qv, k_values), q_pos_Q, k_pos_K)
+
+                _, pull = jax.vjp(bias, q_values)
+                grads = pull(ds_QK)[0]
+                dqv = [d + g for d, g in zip(dqv, [g for g in grads if g is not None], strict=True)]
+            return dq_QH, dqv
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    first, end = plan.key_tiles(qi)
+    init_dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
+    init = (jnp.zeros(q_QH.shape, jnp.float32), init_dqv)
+    dq_QH, dqv = jax.lax.fori_loop(first, end, pair, init)
+    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
+    for ref, value in zip(dqv_refs, dqv, strict=True):
+        ref[...] = value
+
+
+def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    dk_ref, dv_ref, *grad_refs = refs[11 + num_term_refs :]
+    num_dkv = sum(h[2] for h in has)
+    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
+    kj = pl.program_id(2)
+    k_first = kj * plan.size_k
+    k_KH, v_KW = k_ref[...], v_ref[...]
+    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    k_values = [None if r is None else r[...] for r in kv_refs]
+    scale = 1.0 / math.sqrt(k_KH.shape[-1])
+
+    def pair(qi: jax.Array, state: tuple) -> tuple:
+        q_first = qi * plan.size_q
+        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
+        q_seg_Q = qseg_ref[queries]
+
+        def compute(state: tuple) -> tuple:
+            dk_KH, dv_KW, dkv, dparams = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
+            q_values = [None if r is None else r[queries] for r in qv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
+            p_QK, ds_QK = _pair_grads(
+                plan,
+                q_QH,
+                k_KH,
+                v_KW,
+                do_QW=do_QW,
+                lse_Q=lse_ref[queries],
+                delta_Q=delta_ref[queries],
+                allowed_QK=allowed_QK,
+                inputs=inputs,
+            )
+            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
+            dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
+            if dkv or dparams:
+
+                def bias(p: list, kv: list) -> jax.Array:
+                    return tile_bias_QK(plan.biases, (p, q_values, kv), q_pos_Q, k_pos_K)
+
+                _, pull = jax.vjp(bias, params, k_values)
+                g_params, g_kv = pull(ds_QK)
+                dkv = [d + g for d, g in zip(dkv, [g for g in g_kv if g is not None], strict=True)]
+                g_params = [g for g in g_params if g is not None]
+                dparams = [d + g for d, g in zip(dparams, g_params, strict=True)]
+            return dk_KH, dv_KW, dkv, dparams
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    first, end = plan.query_tiles(kj)
+    init = (
+        jnp.zeros(k_KH.shape, jnp.float32),
+        jnp.zeros(v_KW.shape, jnp.float32),
+        [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
+        [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
+    )
+    dk_KH, dv_KW, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
+    dk_ref[...] = dk_KH
+    dv_ref[...] = dv_KW
+    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
+        ref[...] = value
+
+
+def backward_calls(
+    plan: Plan,
+    q_BTNH: jax.Array,
+    k_BSGH: jax.Array,
+    v_BSGW: jax.Array,
+    do_BTNW: jax.Array,
+    *,
+    lse_BNT: jax.Array,
+    delta_BNT: jax.Array,
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+) -> tuple[jax.Array, jax.Array, jax.Array, list[dict]]:
+    """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments).
+
+    Returns:
+      (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW float32 per query head, the terms'
+      gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)}).
+    """
+    batch, length_q, heads, dim = q_BTNH.shape
+    length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
+    groups, sq, sk = plan.groups, plan.size_q, plan.size_k
+    ints_in = [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
+    f32 = jnp.float32
+
+    # dq: programs over query tiles; keys, values and key ints whole.
+    has, term_in, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
+    specs = [
+        pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
+        pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
+        pl.BlockSpec((None, sq, None, width), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)),
+        pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)),
+        pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
+        pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
+    ] + [pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))] * 3
+    q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
+    dq_BTNH, *dqv = pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        grid=(batch, heads, plan.count_q),
+        in_specs=specs + term_specs,
+        out_specs=[pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
+        + [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms],
+        out_shape=[jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
+        + [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms],
+        interpret=plan.interpret,
+        compiler_params=compiler_params(dim),
+        name="copejax_attention_dq",
+    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in)
+
+    # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
+    has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
+    specs = [
+        pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0)),
+        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n // groups, 0)),
+        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n // groups, 0)),
+        pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),
+        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
+        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
+        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
+        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
+    ] + [pl.BlockSpec((None, sk), lambda b, n, j: (b, j))] * 3
+    k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
+    p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
+    p_sizes = [terms[i]["params"].shape[1] for i in p_terms]
+    out_specs = [
+        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n, 0)),
+        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n, 0)),
+    ]
+    out_specs += [pl.BlockSpec((None, None, sk), lambda b, n, j: (b, n, j)) for _ in k_terms]
+    out_specs += [
+        pl.BlockSpec((None, None, None, size), lambda b, n, j: (b, n, j, 0)) for size in p_sizes
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, length_k, heads, dim), f32),
+        jax.ShapeDtypeStruct((batch, length_k, heads, width), f32),
+    ]
+    out_shape += [jax.ShapeDtypeStruct((batch, heads, length_k), f32) for _ in k_terms]
+    out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
+    dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
+        functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        grid=(batch, heads, plan.count_k),
+        in_specs=specs + term_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=plan.interpret,
+        compiler_params=compiler_params(dim),
+        name="copejax_attention_dkdv",
+    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in)
+    dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
+    grads = [{"params": None, "q": None, "k": None} for _ in terms]
+    for i, g in zip(q_terms, dqv, strict=True):
+        grads[i]["q"] = g
+    for i, g in zip(k_terms, dkv, strict=True):
+        grads[i]["k"] = g
+    for i, g in zip(p_terms, dparams, strict=True):
+        grads[i]["params"] = g
+    return dq_BTNH, dk_BSNH, dv_BSNW, grads

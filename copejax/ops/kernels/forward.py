@@ -1,0 +1,164 @@
+"""The fused attention forward kernel (FlashAttention-2, Dao 2023, arXiv 2307.08691).
+
+One program per (batch row, head, query tile). It walks the key tiles its queries may see
+(:meth:`~copejax.ops.kernels.tiles.Plan.key_tiles`), skips those with no allowed pair
+(``lax.cond`` on :meth:`~copejax.ops.kernels.tiles.Plan.live`), and folds each pair's
+scores (content logits plus the terms' tile biases) into an online softmax in float32
+(Milakov & Gimelshein 2018, arXiv 1805.02867). It writes the output and each query's
+log-sum-exp ``L_i = m_i + log l_i``, which the backward kernels read.
+
+Shape letters: B batch, T queries, S keys, N query heads, G key/value heads (N = G x
+groups), H head dim, W value width, Q / K tile lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
+from copejax.ops.kernels.triton_params import compiler_params
+
+
+def term_refs(refs: list, has: tuple[tuple[bool, bool, bool], ...]) -> tuple[list, list, list]:
+    """Splits a kernel's term refs (params, q values, k values of each term, those present)
+    into three lists with None where a term has no such array."""
+    params, q_values, k_values = [], [], []
+    it = iter(refs)
+    for has_params, has_q, has_k in has:
+        params.append(next(it) if has_params else None)
+        q_values.append(next(it) if has_q else None)
+        k_values.append(next(it) if has_k else None)
+    return params, q_values, k_values
+
+
+def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
+    term = refs[8 : 8 + num_term_refs]
+    o_ref, lse_ref = refs[8 + num_term_refs :]
+    p_refs, qv_refs, kv_refs = term_refs(list(term), has)
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH = q_ref[...]
+    q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    width = v_ref.shape[-1]
+
+    def pair(kj: jax.Array, state: tuple) -> tuple:
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            max_Q, sum_Q, acc_QW = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
+            s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
+            new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
+            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
+            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            v_KW = v_ref[keys, :]
+            acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
+            return new_max_Q, sum_Q * rescale_Q + jnp.sum(p_QK, axis=1), acc_QW
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    first, end = plan.key_tiles(qi)
+    init = (
+        jnp.full((plan.size_q,), -1e30, jnp.float32),
+        jnp.zeros((plan.size_q,), jnp.float32),
+        jnp.zeros((plan.size_q, width), jnp.float32),
+    )
+    max_Q, sum_Q, acc_QW = jax.lax.fori_loop(first, end, pair, init)
+    seen_Q = sum_Q > 0
+    safe_sum_Q = jnp.where(seen_Q, sum_Q, 1.0)
+    o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
+    # A query with no allowed key (padding) gets 0: the backward's weights there are 0.
+    lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), 0.0)
+
+
+def forward_call(
+    plan: Plan,
+    q_BTNH: jax.Array,
+    k_BSGH: jax.Array,
+    v_BSGW: jax.Array,
+    *,
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+) -> tuple[jax.Array, jax.Array]:
+    """Runs the forward kernel on padded inputs.
+
+    Args:
+      q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles).
+      ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank".
+      terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
+
+    Returns:
+      (o_BTNW in v's dtype, lse_BNT float32).
+    """
+    batch, length_q, heads, dim = q_BTNH.shape
+    length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
+    grid = (batch, heads, plan.count_q)
+    groups = plan.groups
+    in_specs = [
+        pl.BlockSpec((None, plan.size_q, None, dim), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
+        pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
+        pl.BlockSpec((None, plan.size_q), lambda b, n, i: (b, i)),
+        pl.BlockSpec((None, plan.size_q), lambda b, n, i: (b, i)),
+        pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0)),
+        pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0)),
+        pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0)),
+    ]
+    inputs = [q_BTNH, k_BSGH, v_BSGW, ints["q_pos"], ints["q_seg"]]
+    inputs += [ints["k_pos"], ints["k_seg"], ints["k_rank"]]
+    has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
+    kernel = functools.partial(_forward_kernel, plan=plan, has=has, num_term_refs=len(term_inputs))
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs + term_specs,
+        out_specs=[
+            pl.BlockSpec((None, plan.size_q, None, width), lambda b, n, i: (b, i, n, 0)),
+            pl.BlockSpec((None, None, plan.size_q), lambda b, n, i: (b, n, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, length_q, heads, width), v_BSGW.dtype),
+            jax.ShapeDtypeStruct((batch, heads, length_q), jnp.float32),
+        ],
+        interpret=plan.interpret,
+        compiler_params=compiler_params(dim),
+        name="copejax_attention_forward",
+    )(*inputs, *term_inputs)
+
+
+def term_operands(
+    plan: Plan, terms: list[dict], *, q_block: bool, k_block: bool
+) -> tuple[tuple, list, list]:
+    """The terms' arrays as kernel operands, with their block specs for a grid
+    (b, n, tile): per-query values cut to the program's query tile (``q_block``) or whole,
+    per-key values likewise (``k_block``), parameter rows by head. Returns (which arrays
+    each term has, operands, specs)."""
+    has, operands, specs = [], [], []
+    for term in terms:
+        has.append(tuple(term[key] is not None for key in ("params", "q", "k")))
+        if term["params"] is not None:
+            size = term["params"].shape[1]
+            operands.append(term["params"])
+            specs.append(pl.BlockSpec((None, size), lambda b, n, i: (n, 0)))
+        for key, blocked, size in (("q", q_block, plan.size_q), ("k", k_block, plan.size_k)):
+            if term[key] is None:
+                continue
+            operands.append(term[key])
+            if blocked:
+                specs.append(pl.BlockSpec((None, None, size), lambda b, n, i: (b, n, i)))
+            else:
+                whole = term[key].shape[2]
+                specs.append(pl.BlockSpec((None, None, whole), lambda b, n, i: (b, n, 0)))
+    return tuple(has), operands, specs

@@ -1,0 +1,107 @@
+"""The contract a logit term implements to run inside the fused kernels (issue 45).
+
+A :class:`KernelTerm` is a bias computed tile by tile inside the kernel, never as a
+(B, N, T, S) array: a function of one head's parameter row, the tile's query and key
+positions and one float per query and per key of that head. The kernels differentiate
+it themselves (``jax.vjp`` of the tile function, traced into the kernel body), so adding
+a term is writing that function with ops every backend lowers (elementwise maths,
+comparisons, ``jnp.where``; no gathers: a table is read by :func:`table_lookup`).
+
+The gradient contract: the kernels return the score gradient ``dS`` pulled back through
+the tile function, summed over what each input is shared by:
+
+- ``params_NP``: summed over every allowed pair of every batch row (per head);
+- ``q_values_BTN``: summed over each query's keys (FoX: the row sums of dS);
+- ``k_values_BSN``: summed over each key's queries (FoX: minus the column sums of dS).
+
+Whatever produced these arrays outside the kernel (a softplus of raw parameters, FoX's
+prefix sums of log forget gates) is differentiated by JAX around the kernel, so the reverse
+cumulative sum of FoX's gradient runs outside it, as issue 45 asks.
+
+Shape letters: B batch, T queries, S keys, N heads, P a term's parameters per head, Q / K
+the tile's queries / keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TermTile(NamedTuple):
+    """What a term's tile function reads besides its parameter row (one head).
+
+    Attributes:
+      q_positions_Q, k_positions_K: int32 positions of the tile's queries and keys.
+      q_values_Q, k_values_K: the term's float32 value per query / key (None if it has none).
+    """
+
+    q_positions_Q: jax.Array
+    k_positions_K: jax.Array
+    q_values_Q: jax.Array | None
+    k_values_K: jax.Array | None
+
+
+# (params_P of one head or None, tile) -> bias_QK float32. Off the allowed pairs the value
+# may be anything finite (the kernel masks the scores, and their gradient there is 0).
+TileBias = Callable[[jax.Array | None, TermTile], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTerm:
+    """A logit term of the fused kernels: a tile function plus the arrays it reads.
+
+    Attributes:
+      name: what error messages and docs call it ("alibi", "t5", "fox", ...).
+      bias: the tile function (:data:`TileBias`); it closes over static values only.
+      params_NP: one float32 row of parameters per head (slopes, a bucket table, r1 and r2),
+        differentiable; None for none.
+      q_values_BTN: one float32 per query and head (FoX's prefix sums at the queries).
+      k_values_BSN: one float32 per key and head (FoX's prefix sums at the keys).
+    """
+
+    name: str
+    bias: TileBias
+    params_NP: jax.Array | None = None
+    q_values_BTN: jax.Array | None = None
+    k_values_BSN: jax.Array | None = None
+
+    def arrays(self) -> dict[str, jax.Array | None]:
+        """The differentiable arrays, by the names the kernels use."""
+        return {"params": self.params_NP, "q": self.q_values_BTN, "k": self.k_values_BSN}
+
+
+def tile_bias_QK(
+    biases: tuple[TileBias, ...],
+    arrays: tuple[list, list, list],
+    q_positions_Q: jax.Array,
+    k_positions_K: jax.Array,
+) -> jax.Array:
+    """The sum of every term's tile bias, float32 (Q, K); what the kernels differentiate
+    with respect to ``arrays`` = (params, q values, k values), a list entry per term (None
+    where the term has no such array)."""
+    params, q_values, k_values = arrays
+    total_QK = jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[0]), jnp.float32)
+    for bias, p, qv, kv in zip(biases, params, q_values, k_values, strict=True):
+        tile = TermTile(q_positions_Q, k_positions_K, qv, kv)
+        total_QK = total_QK + bias(p, tile).astype(jnp.float32)
+    return total_QK
+
+
+def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
+    """``table_P[index_QK]`` as a one-hot sum over the P rows (a static loop of compares and
+    selects), which every Pallas backend lowers, unlike a gather; its derivative sums the
+    cotangent of the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: P
+    elementwise passes over the tile, so meant for small tables (T5's 32 buckets).
+    """
+    rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, 0)
+    out_QK = jnp.zeros(index_QK.shape, jnp.float32)
+    for row in range(table_P.shape[0]):
+        # The row's value as a masked sum: Triton lowers no slice of a register tile.
+        value = jnp.sum(jnp.where(rows_P == row, table_P, 0.0))
+        out_QK = out_QK + jnp.where(index_QK == row, value, 0.0)
+    return out_QK

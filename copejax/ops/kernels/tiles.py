@@ -1,0 +1,146 @@
+"""What the fused kernels share about one (query tile, key tile) pair (issue 45).
+
+Masks, the test that skips a fully masked pair, the key tiles a query tile walks and the
+query tiles a key tile walks, and the scores of a pair (content logits plus the terms'
+biases). The mask is :func:`copejax.ops.segments.pair_allowed_BQK`'s, one head and one row:
+query i sees key j iff ``j <= i``, both belong to the same segment and, with a window W,
+``i - W < j`` or j is among its segment's first ``sink_tokens`` keys (StreamingLLM,
+arXiv 2309.17453).
+
+Shape letters: Q / K the tile's queries / keys, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.kernels.terms import TileBias, tile_bias_QK
+
+MASKED_LOGIT = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static facts of one kernel call.
+
+    Attributes:
+      size_q, size_k: tile lengths (T and S are padded to multiples of them).
+      count_q, count_k: tiles of queries and of keys.
+      window: sliding window W, or None for full causal attention.
+      sink_tokens: with a window, each segment's first n keys stay visible.
+      groups: query heads per key/value head (grouped-query attention).
+      biases: the terms' tile functions (:mod:`copejax.ops.kernels.terms`).
+      interpret: run in Pallas interpret mode (any backend; the CPU's only mode).
+    """
+
+    size_q: int
+    size_k: int
+    count_q: int
+    count_k: int
+    window: int | None
+    sink_tokens: int
+    groups: int
+    biases: tuple[TileBias, ...]
+    interpret: bool
+
+    @property
+    def sinks(self) -> int:
+        return self.sink_tokens if self.window is not None else 0
+
+    def key_tiles(self, qi: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[first, end) of the key tiles query tile qi may see: every older tile (and the
+        diagonal one), or with a window and no sinks the band that meets the window."""
+        q_last = qi * self.size_q + self.size_q - 1
+        end = jnp.minimum(q_last // self.size_k + 1, self.count_k)
+        if self.window is None or self.sinks:
+            return jnp.int32(0), end
+        first = jnp.maximum(qi * self.size_q - self.window + 1, 0) // self.size_k
+        return first, end
+
+    def query_tiles(self, kj: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[first, end) of the query tiles that may see key tile kj."""
+        first = (kj * self.size_k) // self.size_q
+        if self.window is None or self.sinks:
+            return first, jnp.int32(self.count_q)
+        k_last = kj * self.size_k + self.size_k - 1
+        end = jnp.minimum((k_last + self.window - 1) // self.size_q + 1, self.count_q)
+        return first, end
+
+    def live(
+        self,
+        q_first: jax.Array,
+        k_first: jax.Array,
+        q_segments_Q: jax.Array,
+        k_segments_K: jax.Array,
+        k_rank_K: jax.Array | None,
+    ) -> jax.Array:
+        """Whether the pair may hold an allowed (query, key): its keys are not all after its
+        queries, the two tiles' segment id ranges meet, and with a window some key is in
+        the band or is a sink. A boolean scalar; False skips the pair's work."""
+        live = k_first <= q_first + self.size_q - 1
+        live &= jnp.min(k_segments_K) <= jnp.max(q_segments_Q)
+        live &= jnp.max(k_segments_K) >= jnp.min(q_segments_Q)
+        if self.window is not None:
+            near = k_first + self.size_k - 1 > q_first - self.window
+            if self.sinks:
+                near |= jnp.min(k_rank_K) < self.sinks
+            live &= near
+        return live
+
+    def allowed_QK(
+        self,
+        q_first: jax.Array,
+        k_first: jax.Array,
+        q_segments_Q: jax.Array,
+        k_segments_K: jax.Array,
+        k_rank_K: jax.Array | None,
+    ) -> jax.Array:
+        """The pair's mask (Q, K) bool."""
+        q_index_Q1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (self.size_q, 1), 0)
+        k_index_1K = k_first + jax.lax.broadcasted_iota(jnp.int32, (1, self.size_k), 1)
+        allowed_QK = k_index_1K <= q_index_Q1
+        allowed_QK &= q_segments_Q[:, None] == k_segments_K[None, :]
+        if self.window is not None:
+            near_QK = q_index_Q1 - k_index_1K < self.window
+            if self.sinks:
+                near_QK |= k_rank_K[None, :] < self.sinks
+            allowed_QK &= near_QK
+        return allowed_QK
+
+
+def content_logits_QK(q_QH: jax.Array, k_KH: jax.Array) -> jax.Array:
+    """q . k / sqrt(H) in float32 (the inputs' dtype into the matmul, float32 out)."""
+    logits_QK = jax.lax.dot_general(
+        q_QH, k_KH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return logits_QK * (1.0 / math.sqrt(q_QH.shape[-1]))
+
+
+def scores_QK(
+    plan: Plan,
+    q_QH: jax.Array,
+    k_KH: jax.Array,
+    allowed_QK: jax.Array,
+    term_inputs: tuple[list, list, list, jax.Array, jax.Array],
+) -> jax.Array:
+    """Content logits plus every term's bias on allowed pairs, MASKED_LOGIT elsewhere.
+
+    ``term_inputs``: (params, q values, k values, q positions, k positions) of the tile.
+    """
+    scores = content_logits_QK(q_QH, k_KH)
+    if plan.biases:
+        arrays, positions = term_inputs[:3], term_inputs[3:]
+        scores = scores + tile_bias_QK(plan.biases, arrays, *positions)
+    return jnp.where(allowed_QK, scores, MASKED_LOGIT)
+
+
+def dot_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """A matmul contracting axis ``contract[0]`` of ``a`` with ``contract[1]`` of ``b``,
+    accumulated in float32."""
+    return jax.lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32
+    )

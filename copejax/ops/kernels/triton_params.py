@@ -1,0 +1,24 @@
+"""The GPU compiler parameters of the fused kernels: Pallas's Triton backend (issue 45).
+
+Why Triton and not Mosaic GPU: the kernels are written against the portable ``pl.pallas_call``
+API (block specs, ``pl.ds`` slices of refs, ``lax.fori_loop`` / ``lax.cond``, ``dot_general``
+with a float32 accumulator), which runs in interpret mode on the CPU, where CI tests it, and
+lowers to Triton on GPUs. Mosaic GPU in jax 0.10.2 takes ``pl.pallas_call`` kernels only as a
+deprecated path and wants ``plgpu.kernel`` with explicit warpgroup matmuls, shared-memory
+layouts and barriers, which interpret mode on a CPU cannot run (jax 0.11 deprecates the
+Triton backend in favour of it). Passing ``CompilerParams`` of the Triton backend pins the
+backend whatever ``jax_pallas_use_mosaic_gpu`` says. A Mosaic GPU port of the same tiles
+(a Hopper ``wgmma`` pipeline) is the next step once a GPU measures the Triton one; so is
+the TPU lowering (Pallas Mosaic TPU), which needs (8, 128)-aligned tiles, the scalar
+segment ranges in SMEM and a grid axis over key tiles instead of the in-kernel loop.
+"""
+
+from __future__ import annotations
+
+from jax.experimental.pallas import triton as pltriton
+
+
+def compiler_params(head_dim: int) -> pltriton.CompilerParams:
+    """Triton's launch parameters: 4 warps up to H = 64, 8 above (the choice of
+    ``jax.experimental.pallas.ops.gpu.attention``), two pipeline stages."""
+    return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)

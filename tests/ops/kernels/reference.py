@@ -1,0 +1,48 @@
+"""An independent reference for the fused kernels: dense masked softmax attention in NumPy
+(float64) for values, and the same maths in jnp (float32, dense) for gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def mask_BTS(
+    segment_ids_BT: np.ndarray, window: int | None, sinks: int, rank_BT: np.ndarray
+) -> np.ndarray:
+    """Query i sees key j <= i of its segment; with a window, i - W < j or rank_j < sinks."""
+    length = segment_ids_BT.shape[1]
+    index = np.arange(length)
+    allowed = (index[None, :, None] >= index[None, None, :]) & (
+        segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    )
+    if window is not None:
+        near = (index[:, None] - index[None, :] < window)[None]
+        near = near | (rank_BT[:, None, :] < sinks)
+        allowed &= near
+    return allowed
+
+
+def attention_numpy(q, k, v, bias_BNTS, allowed_BTS) -> np.ndarray:
+    """softmax(q . k / sqrt(H) + bias) v over allowed keys, float64; G <= N heads in k, v."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias_BNTS
+    s = np.where(allowed_BTS[:, None], s, -np.inf)
+    s = s - s.max(-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", w, v)
+
+
+def attention_jnp(q, k, v, bias_BNTS, allowed_BTS) -> jax.Array:
+    """The same in float32 jnp (differentiable), the naive path's arithmetic."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    s = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
+    s = s / np.sqrt(q.shape[-1]) + bias_BNTS
+    s = jnp.where(allowed_BTS[:, None], s, -1e30)
+    w = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("BNTS,BSNH->BTNH", w.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -1,0 +1,193 @@
+"""The fused kernels (copejax.ops.kernels) against a dense reference, in interpret mode.
+
+Values against NumPy in float64, gradients (q, k, v, the terms' parameters and per-token
+values) against ``jax.grad`` of the dense float32 maths, with grouped KV heads, packed
+segments, a window with sinks, three kinds of term (per-head parameters, a one-hot table,
+per-token values) and a length that spans several tiles and needs padding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.terms import KernelTerm, table_lookup
+from copejax.ops.kernels.tiles import Plan
+from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
+from tests.ops.kernels.tolerances import assert_close
+
+B, T, N, G, H, P = 2, 72, 4, 2, 16, 8  # T: 5 tiles of 16 keys, padded to 80
+SEGMENTS_BT = np.array([[0] * T, [0] * 30 + [1] * 25 + [2] * 17], np.int32)
+POSITIONS_BT = np.array([np.arange(T), np.r_[np.arange(30), np.arange(25), np.arange(17)]])
+RANK_BT = POSITIONS_BT.astype(np.int32)
+
+
+def _slope(p, tile):  # ALiBi-like: a parameter per head times the distance
+    distance = tile.q_positions_Q[:, None] - tile.k_positions_K[None, :]
+    return -p[0] * distance.astype(jnp.float32)
+
+
+def _table(p, tile):  # a bucket table read by distance, clipped to P - 1
+    distance = tile.q_positions_Q[:, None] - tile.k_positions_K[None, :]
+    return table_lookup(jnp.clip(distance, 0, P - 1), p)
+
+
+def _decay(p, tile):  # FoX-like: per-token values, c_i - c_j
+    return tile.q_values_Q[:, None] - tile.k_values_K[None, :]
+
+
+def _inputs(dtype, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    return {
+        "q": normal(B, T, N, H),
+        "k": normal(B, T, G, H),
+        "v": normal(B, T, G, H),
+        "slopes": jnp.asarray(rng.uniform(0.05, 0.5, (N, 1)), jnp.float32),
+        "table": jnp.asarray(rng.normal(size=(N, P)), jnp.float32),
+        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, T, N)), axis=1), jnp.float32),
+    }
+
+
+def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None = None) -> jax.Array:
+    terms = [
+        KernelTerm("slope", _slope, params_NP=x["slopes"]),
+        KernelTerm("table", _table, params_NP=x["table"]),
+        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+    ]
+    return fused_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=terms,
+        window=window,
+        sink_tokens=sinks,
+        k_rank_BT=jnp.asarray(RANK_BT),
+        block_q=32,
+        block_k=16,
+        interpret=interpret,
+    )
+
+
+def _bias_BNTS(x: dict, xp=jnp):
+    distance_BTS = POSITIONS_BT[:, :, None] - POSITIONS_BT[:, None, :]
+    slopes, table, c = (xp.asarray(x[key], xp.float32) for key in ("slopes", "table", "c"))
+    bias = -slopes[None, :, :1, None] * distance_BTS[:, None].astype(np.float32)
+    bias = bias + xp.moveaxis(table[:, np.clip(distance_BTS, 0, P - 1)], 0, 1)
+    c_BNT = xp.moveaxis(c, 2, 1)
+    return bias + c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
+
+
+CASES = [(None, 0), (20, 0), (20, 3)]
+
+
+@pytest.mark.parametrize(("window", "sinks"), CASES)
+def test_values_equal_numpy(window: int | None, sinks: int) -> None:
+    x = _inputs(jnp.float32)
+    y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks))(x)
+    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    expected = attention_numpy(x["q"], x["k"], x["v"], _bias_BNTS(x64, np), allowed)
+    assert_close(y, expected, dtype="float32", summands=T, roundings=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (20, 3)])
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
+    x = _inputs(jnp.dtype(dtype))
+    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def loss_kernel(x):
+        y = _kernel(x, window=window, sinks=sinks)
+        return jnp.sum(y.astype(jnp.float32) * cot)
+
+    def loss_dense(x):  # the same inputs in float32: only the kernel's roundings differ
+        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
+        y = attention_jnp(x32["q"], x32["k"], x32["v"], _bias_BNTS(x32), allowed)
+        return jnp.sum(y * cot)
+
+    value, grads = jax.jit(jax.value_and_grad(loss_kernel))(x)
+    value_ref, grads_ref = jax.value_and_grad(loss_dense)(x)
+    pairs = B * T * T // 2  # what a parameter's gradient sums over
+    assert_close(value, value_ref, dtype=dtype, summands=B * T * N * H, roundings=2)
+    for key, summands in [("q", T), ("k", T), ("v", T), ("c", T), ("slopes", pairs)]:
+        assert grads[key].dtype == x[key].dtype
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
+    assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=pairs, roundings=4)
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (9, 0), (9, 2), (40, 0)])
+def test_tile_walks_skip_exactly_the_empty_pairs(window: int | None, sinks: int) -> None:
+    """The forward / dq walks (key tiles of a query tile) and the dk / dv walks (query tiles
+    of a key tile) compute the same tile pairs: those that meet the causal band (and the
+    window's, or hold a sink) and whose segment ranges meet. So no pair with an allowed
+    entry is skipped, and pairs outside the window's band or across segments are."""
+    plan = Plan(16, 8, 5, 10, window, sinks, 1, (), True)
+    segments = np.r_[[0] * 30, [1] * 25, [2] * 25].astype(np.int32)
+    rank = np.r_[np.arange(30), np.arange(25), np.arange(25)].astype(np.int32)
+    allowed = mask_BTS(segments[None], window, sinks, rank[None])[0]
+    skipped = 0
+    for qi in range(plan.count_q):
+        first, end = (int(x) for x in plan.key_tiles(jnp.int32(qi)))
+        for kj in range(plan.count_k):
+            qs, ks = np.arange(qi * 16, qi * 16 + 16), np.arange(kj * 8, kj * 8 + 8)
+            args = (jnp.int32(qi * 16), jnp.int32(kj * 8), segments[qs], segments[ks], rank[ks])
+            live = first <= kj < end and bool(plan.live(*args))
+            q_first, q_end = (int(x) for x in plan.query_tiles(jnp.int32(kj)))
+            assert live == (q_first <= qi < q_end and bool(plan.live(*args)))
+            distance = qs[:, None] - ks[None, :]
+            near = (distance >= 0) & (distance < (window or 10**9))
+            if sinks:
+                near |= (distance >= 0) & (rank[ks] < sinks)[None, :]
+            segments_meet = set(segments[qs]) & set(segments[ks])
+            assert live == (near.any() and bool(segments_meet)), (qi, kj)
+            if allowed[np.ix_(qs, ks)].any():
+                assert live
+                np.testing.assert_array_equal(plan.allowed_QK(*args), allowed[np.ix_(qs, ks)])
+            skipped += (kj * 8 <= qi * 16 + 15) and not live
+    assert skipped > 0  # segment 2's queries skip segment 0's keys at least
+
+
+def test_lowers_to_triton() -> None:
+    """Every op of the forward and both backward kernels has a Triton lowering (the GPU
+    backend), checked from the CPU: lowering, not compiling, needs no GPU."""
+    x = _inputs(jnp.bfloat16)
+
+    def loss(x):
+        y = _kernel(x, window=20, sinks=3, interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
+
+    lowered = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_q": 24}, "power of two"),
+        ({"block_k": 8}, "block must be an integer >= 16"),
+        ({"window": 0}, "window must be a positive integer"),
+        ({"window": 4, "sink_tokens": 2, "k_rank_BT": None}, "sink_tokens needs k_rank_BT"),
+    ],
+)
+def test_refuses_bad_arguments(kwargs: dict, message: str) -> None:
+    x = _inputs(jnp.float32)
+    args = {
+        "q_positions_BT": jnp.asarray(POSITIONS_BT),
+        "k_positions_BT": jnp.asarray(POSITIONS_BT),
+        "segment_ids_BT": jnp.asarray(SEGMENTS_BT),
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=message):
+        fused_attention(x["q"], x["k"], x["v"], **args)

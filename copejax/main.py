@@ -1,4 +1,4 @@
-"""The training program: flags only (a config file, a workdir), then ``copejax.train.run``.
+"""The training program: flags only (a config file, a workdir), then ``copejax.training.train.run``.
 
     python -m copejax.main --config=configs/flipflop.py:smoke --workdir=/tmp/ff \
         [--config.train.steps=50] [--restart]
@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from copejax import command_line
+from copejax.config import command_line
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/x.py:smoke")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -45,7 +45,7 @@ def initialize_distributed() -> None:
     """Joins a multi-process run when the flags (or --distributed) ask for one."""
     import jax
 
-    from copejax import peers
+    from copejax.runtime import peers
 
     if _COORDINATOR.value is None and not _DISTRIBUTED.value:
         return
@@ -64,8 +64,8 @@ def main(argv: list[str]) -> None:
         command_line.fail(f"unexpected arguments: {argv[1:]} (flags are --name=value)")
     command_line.quiet_logging()
     initialize_distributed()
-    from copejax import train
-    from copejax.preemption import Preempted
+    from copejax.runtime.preemption import Preempted
+    from copejax.training import train
 
     try:
         train.run(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value)

@@ -1,7 +1,7 @@
 """Benchmark of every position scheme: time and memory of attention against length (a script).
 
 Issue 13's benchmark of the attention engine: forward+backward time and peak memory of one
-attention layer (the scheme's embed site, then one ``copejax.attention.Attention`` with
+attention layer (the scheme's embed site, then one ``copejax.model.attention.Attention`` with
 projections) for every scheme over T = 1K..16K, 32K for the schemes the issue names, one
 training step through the command line at 16K, and interleaved side-by-side rounds (one
 process, ratios within rounds) of each scheme's default path against its naive path and the

@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from copejax.results_json import write_json
+from copejax.runtime.results_json import write_json
 from experiments.bench import NOPE_ARMS, ROOT
 from experiments.bench_page import fastest_nope_ratios
 

@@ -37,7 +37,7 @@ def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _layer_config(scheme: str, length: int, options: dict[str, Any]) -> Any:
     """The ModelConfig of the benchmarked layer."""
-    from copejax.model_config import ModelConfig
+    from copejax.model.config import ModelConfig
 
     return ModelConfig(
         vocab_size=16,
@@ -54,7 +54,7 @@ def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:
     """The attention path the layer takes at ``length`` (what ``auto`` resolves to)."""
     import jax
 
-    from copejax.attention_paths import choose_impl
+    from copejax.model.attention_paths import choose_impl
 
     cfg = _layer_config(scheme, length, options)
     return choose_impl(cfg, length, sowing=False, backend=jax.default_backend())
@@ -66,7 +66,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     import jax
     import jax.numpy as jnp
 
-    from copejax.attention import Attention
+    from copejax.model.attention import Attention
     from copejax.positions.base import AttentionContext, EmbedOutput
 
     d_model = HEADS * HEAD_DIM

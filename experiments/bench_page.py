@@ -37,7 +37,8 @@ NOTES = [
     "Notes:",
     "",
     "- An arm named after a scheme alone is its default, `model.attention_impl='auto'`: the "
-    "naive (B, N, T, S) path below `copejax.attention_paths.AUTO_BLOCKWISE_FROM` keys (or the "
+    "naive (B, N, T, S) path below `copejax.model.attention_paths.AUTO_BLOCKWISE_FROM` keys "
+    "(or the "
     "scheme's `auto_blockwise_from`: TAPE's 8192) and the blockwise engine "
     "(`copejax.ops.engine`) from there; `naive` and `blockwise` arms force "
     "a path. Their values and gradients are equal (tests/test_blockwise_equivalence.py).",

@@ -5,10 +5,12 @@ Llama 3 scaling and the TAPE retrofit, each with the same short fine-tune.
 
 No downloads: the pretrained model is a small Llama trained here by copejax on the embedded
 corpus (``configs/lm.py``, the ``lm`` task) at T, then exported to the Hugging Face format and
-converted back (``python -m copejax.convert --to_hf``, then ``--from_hf``): the path a user's
+converted back (``python -m copejax.interop.convert --to_hf``, then ``--from_hf``): the path a
+user's
 checkpoint takes. Each arm fine-tunes that checkpoint at 4T (``configs/lm.py:init_from=...``)
 with its scheme; every arm, the unchanged pretrained model included, is then evaluated on the
-validation text packed at T, 2T, 4T and 8T (``copejax.lm_eval``): perplexity by length and
+validation text packed at T, 2T, 4T and 8T (``copejax.evaluation.lm_eval``): perplexity by length
+and
 loss by position. Methods: PI (Chen et al. 2023, arXiv 2306.15595), NTK-aware scaling
 (r/LocalLLaMA 2023), YaRN (Peng et al. 2023, arXiv 2309.00071; the paper's wavelength ramp and
 HF's index ramp), Llama 3.1's scaling, TAPE's retrofit (Zhu et al. 2025, arXiv 2501.00712,
@@ -85,15 +87,15 @@ def prepare(scale: str, workroot: str | Path) -> tuple[sweep.Sweep, Path, list[s
     """Pretrains the rope model, then exports it to HF and converts it back (skipped when the
     converted checkpoint exists). Returns the pretraining sweep, the converted checkpoint and
     the conversion commands."""
-    from copejax import convert
+    from copejax.interop import convert
 
     arm = sweep.Arm("pretrained rope (no fine-tune)", CONFIG, f"{PRETRAIN[scale]},position=rope")
     pretraining = sweep.run_sweep(STUDY, scale, [arm], [0], workroot)
     workdir = pretraining.workdirs[arm.label][0]
     hf_dir, converted = workdir.parent / "pretrained_hf", workdir.parent / "pretrained_converted"
     commands = [
-        f"python -m copejax.convert --to_hf={workdir} --out={hf_dir}",
-        f"python -m copejax.convert --from_hf={hf_dir} --out={converted}",
+        f"python -m copejax.interop.convert --to_hf={workdir} --out={hf_dir}",
+        f"python -m copejax.interop.convert --from_hf={hf_dir} --out={converted}",
     ]
     if not (converted / "model.json").exists():
         if not (hf_dir / "config.json").exists():
@@ -107,8 +109,8 @@ def evaluate(workdir: Path, task: Any, max_examples: int) -> dict[str, dict[str,
     cache = workdir / f"extrapolation_T{task.seq_len}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    from copejax import lm_eval
-    from copejax.trained_run import load_run
+    from copejax.evaluation import lm_eval
+    from copejax.training.trained_run import load_run
 
     run = load_run(workdir)
     results = lm_eval.evaluate_lengths(
@@ -119,7 +121,7 @@ def evaluate(workdir: Path, task: Any, max_examples: int) -> dict[str, dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from copejax.trained_run import load_run
+    from copejax.training.trained_run import load_run
 
     args = sweep.parse_args(argv, STUDY)
     pretraining, converted, convert_commands = prepare(args.scale, args.workroot)

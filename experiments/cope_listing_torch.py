@@ -11,7 +11,7 @@ H = 64 and p_max = 64:
   space limit of 24 GiB (``RLIMIT_AS``), so a length whose tensors do not fit fails with an
   allocation error instead of swapping; that is what "exhausts 24 GiB" means on the page.
 - JAX: copejax's CoPE on the path ``model.attention_impl="auto"`` takes at that length (the
-  naive (B, N, T, S) path below ``copejax.attention_paths.AUTO_BLOCKWISE_FROM``, the blockwise
+  naive (B, N, T, S) path below ``copejax.model.attention_paths.AUTO_BLOCKWISE_FROM``, the blockwise
   engine from there), jitted, compile time excluded.
 
 Each length runs ``--rounds`` rounds; a round runs the PyTorch worker, then the JAX worker, each
@@ -135,7 +135,7 @@ def jax_worker(length: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from copejax.attention_paths import AUTO_BLOCKWISE_FROM
+    from copejax.model.attention_paths import AUTO_BLOCKWISE_FROM
     from copejax.ops import cope as cope_ops
     from copejax.ops import engine, engine_blocks
     from copejax.ops.cope_block import cope_block_term

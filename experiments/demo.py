@@ -19,8 +19,8 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from copejax.config_base import load_config
-from copejax.metrics import read_jsonl
+from copejax.config.base import load_config
+from copejax.runtime.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 _POSITIONS = flags.DEFINE_list(
@@ -113,8 +113,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
-    from copejax import train
-    from copejax.preemption import Preempted
+    from copejax.runtime.preemption import Preempted
+    from copejax.training import train
 
     root = Path(_WORKDIR.value)
     runs: dict[str, list[dict[str, float]]] = {}

@@ -5,7 +5,7 @@ sliding-window RoPE + NoPE hybrid, RoPE with a learned sink, SSMax-scaled RoPE, 
 
 Every arm is the ``lm`` task (``configs/lm.py``) with the same model, steps and seeds, trained
 at length T and evaluated on the validation text packed at T, 2T, 4T and 8T
-(``copejax.lm_eval.evaluate_lengths``): perplexity by length and loss by position bucket.
+(``copejax.evaluation.lm_eval.evaluate_lengths``): perplexity by length and loss by position bucket.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from experiments.lm import extrapolate, length_plots, perplexity_cells, ppl_by_l
 
 STUDY = "hybrids"
 CONFIG = "configs/lm.py"
-# label -> the arm's config arguments beyond the scale's (copejax.config_base shortcuts).
+# label -> the arm's config arguments beyond the scale's (copejax.config.base shortcuts).
 ARMS = {
     "rope": "position=rope",
     "nope": "position=nope",

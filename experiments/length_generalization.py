@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from copejax.config_base import load_config
+from copejax.config.base import load_config
 from copejax.data._length_suite import TASKS, repeat_rule_accuracy
 from copejax.data.base import make_task
 from experiments import length_generalization_peer as peer_module

@@ -8,7 +8,8 @@ Nobody here wrote x-transformers; it runs in a side venv this module creates
 (``workdirs/.venv-xtransformers``: ``torch==2.13.0``, ``x-transformers==2.31.10`` and their
 dependencies, pinned in ``PINS``), so the core package never depends on it. The copejax side
 (this process) writes the exact batches copejax's trainer feeds
-(``copejax.input_pipeline.train_dataset``, the seed's shuffle) and the evaluation batches to
+(``copejax.training.input_pipeline.train_dataset``, the seed's shuffle) and the evaluation batches
+to
 an ``.npz``; the worker (``--worker``, run by the side venv's Python) trains on them in order
 and scores greedy predictions with the task's own ``metrics`` and ``summarize`` (NumPy only,
 imported from ``copejax/data``).
@@ -125,8 +126,8 @@ def copejax_position(arm: str, scheme: Any, head_dim: int) -> dict[str, Any]:
 def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") -> dict[str, Any]:
     """Everything the worker needs from the copejax config of ``config_arg`` with ``arm``,
     for the peer started as ``parametrisation`` says (see the module docstring)."""
-    from copejax.config_base import load_config
-    from copejax.train import validate
+    from copejax.config.base import load_config
+    from copejax.training.train import validate
 
     if arm not in ARMS:
         raise ValueError(f"unknown peer arm {arm!r}; allowed: {ARMS}")
@@ -164,8 +165,8 @@ def spec_of(config_arg: str, arm: str, parametrisation: str = "x-transformers") 
 def write_data(spec: dict[str, Any], path: Path) -> None:
     """The training batches copejax feeds, in order, and the evaluation batches, as uint8/int16
     arrays: ``train_<key>`` (steps, B, T) and ``<split>_<key>`` (batches, B, T_split)."""
-    from copejax import input_pipeline
     from copejax.data.base import make_task
+    from copejax.training import input_pipeline
 
     task = make_task(spec["task"], spec["task_options"])
     train = spec["train"]
@@ -213,7 +214,7 @@ def run(
 
 
 def learning_rate(train: dict[str, Any], step: int) -> float:
-    """copejax.optim.learning_rate_schedule's value at ``step`` (warmup, then decay)."""
+    """copejax.training.optim.learning_rate_schedule's value at ``step`` (warmup, then decay)."""
     peak, warmup = float(train["learning_rate"]), int(train["warmup_steps"])
     end = peak * float(train["end_learning_rate_fraction"])
     if step < warmup:

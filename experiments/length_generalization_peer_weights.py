@@ -76,11 +76,12 @@ def copejax_logits(
     import jax.numpy as jnp
     from flax import linen as nn
 
-    from copejax import input_pipeline, sharding
-    from copejax.config_base import load_config
-    from copejax.model import Transformer
-    from copejax.train import validate
-    from copejax.train_step import TrainState, make_steps
+    from copejax.config.base import load_config
+    from copejax.model.transformer import Transformer
+    from copejax.runtime import sharding
+    from copejax.training import input_pipeline
+    from copejax.training.train import validate
+    from copejax.training.train_step import TrainState, make_steps
 
     config = load_config(peer.CONFIG, f"{config_arg},position={arm}")
     plan = validate(config, device_count=1)

@@ -5,7 +5,8 @@
     python -m experiments.lm --scale=paper   # the paper's Wikitext-103 setting, for accelerators
 
 Each run is trained at length T, then evaluated on the validation text packed at T, 2T, 4T
-and 8T (``copejax.lm_eval.evaluate_lengths``, what ``python -m copejax.extrapolate`` runs).
+and 8T (``copejax.evaluation.lm_eval.evaluate_lengths``, what ``python -m
+copejax.evaluation.extrapolate`` runs).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def extrapolate(workdir: Path, max_examples: int) -> dict[str, dict[str, Any]]:
     cache = workdir / "extrapolation_sweep.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    from copejax import lm_eval
-    from copejax.trained_run import load_run
+    from copejax.evaluation import lm_eval
+    from copejax.training.trained_run import load_run
 
     run = load_run(workdir)
     results = lm_eval.evaluate_lengths(
@@ -160,7 +161,7 @@ def write(
             "",
             sweep.commands_block(STUDY, args, result),
             "",
-            "The extrapolation numbers are those of `python -m copejax.extrapolate "
+            "The extrapolation numbers are those of `python -m copejax.evaluation.extrapolate "
             f"--workdir=<run> --max_examples={EVAL_ROWS[args.scale]}`.",
         ]
     )
@@ -202,7 +203,7 @@ def length_plots(
 ) -> tuple[Path, Path]:
     """The two plots of an LM length study: perplexity against length (mean and std over
     seeds, one line per arm) and seed 0's perplexity and loss per position bucket."""
-    from copejax import lm_eval
+    from copejax.evaluation import lm_eval
 
     lengths = sorted({n for runs in ppl.values() for r in runs for n in r})
     curve = sweep.plot_path(args.out, study, args.scale, "ppl_vs_length")

@@ -21,8 +21,8 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from copejax.metrics import read_jsonl
-from copejax.workdir import CONFIG_FILE, read_config
+from copejax.runtime.metrics import read_jsonl
+from copejax.runtime.workdir import CONFIG_FILE, read_config
 
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl")
 PEER = "peer"  # the directory of a study's peer results, one JSON file per run

@@ -1,5 +1,5 @@
 """Sweeps for the results pages: train arms (a config plus options) over seeds with
-``copejax.train.run``, average the last evaluation over seeds, and write a markdown page, a
+``copejax.training.train.run``, average the last evaluation over seeds, and write a markdown page, a
 JSON file and PNG plots next to the papers' numbers (CoPE, arXiv 2405.18719; TAPE,
 arXiv 2501.00712).
 
@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from copejax.config_base import load_config
-from copejax.metrics import read_jsonl
-from copejax.results_json import write_json
-from copejax.workdir import config_to_dict, read_config, same_run
+from copejax.config.base import load_config
+from copejax.runtime.metrics import read_jsonl
+from copejax.runtime.results_json import write_json
+from copejax.runtime.workdir import config_to_dict, read_config, same_run
 from experiments import run_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,10 +90,10 @@ def is_complete(arm: Arm, seed: int, workdir: Path) -> bool:
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     """Trains (or resumes, or finds complete) one arm and seed; returns its metric records.
 
-    A complete run of the same config (``copejax.workdir.same_run``) is only read: restoring
+    A complete run of the same config (``copejax.runtime.workdir.same_run``) is only read: restoring
     its checkpoint to learn that there is nothing to do costs ~25 s a run. Any other workdir
     goes through ``train.run``, which resumes it or refuses a different config."""
-    from copejax import train
+    from copejax.training import train
 
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
     complete = is_complete(arm, seed, workdir)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model_config import ModelConfig
+from copejax.model.config import ModelConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -67,7 +67,7 @@ def decode_in_chunks(
     """Logits of decoding ``tokens_BT`` with the KV cache (``max_len`` slots, default T),
     ``chunks`` tokens per call (a prefill, then steps or further chunks), concatenated over
     the calls: (B, T, V)."""
-    from copejax import decode
+    from copejax.model import decode
 
     max_len = tokens_BT.shape[1] if max_len is None else max_len
     cache = decode.init_cache(model.cfg, tokens_BT.shape[0], max_len)

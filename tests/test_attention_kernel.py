@@ -1,7 +1,7 @@
 """``model.attention_impl="dot_product_attention"`` equals the explicit naive path.
 
 The kernel (``jax.nn.dot_product_attention``) replaces the content logits, mask and softmax of
-``copejax.attention.Attention`` for schemes whose only sites are embed and qk; values,
+``copejax.model.attention.Attention`` for schemes whose only sites are embed and qk; values,
 gradients and incremental decoding must not change, and other schemes are refused by name.
 """
 
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
-from copejax.model import Transformer
+from copejax.model import decode
+from copejax.model.transformer import Transformer
 from tests.conftest import tiny_config
 
 KERNEL_SCHEMES = [

@@ -18,14 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import logit_scaling, sharding
-from copejax.attention import Attention
-from copejax.attention_paths import choose_impl
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.model import logit_scaling
+from copejax.model.attention import Attention
+from copejax.model.attention_paths import choose_impl
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
 from copejax.ops import engine, engine_blocks
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
 from copejax.positions.fox import PRO_OPTIONS
+from copejax.runtime import sharding
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 LENGTH = 8
@@ -344,8 +345,8 @@ def test_stickbreaking_takes_grouped_heads() -> None:
 
 
 def test_train_config_reads_the_layout_fields() -> None:
-    from copejax.config_base import base_config
-    from copejax.plan import model_config
+    from copejax.config.base import base_config
+    from copejax.training.plan import model_config
 
     config = base_config()
     config.model.num_kv_heads = 2

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import (
     PACKED_POSITIONS_BT,

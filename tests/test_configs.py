@@ -10,9 +10,9 @@ from types import ModuleType
 
 import pytest
 
-from copejax.config_base import base_config
+from copejax.config.base import base_config
 from copejax.data.base import make_task
-from copejax.train import validate
+from copejax.training.train import validate
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
@@ -142,7 +142,7 @@ def test_length_generalization_smoke_trains(tmp_path: Path) -> None:
     """End to end: a few steps of the smoke config train, evaluate both splits per length;
     with the randomized arm sampling positions at evaluation too, as Ruoss et al. do (the
     evaluation step passes a positions rng)."""
-    from copejax import train
+    from copejax.training import train
 
     arg = "binary_addition,smoke,steps=3,position=randomized,sample_at_eval=True"
     config = load("length_generalization").get_config(arg)

@@ -1,4 +1,4 @@
-"""copejax.convert against transformers: a tiny random Llama saved with ``save_pretrained``,
+"""copejax.interop.convert against transformers: a tiny random Llama saved with ``save_pretrained``,
 converted, and run by both (float32 logits within 1e-4) for every ``rope_scaling`` type
 copejax maps, with grouped KV heads, tied and untied embeddings; HF -> copejax -> HF gives the
 same tensors bit for bit; what cannot be converted is refused by name.
@@ -23,9 +23,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from copejax import convert, hf_config, pretrained  # noqa: E402
-from copejax.model import Transformer  # noqa: E402
-from copejax.model_config import ModelConfig  # noqa: E402
+from copejax.interop import convert, hf_config  # noqa: E402
+from copejax.model.config import ModelConfig  # noqa: E402
+from copejax.model.transformer import Transformer  # noqa: E402
+from copejax.training import pretrained  # noqa: E402
 
 BASE = {
     "vocab_size": 61,
@@ -180,8 +181,8 @@ def test_tied_embeddings(hf_llama: Path, tmp_path: Path) -> None:
 def test_tape_retrofit_of_a_converted_llama_equals_transformers(
     hf_llama: Path, tmp_path: Path
 ) -> None:
-    """HF -> copejax -> TAPE (copejax.finetune, W2 = 0): the logits at step 0 are HF's."""
-    from copejax import finetune
+    """HF -> copejax -> TAPE (copejax.training.finetune, W2 = 0): the logits at step 0 are HF's."""
+    from copejax.training import finetune
 
     root = _variant(hf_llama, tmp_path, VARIANTS["default"])
     converted = convert.from_hf(root, tmp_path / "converted")

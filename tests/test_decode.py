@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, ring_decode
-from copejax.model import Transformer
+from copejax.model import decode, ring_decode
+from copejax.model.transformer import Transformer
 from copejax.ops.fox_core import fox_cached_cumsum
+from copejax.ops.segments import causal_mask_BTS, segment_starts_BT
 from copejax.positions import registry
 from copejax.positions.fox import PRO_OPTIONS
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
-from copejax.segments import causal_mask_BTS, segment_starts_BT
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 LENGTH = 8

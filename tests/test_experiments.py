@@ -154,7 +154,7 @@ def test_context_extension(dirs: tuple[Path, Path]) -> None:
         (ppl,) = stats["per_seed"]
         (entry,) = [r for r in cached.values() if r["length"] == int(length)]
         assert ppl == pytest.approx(math.exp(entry["loss"]), rel=1e-5)
-    assert "python -m copejax.convert --to_hf=" in page and "10x less tokens" in page
+    assert "python -m copejax.interop.convert --to_hf=" in page and "10x less tokens" in page
 
 
 @pytest.mark.slow  # two tasks, two compiles each
@@ -245,9 +245,9 @@ def test_complete_run_is_read_without_restoring_it(
     """A workdir holding the final step of the same config is read, not handed to
     ``train.run``; one whose config differs (beyond workdir.RESUMABLE) still is, so that
     ``train.run`` refuses it with the differing keys."""
-    from copejax import train
-    from copejax.config_base import load_config
-    from copejax.workdir import config_to_dict
+    from copejax.config.base import load_config
+    from copejax.runtime.workdir import config_to_dict
+    from copejax.training import train
 
     arm = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
     config = load_config(sweep.ROOT / arm.config_file, arm.config_arg(0))
@@ -449,7 +449,7 @@ def test_length_generalization_init_probe_section_and_json() -> None:
     split, and whether each init's test-length accuracy is within the peer's seed spread; the
     probe's config carries the options it names."""
     lg = length_generalization
-    from copejax.config_base import load_config
+    from copejax.config.base import load_config
 
     def run(test: float, long: float) -> list[dict[str, float]]:
         return [{"step": 9, "eval/test/accuracy": test, "eval/long/accuracy": long}]
@@ -647,9 +647,9 @@ def test_length_generalization_peer_probe_section() -> None:
 
 def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
     """The peer's learning rate is copejax's schedule; its data are the trainer's batches."""
-    from copejax import input_pipeline, optim
-    from copejax.config_base import load_config
+    from copejax.config.base import load_config
     from copejax.data.base import make_task
+    from copejax.training import input_pipeline, optim
 
     peer = length_generalization_peer
     config = load_config(peer.CONFIG, "parity_check,smoke,steps=6,seed=2")

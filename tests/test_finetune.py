@@ -1,10 +1,11 @@
-"""Fine-tuning from pretrained weights with a change of position scheme (copejax.finetune).
+"""Fine-tuning from pretrained weights with a change of position scheme (copejax.training.finetune).
 
 A small random rope model stands for the pretrained weights (saved as a converted checkpoint);
 rope -> tape gives identical logits at step 0 (TAPE's retrofit, arXiv 2501.00712 section 3.3),
 rope -> fox+rope starts with forget gates near 1, rope -> cope+rope adds CoPE's tables, and the
 log lists every added parameter; dropping a parameter or changing the architecture is refused.
-One end-to-end run (slow) goes through ``configs/lm.py:init_from=...`` and ``copejax.train``.
+One end-to-end run (slow) goes through ``configs/lm.py:init_from=...`` and
+``copejax.training.train``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from copejax import finetune, pretrained, train
-from copejax.config_base import load_config
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
-from copejax.trained_run import load_run
+from copejax.config.base import load_config
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
+from copejax.training import finetune, pretrained, train
+from copejax.training.trained_run import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 259  # the lm task's byte vocabulary (configs/lm.py)
@@ -142,7 +143,7 @@ def finetune_block(cfg: ModelConfig) -> dict[str, Any]:
 def test_main_fine_tunes_with_a_new_scheme(
     source_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """configs/lm.py:init_from=<dir>,position=tape through copejax.train: the first step's
+    """configs/lm.py:init_from=<dir>,position=tape through copejax.training.train: the first step's
     learning rate is 0 (warmup), so the saved step-1 weights are the pretrained ones."""
     config = load_config(
         ROOT / "configs" / "lm.py", f"smoke,init_from={source_dir},position=tape,hidden=4"

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import attention_paths, decode
-from copejax.model import Transformer
+from copejax.model import attention_paths, decode
+from copejax.model.transformer import Transformer
 from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
 
 pytestmark = pytest.mark.skipif(

@@ -13,62 +13,22 @@ PACKAGE = Path(__file__).resolve().parents[1] / "copejax"
 
 # Bottom to top. A module may import from its own layer and the layers below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "foundations",
-        (
-            "ops",
-            "segments",
-            "sharding",
-            "kv_cache",
-            "data",
-            "metrics",
-            "checkpoint",
-            "workdir",
-            "workdir_lock",
-            "preemption",
-            "peers",
-            "progress",
-            "results_json",
-        ),
-    ),
+    ("foundations", ("ops", "runtime", "data")),
     ("schemes", ("positions",)),
+    ("model and configuration", ("model", "config")),
+    ("training", ("training",)),
+    ("evaluation and interop", ("evaluation", "interop")),
     (
-        "model and configuration",
+        "programs",
         (
-            "saved_configs",
-            "model_config",
-            "dense_init",
-            "model_checks",
-            "layouts",
-            "logit_scaling",
-            "attention_paths",
-            "ring_decode",
-            "attention",
-            "model",
-            "scheme_options",
-            "command_line",
-            "config_base",
-            "optim",
-            "input_pipeline",
-            "hf_config",
-            "hf_weights",
+            "main",
+            "interop.convert",
+            "evaluation.extrapolate",
+            "evaluation.sample",
+            "plots",
+            "positions.__main__",
         ),
     ),
-    (
-        "training and inference",
-        (
-            "train_step",
-            "plan",
-            "train",
-            "trained_run",
-            "decode",
-            "lm_eval",
-            "tape_retrofit",
-            "pretrained",
-            "finetune",
-        ),
-    ),
-    ("programs", ("main", "convert", "extrapolate", "sample", "plots", "positions.__main__")),
 )
 
 
@@ -134,6 +94,8 @@ def test_no_module_imports_from_a_layer_above() -> None:
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     """The checker itself: a foundations module importing the model is caught."""
     fake = tmp_path / "fake.py"
-    fake.write_text("from copejax.model import Transformer\nfrom copejax import segments\n")
-    assert imported_modules(fake) == {"model", "segments"}
-    assert layer_of("model") > layer_of("segments") == 0
+    fake.write_text(
+        "from copejax.model.transformer import Transformer\nfrom copejax.ops import segments\n"
+    )
+    assert imported_modules(fake) == {"model.transformer", "ops.segments"}
+    assert layer_of("model.transformer") > layer_of("ops.segments") == 0

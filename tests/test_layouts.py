@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, layouts
-from copejax.model import Block, Transformer
+from copejax.model import decode, layouts
+from copejax.model.transformer import Block, Transformer
 from copejax.positions.base import AttentionContext
 from tests.conftest import perturbed, tiny_config
 

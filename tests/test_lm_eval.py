@@ -12,12 +12,12 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from copejax import lm_eval
 from copejax.data import _tokenizers as tok
 from copejax.data.base import make_task
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
-from copejax.sample import continue_text
+from copejax.evaluation import lm_eval
+from copejax.evaluation.sample import continue_text
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
 from tests.conftest import tiny_config
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
 from tests.conftest import tiny_config, tokens_and_positions
 
 

@@ -7,9 +7,9 @@ import flax.linen as nn
 import jax
 import pytest
 
-from copejax import sharding
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
+from copejax.runtime import sharding
 from tests.conftest import tiny_config, tokens_and_positions
 
 

@@ -39,7 +39,11 @@ def test_flags_are_defined_only_when_run_as_a_program(tmp_path: Path) -> None:
     """Importing every tool next to copejax.main defines no flag twice; the program still runs."""
     tools = "copejax.main, copejax.plots.addition, copejax.plots.maps, copejax.plots.curves"
     imports = subprocess.run(
-        [sys.executable, "-c", f"import {tools}, copejax.sample, copejax.extrapolate"],
+        [
+            sys.executable,
+            "-c",
+            f"import {tools}, copejax.evaluation.sample, copejax.evaluation.extrapolate",
+        ],
         capture_output=True,
         text=True,
         check=False,

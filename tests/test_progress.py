@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from copejax import progress
-from copejax.progress import Progress
+from copejax.runtime import progress
+from copejax.runtime.progress import Progress
 
 
 def test_eval_lines_print_scalars_per_split_and_count_breakdowns(

@@ -42,7 +42,7 @@ def test_composite_shares_a_part_across_layers_while_others_stay_per_layer() -> 
     """cope+rope with share_layers: one CoPE table for the model, rope has no parameters."""
     import jax
 
-    from copejax.model import Transformer
+    from copejax.model.transformer import Transformer
     from tests.conftest import tiny_config, tokens_and_positions
 
     tokens_BT, positions_BT = tokens_and_positions()

@@ -1,5 +1,5 @@
 """A window layer decodes from a ring buffer of n + W slots, for every registered scheme that
-allows it (``copejax.ring_decode``); the others are refused with the reason.
+allows it (``copejax.model.ring_decode``); the others are refused with the reason.
 
 - The decode cache of every scheme's window layer holds n + W slots whatever ``max_len``, and
   no full-length key cache (``tests/test_window.py`` checks that decoding far beyond the ring
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, ring_decode
-from copejax.model import Transformer
+from copejax.model import decode, ring_decode
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import decode_in_chunks, perturbed, tiny_config
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from copejax.config_base import load_config
-from copejax.workdir import config_to_dict
+from copejax.config.base import load_config
+from copejax.runtime.workdir import config_to_dict
 from experiments import counting, run_records, sweep
 
 ARM = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
@@ -74,7 +74,7 @@ def test_sweep_reads_kept_runs_instead_of_training(
 ) -> None:
     """A sweep over a fresh workroot with ``records_dir`` trains nothing: both seeds are copied
     in, read and counted as re-read; the records are left as they were."""
-    from copejax import train
+    from copejax.training import train
 
     kept = tmp_path / "records"
     expected = [write_run(tmp_path / "old" / "counting" / "smoke" / f"cope_seed{s}", 4, s)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import tiny_config, tokens_and_positions
 from tests.test_decode import LAYOUTS, ROPE_VARIANTS, layout_params

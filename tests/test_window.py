@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode, ring_decode, segments
-from copejax.model import Transformer
-from copejax.ops import engine_blocks, engine_layout
+from copejax.model import decode, ring_decode
+from copejax.model.transformer import Transformer
+from copejax.ops import engine_blocks, engine_layout, segments
 from copejax.positions import registry
 from tests.conftest import decode_in_chunks, perturbed, tiny_config
 

@@ -85,7 +85,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
+from copejax.ops import segments
 from copejax.ops.engine_blocks import (
     EMPTY_KEY_INDEX,
     NORMALIZERS,

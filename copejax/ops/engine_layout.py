@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
+from copejax.ops import segments
 from copejax.ops.engine_blocks import BlockTerm, Normalizer, PairBlock, Pytree, content_logits_BNQK
 
 # ----------------------------------------------------------------------------- scores

@@ -13,8 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
-from copejax.ops import scan
+from copejax.ops import scan, segments
 from copejax.ops.engine_blocks import PairBlock
 
 QK_NORM_EPS = 1e-6

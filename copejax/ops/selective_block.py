@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
+from copejax.ops import segments
 from copejax.ops.engine_blocks import PairBlock, num_blocks, to_blocks
 from copejax.ops.selective import (
     accumulated_penalty_BTS,

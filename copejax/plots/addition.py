@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 
 from copejax.data.addition import accuracy_grid
-from copejax.metrics import read_jsonl
+from copejax.runtime.metrics import read_jsonl
 
 
 def last_grid(records: list[dict[str, float]], split: str) -> tuple[int, np.ndarray]:

@@ -22,9 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from absl import app, flags
 
-from copejax import command_line
-from copejax.metrics import read_jsonl
-from copejax.workdir import run_labels
+from copejax.config import command_line
+from copejax.runtime.metrics import read_jsonl
+from copejax.runtime.workdir import run_labels
 
 
 def run_label(workdir: str | os.PathLike) -> str:

@@ -25,9 +25,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from absl import app, flags
 
-from copejax import command_line
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.config import command_line
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
 
 KINDS = {
     "attention": "attention_weights",
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from copejax.data import _tokenizers as tok
-    from copejax.trained_run import load_run
+    from copejax.training.trained_run import load_run
 
     run = load_run(flags.FLAGS.workdir, flags.FLAGS.step)
     if not hasattr(run.task, "text_tokenizer"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from copejax.attention_paths import auto_blockwise_start
-from copejax.model_config import KERNEL_SITES
+from copejax.model.attention_paths import auto_blockwise_start
+from copejax.model.config import KERNEL_SITES
 from copejax.positions import registry
 from copejax.positions.base import PositionScheme
 

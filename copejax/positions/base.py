@@ -17,7 +17,7 @@ and builds the Linen modules that act there (house style, STYLE.md):
 
 The attention sites live in one :class:`AttentionSite` module per layer (or one module shared
 by every layer when :attr:`PositionScheme.share_across_layers` is true, as T5 does).
-``copejax/attention.py`` calls each site exactly once; nothing else special-cases schemes.
+``copejax/model/attention.py`` calls each site exactly once; nothing else special-cases schemes.
 
 What the sites read (:class:`AttentionContext`, :class:`Dims`, :class:`EmbedOutput`) is in
 :mod:`copejax.positions.context`, imported here too.
@@ -87,7 +87,7 @@ class AttentionSite(nn.Module):
 
     Subclasses override the methods for the sites their scheme declares and define their
     parameters in ``setup`` (several methods may be called, so ``nn.compact`` cannot be used).
-    Parameters should carry logical axis names (see ``copejax.sharding``).
+    Parameters should carry logical axis names (see ``copejax.runtime.sharding``).
     """
 
     dims: Dims
@@ -216,7 +216,7 @@ class PositionScheme:
     walk_carry: ClassVar[bool] = False
     # Decode state that reads the cache in key order (cached prefix sums, per-key gates or
     # penalties, keys rewritten by later tokens); a window layer's ring buffer is read in key
-    # order for every scheme (copejax.ring_decode), so this only documents the scheme.
+    # order for every scheme (copejax.model.ring_decode), so this only documents the scheme.
     cache_in_key_order: ClassVar[bool] = False
     # Works with grouped key/value heads (model.num_kv_heads < num_heads).
     grouped_kv: ClassVar[bool] = True
@@ -230,7 +230,7 @@ class PositionScheme:
     # blocks in memory.
     max_engine_block: ClassVar[int | None] = None
     # From how many keys model.attention_impl = "auto" takes the blockwise engine on a CPU
-    # (None: copejax.attention_paths.AUTO_BLOCKWISE_FROM), for a scheme whose naive path
+    # (None: copejax.model.attention_paths.AUTO_BLOCKWISE_FROM), for a scheme whose naive path
     # measured faster at longer lengths.
     auto_blockwise_from: ClassVar[int | None] = None
 
@@ -248,7 +248,7 @@ class PositionScheme:
 
     def ring_decode_refusal(self, dims: Dims, window: int) -> str | None:
         """Why a window layer of ``window`` keys cannot decode from a ring buffer of its
-        window and sink slots (``copejax.ring_decode``), e.g. decode state that reaches
+        window and sink slots (``copejax.model.ring_decode``), e.g. decode state that reaches
         further back than the window; None (default): it can."""
         return None
 

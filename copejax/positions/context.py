@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from copejax import segments
+from copejax.ops import segments
 
 Carry = Any  # a pytree of arrays, or None for schemes without a carry
 
@@ -73,7 +73,7 @@ class AttentionContext:
     """What the attention sites may read besides q, k and v.
 
     Segment ids are the input; the (B, T, S) mask is derived (:attr:`mask_BTS`) only where the
-    naive path reads it (``copejax.segments``). Build one with :meth:`create`.
+    naive path reads it (``copejax.ops.segments``). Build one with :meth:`create`.
 
     Attributes:
       x_BTD: the attention layer's (normalised) input, for input-dependent schemes (FoX).
@@ -84,7 +84,7 @@ class AttentionContext:
       carry: the scheme's layer-to-layer state (None unless the scheme uses the carry site).
       deterministic: True at evaluation (no dropout, no random positions).
       decode: True in incremental decoding (``Transformer(..., decode=True)``): the T
-        queries are new tokens and the S keys are the cache's slots (see ``copejax.kv_cache``);
+        queries are new tokens and the S keys are the cache's slots (see ``copejax.ops.kv_cache``);
         k_BSNH, v_BSNH, ``k_positions_BS`` and ``k_segment_ids_BS`` cover the S slots, except
         at the qk site, which transforms the new keys only (there ``k_positions_BS`` are the
         new tokens' positions).
@@ -99,16 +99,16 @@ class AttentionContext:
       block: the blockwise engine's block length.
       scan_impl: the cumulative-sum implementation (``copejax.ops.scan``).
       window: the layer's sliding window W (None: full causal attention); query i sees keys
-        ``i - W < j <= i`` of its segment (``copejax.segments.pair_allowed_BQK``).
+        ``i - W < j <= i`` of its segment (``copejax.ops.segments.pair_allowed_BQK``).
       sink_tokens: with a window, the first n keys of each segment stay visible too
         (StreamingLLM, arXiv 2309.17453).
       k_index_BS: each key's index (a ring-buffer decode cache, whose slots are not in key
         order; empty slots carry a huge index); None: key s is key s.
       k_rank_BS: each key's index within its segment (for the sinks); None: derived from
         ``k_segment_ids_BS`` with the keys in order.
-      ring_view: when a window layer decodes from its ring buffer (``copejax.ring_decode``),
+      ring_view: when a window layer decodes from its ring buffer (``copejax.model.ring_decode``),
         how the keys (the ring's slots in key order, then the new keys) map back to the ring's
-        slots (``copejax.kv_cache.RingView``), for a site that keeps per-key arrays of its own;
+        slots (``copejax.ops.kv_cache.RingView``), for a site that keeps per-key arrays of its own;
         None otherwise.
     """
 

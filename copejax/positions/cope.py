@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from copejax import sharding as ax
 from copejax.ops import cope as cope_ops
 from copejax.ops.cope_block import cope_block_term
 from copejax.ops.engine_blocks import BlockTerm
@@ -33,6 +32,7 @@ from copejax.positions.base import (
 )
 from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 GATES = ("keys", "sep_keys", "values")
 POSITION_TERMS = ("interpolate", "alibi", "mlp")

@@ -32,7 +32,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import (
@@ -44,6 +43,7 @@ from copejax.positions.base import (
 )
 from copejax.positions.kerple import Kerple, kerple_bias
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 STATIC_BIASES = ("kerple", "alibi")
 

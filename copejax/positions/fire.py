@@ -20,7 +20,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
@@ -30,6 +29,7 @@ from copejax.positions.base import (
     check_positive,
 )
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 EPS = 1e-6
 

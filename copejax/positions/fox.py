@@ -39,8 +39,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
-from copejax.kv_cache import CACHE
 from copejax.ops import scan
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.fox_core import (
@@ -53,6 +51,7 @@ from copejax.ops.fox_core import (
     rms_norm_heads,
     token_shift,
 )
+from copejax.ops.kv_cache import CACHE
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -61,6 +60,7 @@ from copejax.positions.base import (
 )
 from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 GATE_INIT_STD = 0.02
 # FoX Pro: the five components the authors' pro_*.yaml configs switch on.

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
@@ -32,6 +31,7 @@ from copejax.positions.base import (
     check_positive,
 )
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 VARIANTS = ("log", "power")
 

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from copejax import sharding as ax
 from copejax.positions.base import Dims, EmbedOutput, EmbedSite, PositionScheme, check_positive
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 
 def check_positions_fit(scheme: str, positions_BT: jax.Array, table_size: int) -> None:

@@ -47,13 +47,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
-from copejax import sharding as ax
+from copejax.ops import segments
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.path_block import path_pair, path_wy
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.context import repeat_kv_heads
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 L2_EPS = 1e-6  # w / sqrt(|w|^2 + eps), as fla's l2_norm
 

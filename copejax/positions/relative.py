@@ -25,10 +25,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 
 def relative_logits(

@@ -48,9 +48,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import segments
-from copejax.kv_cache import CACHE, RingView
+from copejax.ops import segments
 from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kv_cache import CACHE, RingView
 from copejax.ops.selective import (
     NONLINEARITIES,
     accumulated_penalty_BTS,

@@ -37,11 +37,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
 from copejax.ops import scan
 from copejax.ops.engine_blocks import Normalizer
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 
 def stickbreaking_allowed_BTS(

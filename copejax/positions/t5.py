@@ -6,7 +6,7 @@ beyond which everything shares the last bucket. As in T5, one table serves every
 
 Scaling: T5 computes ``softmax(q . k + b)`` with no 1/sqrt(H); its initialisation of the
 query projection absorbs the factor. copejax scales the content logits of every scheme by
-1/sqrt(H) (``copejax/attention.py``) and adds this bias unscaled, i.e.
+1/sqrt(H) (``copejax/model/attention.py``) and adds this bias unscaled, i.e.
 ``softmax(q . k / sqrt(H) + b)``. Both are the same family of functions (a query kernel
 multiplied by sqrt(H) turns one into the other), but the bias is weighed against content logits
 that are sqrt(H) times smaller than T5's for the same q and k: to run a T5 checkpoint here,
@@ -24,7 +24,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
@@ -34,6 +33,7 @@ from copejax.positions.base import (
     check_positive,
 )
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 
 def t5_bucket(

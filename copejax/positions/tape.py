@@ -66,7 +66,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from copejax import sharding as ax
 from copejax.positions.base import (
     AttentionContext,
     AttentionSite,
@@ -88,6 +87,7 @@ from copejax.positions.tape_core import (
     tape_update,
     to_blocks,
 )
+from copejax.runtime import sharding as ax
 
 LAYOUTS = ("half", "interleaved")
 INITS = ("rope", "random")

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from copejax import sharding as ax
 from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import (
     AttentionContext,
@@ -35,6 +34,7 @@ from copejax.positions.base import (
     check_positive,
 )
 from copejax.positions.registry import register
+from copejax.runtime import sharding as ax
 
 
 def xl_inv_freq(r_dim: int, base: float) -> jax.Array:

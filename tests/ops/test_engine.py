@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import attention_paths
-from copejax.model import Transformer
+from copejax.model import attention_paths
+from copejax.model.transformer import Transformer
 from copejax.ops import engine, engine_blocks
 from tests.conftest import tiny_config
 

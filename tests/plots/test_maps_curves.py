@@ -10,7 +10,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.plots import curves, maps
 from tests.conftest import tiny_config
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import AttentionContext, Dims

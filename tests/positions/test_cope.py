@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.ops.cope import cope_positions
 from copejax.positions import registry
 from copejax.positions.base import AttentionContext, Dims, masked_softmax_BNTS

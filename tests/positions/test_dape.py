@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
-from copejax.attention import Attention
-from copejax.model import Transformer
-from copejax.model_config import ModelConfig
+from copejax.model import decode
+from copejax.model.attention import Attention
+from copejax.model.config import ModelConfig
+from copejax.model.transformer import Transformer
 from copejax.positions.alibi import alibi_slopes
 from copejax.positions.base import AttentionContext
 from tests import test_blockwise_equivalence as equivalence

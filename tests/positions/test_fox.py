@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
-from copejax.attention import Attention
-from copejax.model import Transformer
+from copejax.model import decode
+from copejax.model.attention import Attention
+from copejax.model.transformer import Transformer
 from copejax.ops import scan
 from copejax.ops.fox_core import fox_decay_bias, fox_log_forget_gates, token_shift
+from copejax.ops.segments import causal_mask_BTS
 from copejax.positions.base import AttentionContext, masked_softmax_BNTS
 from copejax.positions.fox import PRO_OPTIONS
 from copejax.positions.registry import make_scheme
-from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions
 
 PRO = tuple(PRO_OPTIONS)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from copejax.positions.base import Dims
 from copejax.positions.learned import LearnedEmbed, lookup_rows_BTD

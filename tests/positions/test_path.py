@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
-from copejax.attention import Attention
+from copejax.model import decode
+from copejax.model.attention import Attention
 from copejax.ops.path_block import path_block_logits, path_wy, unit_upper_inverse
+from copejax.ops.segments import segment_starts_BT
 from copejax.positions.base import AttentionContext
 from copejax.positions.path import path_logits_BNQK, path_w
 from copejax.positions.registry import make_scheme
-from copejax.segments import segment_starts_BT
 from tests.conftest import tiny_config
 from tests.test_blockwise_equivalence import _check_blockwise_equals_naive, _check_engine_decoding
 from tests.test_decode import STEPS, _check_prefill_then_steps
@@ -317,7 +317,7 @@ def test_decode_cache_holds_key_value_heads() -> None:
 
 
 def test_sink_tokens_beside_a_window_are_refused_with_the_reason() -> None:
-    from copejax.model_config import ModelConfig
+    from copejax.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=8, position="path", window=4, window_sink_tokens=1)
     with pytest.raises(ValueError, match=r"'path' cannot keep sink tokens beside a window"):

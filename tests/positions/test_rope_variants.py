@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import decode
-from copejax.model import Transformer
+from copejax.model import decode
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from copejax.positions.base import Dims
 from copejax.positions.rope_frequencies import scaled_inv_freq

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.attention import Attention
-from copejax.model import Transformer
+from copejax.model.attention import Attention
+from copejax.model.transformer import Transformer
 from copejax.ops import engine, engine_blocks
+from copejax.ops.segments import causal_mask_BTS
 from copejax.positions.base import AttentionContext
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS, stickbreaking_weights
-from copejax.segments import causal_mask_BTS
 from tests.conftest import tiny_config, tokens_and_positions
 
 SEGMENTS_BT = np.array([[1, 1, 1, 2, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1]])

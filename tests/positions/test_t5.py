@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import Transformer
+from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from copejax.positions.base import AttentionContext, Dims
 from copejax.positions.t5 import t5_bias, t5_bucket

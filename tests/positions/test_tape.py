@@ -15,12 +15,12 @@ import optax
 import pytest
 from flax import traverse_util
 
-from copejax.model import Block, Transformer
+from copejax.model.transformer import Block, Transformer
 from copejax.positions.base import AttentionContext, Dims
 from copejax.positions.rope import apply_rope, rope_inv_freq
 from copejax.positions.tape import PAPER_OPTIONS, Tape, TapeCarry
 from copejax.positions.tape_core import rope_tape_embeddings, tape_mix, tape_qk, tape_update
-from copejax.tape_retrofit import (
+from copejax.training.tape_retrofit import (
     retrofit_rope_params,
     tape_config_from_rope,
     tape_param_mask,

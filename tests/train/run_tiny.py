@@ -19,7 +19,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def _die_during_save(kill_step: int) -> None:
-    from copejax.checkpoint import Checkpointer
+    from copejax.runtime.checkpoint import Checkpointer
 
     save = Checkpointer.save
 
@@ -39,7 +39,7 @@ def main() -> None:
         jax.distributed.initialize(
             coordinator_address=address, num_processes=count, process_id=index
         )
-    from copejax import train
+    from copejax.training import train
     from tests.train.tiny_task import tiny_config
 
     if spec.get("kill_during_save") is not None:

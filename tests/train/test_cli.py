@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from copejax.metrics import read_jsonl
+from copejax.runtime.metrics import read_jsonl
 from experiments import demo
 
 ROOT = Path(__file__).resolve().parents[2]

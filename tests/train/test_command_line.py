@@ -19,8 +19,10 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from copejax import command_line, results_json, train
-from copejax.workdir import run_labels
+from copejax.config import command_line
+from copejax.runtime import results_json
+from copejax.runtime.workdir import run_labels
+from copejax.training import train
 from tests.train import unprivileged
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,11 +164,19 @@ def flipflop_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.mark.parametrize(
     ("tool", "flags", "expected"),
     [
-        ("copejax.sample", ["--prompt=a"], "trained task 'flipflop', which has no text to sample"),
+        (
+            "copejax.evaluation.sample",
+            ["--prompt=a"],
+            "trained task 'flipflop', which has no text to sample",
+        ),
         ("copejax.plots.maps", ["--text=a"], "trained task 'flipflop'; maps of a --text need"),
-        ("copejax.extrapolate", ["--out=/tmp/unused-x"], "extrapolate needs an 'lm' run"),
+        (
+            "copejax.evaluation.extrapolate",
+            ["--out=/tmp/unused-x"],
+            "extrapolate needs an 'lm' run",
+        ),
     ],
-)  # fmt: skip
+)
 def test_tools_on_a_non_lm_run_say_so_in_one_line_without_orbax_logs(
     flipflop_run: Path, tool: str, flags: list[str], expected: str
 ) -> None:
@@ -179,7 +189,7 @@ def test_extrapolate_checks_writability_before_computing(flipflop_run: Path) -> 
     unprivileged.make_read_only(flipflop_run)
     try:
         code = (
-            "import sys; from copejax import extrapolate as e; w = sys.argv[1];"
+            "import sys; from copejax.evaluation import extrapolate as e; w = sys.argv[1];"
             "print(e.writable_workdirs([w], 'elsewhere'));"
             "e.writable_workdirs([w], None)"
         )

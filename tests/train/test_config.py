@@ -6,8 +6,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from copejax.config_base import base_config, parse_arg
-from copejax.sharding import DEFAULT_RULES
+from copejax.config.base import base_config, parse_arg
+from copejax.runtime.sharding import DEFAULT_RULES
 
 SCHEMA = {
     "seed", "task.name", "task.options", "model.position", "model.position_options",

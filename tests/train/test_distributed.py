@@ -15,8 +15,8 @@ from pathlib import Path
 import portpicker
 import pytest
 
-from copejax.metrics import read_jsonl
 from copejax.positions import registry
+from copejax.runtime.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("nope", "rope", "alibi", "cope")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from copejax.metrics import read_jsonl
+from copejax.runtime.metrics import read_jsonl
 from tests.train import unprivileged
 from tests.train.smoke_flags import FLAGS, ROOT, TIMING
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from copejax import input_pipeline
+from copejax.training import input_pipeline
 from tests.train.tiny_task import TinyCopy
 
 

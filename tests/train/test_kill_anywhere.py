@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from copejax.checkpoint import Checkpointer
-from copejax.metrics import read_jsonl
+from copejax.runtime.checkpoint import Checkpointer
+from copejax.runtime.metrics import read_jsonl
 from tests.train.test_metrics import tensorboard_scalars
 
 ROOT = Path(__file__).resolve().parents[2]

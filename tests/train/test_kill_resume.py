@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from copejax.metrics import read_jsonl
+from copejax.runtime.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = {"train": {"steps": 30, "log_every": 1, "eval_every": 10, "checkpoint_every": 4}}

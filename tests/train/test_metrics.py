@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from copejax.metrics import MetricsWriter, read_jsonl, truncate_after
+from copejax.runtime.metrics import MetricsWriter, read_jsonl, truncate_after
 
 
 def tensorboard_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax import optim
-from copejax import sharding as ax
-from copejax.config_base import base_config
+from copejax.config.base import base_config
+from copejax.runtime import sharding as ax
+from copejax.training import optim
 
 
 def _reference_lr(

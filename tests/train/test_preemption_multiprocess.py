@@ -13,7 +13,7 @@ from pathlib import Path
 import portpicker
 import pytest
 
-from copejax.metrics import read_jsonl
+from copejax.runtime.metrics import read_jsonl
 from tests.train.smoke_flags import FLAGS, ROOT, TIMING
 
 

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from copejax import train, workdir
-from copejax.checkpoint import CORRUPT_DIR, Checkpointer, CorruptCheckpointError
-from copejax.metrics import MetricsWriter, read_jsonl
+from copejax.runtime import workdir
+from copejax.runtime.checkpoint import CORRUPT_DIR, Checkpointer, CorruptCheckpointError
+from copejax.runtime.metrics import MetricsWriter, read_jsonl
+from copejax.training import train
 from tests.train.test_metrics import tensorboard_scalars
 from tests.train.tiny_task import tiny_config
 

@@ -12,11 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from copejax import train
-from copejax.checkpoint import Checkpointer, CorruptCheckpointError
-from copejax.metrics import read_jsonl
-from copejax.preemption import Preempted
-from copejax.workdir_lock import LOCK_FILE, WorkdirBusyError, WorkdirLock, WorkdirUnusableError
+from copejax.runtime.checkpoint import Checkpointer, CorruptCheckpointError
+from copejax.runtime.metrics import read_jsonl
+from copejax.runtime.preemption import Preempted
+from copejax.runtime.workdir_lock import (
+    LOCK_FILE,
+    WorkdirBusyError,
+    WorkdirLock,
+    WorkdirUnusableError,
+)
+from copejax.training import train
 from tests.train.test_recovery import _deterministic, _event_steps, _remove_state_item
 from tests.train.tiny_task import tiny_config
 

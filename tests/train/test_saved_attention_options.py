@@ -9,10 +9,10 @@ from __future__ import annotations
 import ml_collections
 import pytest
 
-from copejax.config_base import base_config
+from copejax.config.base import base_config
 from copejax.data.base import make_task
-from copejax.plan import model_config
-from copejax.saved_configs import upgrade_attention_options
+from copejax.model.saved_configs import upgrade_attention_options
+from copejax.training.plan import model_config
 
 
 def _saved_config(
@@ -67,8 +67,8 @@ def test_upgrade_keeps_model_level_keys_and_drops_defaults(model: dict, expected
 def test_a_saved_config_with_zero_for_unset_sizes_loads_and_resumes() -> None:
     """Configs saved before ModelConfig.from_config wrote 0 for an unset head_dim, mlp_dim
     and max_len: they load as None / the task's length, and compare equal to today's."""
-    from copejax import workdir
-    from copejax.model_config import ModelConfig
+    from copejax.model.config import ModelConfig
+    from copejax.runtime import workdir
 
     old = {"d_model": 32, "num_heads": 2, "head_dim": 0, "mlp_dim": 0, "max_len": 0}
     cfg = ModelConfig.from_config(old, vocab_size=7, default_max_len=24)
@@ -85,8 +85,8 @@ def test_a_saved_config_without_keys_added_later_resumes() -> None:
     """Configs saved before the keys of workdir.ADDED_KEYS existed (model.norm_eps,
     train.init_from, model.window_decode_cache) equal today's at the values that reproduce
     them, and differ at any other value."""
-    from copejax import workdir
-    from copejax.config_base import base_config
+    from copejax.config.base import base_config
+    from copejax.runtime import workdir
 
     new = workdir.config_to_dict(base_config())
     old = {**new, "model": dict(new["model"]), "train": dict(new["train"])}
@@ -102,7 +102,7 @@ def test_a_saved_config_without_keys_added_later_resumes() -> None:
 
 
 def test_unknown_model_keys_are_refused_by_name() -> None:
-    from copejax.model_config import ModelConfig
+    from copejax.model.config import ModelConfig
 
     with pytest.raises(ValueError, match=r"unknown model keys \['num_head'\]; allowed: \["):
         ModelConfig.from_config({"num_head": 2}, vocab_size=7, default_max_len=8)
@@ -111,7 +111,7 @@ def test_unknown_model_keys_are_refused_by_name() -> None:
 def test_the_scheme_is_resolved_once_and_rebuilt_by_replace() -> None:
     import dataclasses
 
-    from copejax.model_config import ModelConfig
+    from copejax.model.config import ModelConfig
     from copejax.positions.cope import CoPE
 
     cfg = ModelConfig(vocab_size=7, position="cope", position_options={"p_max": 8})

@@ -7,12 +7,13 @@ import shutil
 
 import pytest
 
-from copejax import sharding, train, workdir
-from copejax.checkpoint import Checkpointer, CheckpointMismatchError
-from copejax.metrics import read_jsonl
-from copejax.model import Transformer
-from copejax.plan import validate
-from copejax.train_step import make_steps
+from copejax.model.transformer import Transformer
+from copejax.runtime import sharding, workdir
+from copejax.runtime.checkpoint import Checkpointer, CheckpointMismatchError
+from copejax.runtime.metrics import read_jsonl
+from copejax.training import train
+from copejax.training.plan import validate
+from copejax.training.train_step import make_steps
 from tests.train.tiny_task import tiny_config
 
 # Timing-dependent keys differ between runs; everything else must match exactly.

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from copejax.data.base import task_names
-from copejax.plan import validate
 from copejax.positions import registry
+from copejax.training.plan import validate
 from tests.train.tiny_task import tiny_config
 
 DEVICES = 4

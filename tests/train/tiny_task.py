@@ -13,7 +13,7 @@ from typing import ClassVar
 import ml_collections
 import numpy as np
 
-from copejax.config_base import base_config
+from copejax.config.base import base_config
 from copejax.data.base import Example, Task, TaskSource, register_task
 
 SPLITS = ("train", "test", "long")

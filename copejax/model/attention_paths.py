@@ -1,0 +1,125 @@
+"""Which attention path one call takes, and the ``jax.nn.dot_product_attention`` path.
+
+``choose_impl`` reads ``model.attention_impl`` ("auto": naive, the blockwise engine of
+:mod:`copejax.ops.engine`, or cuDNN's fused kernel on a GPU in bfloat16);
+``ring_cache_applies`` says whether a window layer decodes from a ring buffer
+(:class:`copejax.ops.kv_cache.RingCache`); ``dot_product_attention`` runs the schemes it can
+express. :class:`copejax.model.attention.Attention` calls all three.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from copejax.model.config import ModelConfig
+from copejax.ops import engine_blocks
+from copejax.positions.base import AttentionContext, AttentionSite, PositionScheme
+
+# "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
+# Side-by-side probes on a 2-core CPU had the engine at or below the naive path from T = 256
+# for nope, CoPE and FoX (causal block skipping halves the work); 512 keeps short task
+# sequences on the simpler path.
+AUTO_BLOCKWISE_FROM = 512
+# On a GPU, "auto" keeps the naive path of a position-only scheme (the ones cuDNN's kernel
+# can express) while its float32 (B, N, T, S) logits take at most this many bytes, and cuDNN's
+# kernel with a position bias while the bias does: on an H200 (experiments/results/
+# bench_gpu.md) the engine's block walk was 6.5x the naive nope layer at T = 4096 (B x N = 8,
+# 512 MiB of logits), while at T = 16384 (8 GiB) the naive and biased fused paths pass the
+# benchmark's 10 GiB buffer cap. Contextual schemes keep the length rule: their naive paths
+# hold several (T, S) arrays each (CoPE 8 GiB, DAPE 11 GiB, PaTH 76 GiB at T = 4096 there).
+GPU_NAIVE_MAX_BYTES = 2**30
+
+
+def choose_impl(
+    cfg: ModelConfig,
+    length_k: int,
+    sowing: bool,
+    backend: str | None = None,
+    pairs: int | None = None,
+) -> str:
+    """The attention path of one call from ``model.attention_impl``.
+
+    "auto": the naive path while intermediates (attention maps, gates) are being sown. On a
+    GPU, with ``pairs`` = B N T S of the call, for the schemes cuDNN's kernel can express
+    (``ModelConfig.dot_product_attention_allowed``): in bfloat16,
+    ``jax.nn.dot_product_attention`` (cuDNN), for a scheme with a position bias only while
+    that (B, N, T, S) bias takes at most ``GPU_NAIVE_MAX_BYTES``; otherwise the naive path
+    while its float32 logits take at most ``GPU_NAIVE_MAX_BYTES``, and the blockwise engine
+    beyond. Other schemes, other backends, or ``pairs`` unknown: the naive path below
+    ``AUTO_BLOCKWISE_FROM`` keys, or the scheme's ``auto_blockwise_from`` (faster there on
+    CPU, measured by ``experiments/bench.py``)
+    and the blockwise engine from it on, decoding steps included (a step then reads the
+    cache block by block).
+    """
+    impl = cfg.attention_impl
+    if impl != "auto":
+        return impl
+    if sowing:
+        return "naive"
+    backend = jax.default_backend() if backend is None else backend
+    position_only = backend == "gpu" and cfg.dot_product_attention_allowed()
+    if position_only and cfg.dtype == "bfloat16":
+        no_bias = "bias" not in cfg.scheme.sites
+        if no_bias or pairs is None or 2 * pairs <= GPU_NAIVE_MAX_BYTES:
+            return "dot_product_attention"
+    if position_only and pairs is not None:
+        return "naive" if 4 * pairs <= GPU_NAIVE_MAX_BYTES else "blockwise"
+    return "naive" if length_k < auto_blockwise_start(cfg.scheme) else "blockwise"
+
+
+def auto_blockwise_start(scheme: PositionScheme | type[PositionScheme]) -> int:
+    """From how many keys ``auto`` takes the blockwise engine on a CPU: the scheme's
+    ``auto_blockwise_from``, or ``AUTO_BLOCKWISE_FROM``."""
+    return scheme.auto_blockwise_from or AUTO_BLOCKWISE_FROM
+
+
+def ring_cache_applies(cfg: ModelConfig) -> bool:
+    """Whether the decode cache of ``cfg``'s layer is a ring buffer of ``window`` slots plus
+    the sink slots (:class:`copejax.ops.kv_cache.RingCache`, read by
+    :func:`copejax.model.ring_decode.decode_ring`): every window layer unless
+    ``model.window_decode_cache`` is "full" (the full cache with the window mask). Every
+    scheme's per-key decode state lives in the ring's slots (FoX's prefix sums, CoPE's gate
+    keys, TAPE's position tensors, PaTH's rewritten keys, selective attention's penalties;
+    stick-breaking reads the slots in key order); a scheme that cannot decode from a ring is
+    refused with the reason (``copejax.model.ring_decode.check_ring``)."""
+    return cfg.window is not None and cfg.window_decode_cache == "ring"
+
+
+def dot_product_attention(
+    site: AttentionSite,
+    q_BTNH: jax.Array,
+    k_BSNH: jax.Array,
+    v_BSNH: jax.Array,
+    ctx: AttentionContext,
+) -> jax.Array:
+    """``jax.nn.dot_product_attention`` with the scheme's position-only bias (ALiBi, T5,
+    Kerple, FIRE), evaluated once over the whole (T, S) grid from the same block terms the
+    engine uses; cuDNN on GPU for 16-bit inputs, XLA's implementation elsewhere."""
+    bias_BNTS = None
+    terms = site.block_terms(q_BTNH, k_BSNH, v_BSNH, ctx)
+    if terms:
+        pair = engine_blocks.PairBlock(
+            q_BQNH=q_BTNH,
+            k_BKNH=k_BSNH,
+            q_positions_BQ=ctx.q_positions_BT,
+            k_positions_BK=ctx.k_positions_BS,
+            allowed_BQK=ctx.mask_BTS,
+            logits_BNQK=None,
+            q_arrays={},
+            k_arrays={},
+            q_start=jnp.asarray(ctx.cache_index),
+            k_start=jnp.asarray(0),
+        )
+        bias_BNTS = sum(term.bias(term.params, pair, None, None)[0] for term in terms)
+    fused = jax.default_backend() == "gpu" and q_BTNH.dtype in (jnp.bfloat16, jnp.float16)
+    if fused and bias_BNTS is not None:  # cuDNN takes the inputs' dtype; XLA adds float32
+        bias_BNTS = bias_BNTS.astype(q_BTNH.dtype)
+    return jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSNH,
+        v_BSNH,
+        bias=bias_BNTS,
+        mask=ctx.mask_BTS[:, None, :, :],
+        implementation="cudnn" if fused else None,
+    )

@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from copejax.model import logit_scaling, ring_decode
-from copejax.model.attention_paths import choose_impl, dot_product_attention, ring_cache_applies
+from copejax.model.attention_paths import (
+    choose_impl,
+    dot_product_attention,
+    kernel_attention,
+    ring_cache_applies,
+)
 from copejax.model.config import ModelConfig
 from copejax.model.dense_init import contracted_size, kernel_init
 from copejax.ops import engine, engine_blocks
@@ -145,13 +150,25 @@ class Attention(nn.Module):
 
         Returns: the output y_BTD (compute dtype) and the updated carry.
         """
+        y_BTNH, carry = self.attend(self.query(x_BTD), self.key(x_BTD), self.value(x_BTD), ctx)
+        y_BTD = self.out(y_BTNH)
+        return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+
+    def attend(
+        self, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, ctx: AttentionContext
+    ) -> tuple[jax.Array, Carry]:
+        """Everything between the projections: the sites, the attention path, the cache.
+
+        Args: q_BTNH the projected queries; k_BSKH, v_BSKH the projected keys and values of
+        the K key/value heads (the new tokens' when decoding); ctx as for ``__call__``.
+
+        Returns: the per-head output y_BTNH (after the output site) and the updated carry.
+        ``copejax.linen.PositionAttention`` and ``copejax.functional`` call it directly.
+        """
         site = self._site()
         cfg = self.cfg
         sinks = cfg.window_sink_tokens if cfg.window is not None else 0
         ctx = ctx.replace(window=cfg.window, sink_tokens=sinks)
-        q_BTNH = self.query(x_BTD)
-        k_BSKH = self.key(x_BTD)
-        v_BSKH = self.value(x_BTD)
         if ctx.decode and ring_cache_applies(cfg):
             ring_decode.check_ring(cfg)
             q_BTNH, k_BSKH, v_BSKH, ctx = ring_decode.decode_ring(
@@ -186,6 +203,10 @@ class Attention(nn.Module):
             # content plus a position-only bias; nothing needs the weights.
             y_BTNH = dot_product_attention(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             mixed_BTNC = None
+        elif impl == "kernel":  # validated: a scheme the fused kernels cover, no mixed values
+            qkv = (q_BTNH, k_BSKH, v_BSKH)
+            y_BTNH = kernel_attention(cfg, site, qkv, (k_BSNH, v_BSNH), ctx)
+            mixed_BTNC = None
         else:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)
@@ -195,9 +216,7 @@ class Attention(nn.Module):
                     "BNTS,BSNC->BTNC", weights_BNTS, extra_BSNC.astype(jnp.float32)
                 )
         y_BTNH = site.output(y_BTNH, ctx)
-        carry = site.carry_after_attention(ctx.carry, mixed_BTNC, ctx)
-        y_BTD = self.out(y_BTNH)
-        return nn.with_logical_constraint(y_BTD, (ax.BATCH, ax.LENGTH, ax.EMBED)), carry
+        return y_BTNH, site.carry_after_attention(ctx.carry, mixed_BTNC, ctx)
 
     def _sink(self) -> jax.Array | None:
         return self.sink_N if self.cfg.attention_sink else None

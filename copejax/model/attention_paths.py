@@ -1,10 +1,12 @@
-"""Which attention path one call takes, and the ``jax.nn.dot_product_attention`` path.
+"""Which attention path one call takes, the ``jax.nn.dot_product_attention`` path and the
+fused kernels' path.
 
 ``choose_impl`` reads ``model.attention_impl`` ("auto": naive, the blockwise engine of
 :mod:`copejax.ops.engine`, or cuDNN's fused kernel on a GPU in bfloat16);
 ``ring_cache_applies`` says whether a window layer decodes from a ring buffer
 (:class:`copejax.ops.kv_cache.RingCache`); ``dot_product_attention`` runs the schemes it can
-express. :class:`copejax.model.attention.Attention` calls all three.
+express, ``kernel_attention`` those the fused Pallas kernels cover (:mod:`copejax.ops.kernels`,
+:mod:`copejax.model.kernel_terms`). :class:`copejax.model.attention.Attention` calls them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from copejax.model.config import ModelConfig
+from copejax.model.kernel_terms import kernel_terms
 from copejax.ops import engine_blocks
+from copejax.ops.kernels.attention import fused_attention
 from copejax.positions.base import AttentionContext, AttentionSite, PositionScheme
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
@@ -29,6 +33,8 @@ AUTO_BLOCKWISE_FROM = 512
 # benchmark's 10 GiB buffer cap. Contextual schemes keep the length rule: their naive paths
 # hold several (T, S) arrays each (CoPE 8 GiB, DAPE 11 GiB, PaTH 76 GiB at T = 4096 there).
 GPU_NAIVE_MAX_BYTES = 2**30
+# The fused kernels' tile length (queries and keys) when model.attention_block is None.
+KERNEL_BLOCK = 64
 
 
 def choose_impl(
@@ -51,6 +57,9 @@ def choose_impl(
     CPU, measured by ``experiments/bench.py``)
     and the blockwise engine from it on, decoding steps included (a step then reads the
     cache block by block).
+
+    "auto" never takes the fused kernels ("kernel"): no GPU or TPU measurement of them exists
+    yet (``python -m experiments.bench_kernels_gpu`` makes one); they run when chosen.
     """
     impl = cfg.attention_impl
     if impl != "auto":
@@ -122,4 +131,59 @@ def dot_product_attention(
         bias=bias_BNTS,
         mask=ctx.mask_BTS[:, None, :, :],
         implementation="cudnn" if fused else None,
+    )
+
+
+def kernel_attention(
+    cfg: ModelConfig,
+    site: AttentionSite,
+    qkv: tuple[jax.Array, jax.Array, jax.Array],
+    kv_BSNH: tuple[jax.Array, jax.Array],
+    ctx: AttentionContext,
+) -> jax.Array:
+    """The fused kernels (``model.attention_impl="kernel"``): causal self-attention with the
+    scheme's terms computed in the kernels (:mod:`copejax.model.kernel_terms`).
+
+    Args:
+      qkv: (q_BTNH, k_BSGH, v_BSGH): queries and the keys and values of the G key/value
+        heads, as the qk site returned them (the kernels read head ``n // (N / G)``).
+      kv_BSNH: the keys and values repeated to N heads, what ``block_terms`` reads.
+
+    Returns:
+      y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask,
+      and a TPU (no Mosaic TPU lowering of the kernels yet).
+    """
+    q_BTNH, k_BSGH, v_BSGH = qkv
+    if ctx.decode:
+        raise ValueError(
+            "model.attention_impl='kernel' runs self-attention over a whole sequence; "
+            "decoding reads a KV cache: use attention_impl='auto' or 'blockwise' to decode"
+        )
+    if ctx.explicit_mask_BTS is not None:
+        raise ValueError(
+            "model.attention_impl='kernel' reads segment ids; an explicit mask is for "
+            "naive-path unit tests (use attention_impl='naive')"
+        )
+    if jax.default_backend() == "tpu":
+        raise ValueError(
+            "model.attention_impl='kernel' has no TPU lowering yet (the kernels are "
+            "Triton-shaped, see copejax.ops.kernels.triton_params); use 'auto' or 'blockwise'"
+        )
+    block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
+    terms = kernel_terms(cfg.scheme, block_terms, cfg.dims)
+    q_ids_BT, _ = ctx.ids()
+    block = cfg.attention_block or KERNEL_BLOCK
+    return fused_attention(
+        q_BTNH,
+        k_BSGH,
+        v_BSGH,
+        q_positions_BT=ctx.q_positions_BT,
+        k_positions_BT=ctx.k_positions_BS,
+        segment_ids_BT=q_ids_BT,
+        terms=terms,
+        window=ctx.window,
+        sink_tokens=ctx.sink_tokens,
+        k_rank_BT=ctx.key_ranks() if ctx.window is not None and ctx.sink_tokens else None,
+        block_q=block,
+        block_k=block,
     )

@@ -20,6 +20,7 @@ from copejax.model.config import (
     ModelConfig,
 )
 from copejax.model.dense_init import DENSE_INITS
+from copejax.model.kernel_terms import kernel_refusal
 from copejax.model.logit_scaling import LOGIT_SCALINGS
 
 
@@ -115,10 +116,25 @@ def check_scheme(cfg: ModelConfig) -> None:
             f"{scheme.name!r} also uses {extra_sites}: use attention_impl='auto', 'naive' "
             "or 'blockwise'"
         )
+    if cfg.attention_impl == "kernel":
+        check_kernel(cfg)
     token_dim = scheme.token_dim(cfg.d_model)
     if not 0 < token_dim <= cfg.d_model:
         raise ValueError(
             f"{scheme.name}: token embedding width {token_dim} must be in (0, {cfg.d_model}]"
+        )
+
+
+def check_kernel(cfg: ModelConfig) -> None:
+    """``attention_impl="kernel"``: a scheme the fused kernels cover, and no attention sink."""
+    refusal = kernel_refusal(cfg.scheme)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if cfg.attention_sink:
+        raise ValueError(
+            "model.attention_sink adds a learned logit to every softmax denominator, which "
+            "the fused kernels (attention_impl='kernel') do not take yet; use "
+            "attention_impl='auto', 'naive' or 'blockwise'"
         )
 
 

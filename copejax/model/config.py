@@ -18,7 +18,7 @@ from copejax.positions.base import Dims, PositionScheme
 
 BLOCKS = ("llama", "gpt2")
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("auto", "naive", "blockwise", "dot_product_attention")
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "dot_product_attention", "kernel")
 ATTENTION_BACKWARDS = ("auto", "flash", "remat")
 SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
 # The blockwise engine's block length when model.attention_block is None: 128 below 4096 keys,
@@ -90,9 +90,12 @@ class ModelConfig:
         sows attention maps. "blockwise": the engine of ``copejax.ops.engine``, every scheme in
         O(T) memory. "dot_product_attention": ``jax.nn.dot_product_attention`` (XLA's fused
         form on CPU/TPU, cuDNN where JAX picks it on GPU), for schemes whose only sites are
-        embed and qk (nope, learned, sinusoidal, randomized, rope, xpos). "auto" (default):
-        naive for short sequences and while sowing, blockwise beyond
-        (``copejax.model.attention_paths.choose_impl``).
+        embed and qk (nope, learned, sinusoidal, randomized, rope, xpos). "kernel": the fused
+        Pallas kernels of ``copejax.ops.kernels`` (Triton on GPU, interpret mode elsewhere),
+        for the schemes ``copejax.model.kernel_terms`` covers; others are refused by name.
+        "auto" (default): naive for short sequences and while sowing, blockwise beyond
+        (``copejax.model.attention_paths.choose_impl``); it never takes the kernels, which
+        no GPU has measured yet.
       attention_block: the blockwise engine's block length (None: by length, see
         :meth:`attention_block_for`).
       attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the

@@ -4,5 +4,5 @@
 backward) with terms computed inside the kernels (:mod:`copejax.ops.kernels.terms`).
 Triton on GPUs, interpret mode elsewhere (:mod:`copejax.ops.kernels.triton_params`).
 This package imports only ``copejax.ops`` and JAX; the schemes' terms are built by the
-model layer (``copejax.model.kernel_terms``).
+model layer (``copejax.model.transformer.kernel_terms``).
 """

@@ -48,6 +48,10 @@ def _tile(block: int, length: int) -> int:
     return size
 
 
+def _power_of_two(size: int) -> int:
+    return 1 << max(size - 1, 0).bit_length()
+
+
 def _pad(x: jax.Array, length: int, value: jax.Array | float | None = None) -> jax.Array:
     """Pads axis 1 to ``length``: with ``value``, or repeating the last entry (None)."""
     extra = length - x.shape[1]
@@ -110,6 +114,12 @@ def fused_attention(
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    widths = (q_BTNH.shape[-1], v_BTGW.shape[-1])
+    if not interpret and any(w < MIN_BLOCK or w != _power_of_two(w) for w in widths):
+        raise ValueError(
+            f"kernel: on a GPU the head dim and value width must be powers of two >= "
+            f"{MIN_BLOCK} (Triton's block shapes), got {widths}"
+        )
     size_q, size_k = _tile(block_q, length), _tile(block_k, length)
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
     terms = tuple(terms)
@@ -147,8 +157,11 @@ def fused_attention(
 def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
     """A term's arrays as the kernels read them: (N, P) params, (B, N, T) values."""
     out = {"params": None, "q": None, "k": None}
-    if term.params_NP is not None:
-        out["params"] = term.params_NP.astype(jnp.float32)
+    if term.params_NP is not None:  # rows padded to a power of two (Triton's block shapes)
+        size = term.params_NP.shape[1]
+        out["params"] = jnp.pad(
+            term.params_NP.astype(jnp.float32), ((0, 0), (0, _power_of_two(size) - size))
+        )
     for key, values_BTN in (("q", term.q_values_BTN), ("k", term.k_values_BSN)):
         if values_BTN is not None:
             out[key] = jnp.moveaxis(_pad(values_BTN.astype(jnp.float32), padded, 0), 2, 1)

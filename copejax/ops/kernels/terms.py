@@ -98,10 +98,14 @@ def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
     cotangent of the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: P
     elementwise passes over the tile, so meant for small tables (T5's 32 buckets).
     """
-    rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, 0)
     out_QK = jnp.zeros(index_QK.shape, jnp.float32)
-    for row in range(table_P.shape[0]):
-        # The row's value as a masked sum: Triton lowers no slice of a register tile.
-        value = jnp.sum(jnp.where(rows_P == row, table_P, 0.0))
+    for row, value in enumerate(param_scalars(table_P)):
         out_QK = out_QK + jnp.where(index_QK == row, value, 0.0)
     return out_QK
+
+
+def param_scalars(params_P: jax.Array) -> list[jax.Array]:
+    """The entries of a head's parameter row as scalars, each a masked sum (Triton lowers
+    no slice of a register tile; see :func:`table_lookup`)."""
+    rows_P = jax.lax.broadcasted_iota(jnp.int32, params_P.shape, 0)
+    return [jnp.sum(jnp.where(rows_P == row, params_P, 0.0)) for row in range(params_P.shape[0])]

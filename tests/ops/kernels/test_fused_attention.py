@@ -86,10 +86,10 @@ def _bias_BNTS(x: dict, xp=jnp):
     return bias + c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
 
 
-CASES = [(None, 0), (20, 0), (20, 3)]
+SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("window", "sinks"), CASES)
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), pytest.param(20, 0, marks=SLOW), (20, 3)])
 def test_values_equal_numpy(window: int | None, sinks: int) -> None:
     x = _inputs(jnp.float32)
     y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks))(x)
@@ -99,8 +99,15 @@ def test_values_equal_numpy(window: int | None, sinks: int) -> None:
     assert_close(y, expected, dtype="float32", summands=T, roundings=0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (20, 3)])
+@pytest.mark.parametrize(
+    ("dtype", "window", "sinks"),
+    [
+        ("float32", 20, 3),
+        ("bfloat16", None, 0),
+        pytest.param("float32", None, 0, marks=SLOW),
+        pytest.param("bfloat16", 20, 3, marks=SLOW),
+    ],
+)
 def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
     x = _inputs(jnp.dtype(dtype))
     allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))

@@ -30,13 +30,25 @@ def bfloat16_atol(scale: float, roundings: int) -> float:
     return roundings * EPS["bfloat16"] * scale
 
 
-def assert_close(actual, desired, *, dtype: str, summands: int, roundings: int) -> None:
+def assert_close(
+    actual,
+    desired,
+    *,
+    dtype: str,
+    summands: int,
+    roundings: int,
+    scale: float | None = None,
+    err_msg: str = "",
+) -> None:
     """``actual`` equals ``desired`` within the float32 reordering bound, plus the bfloat16
-    rounding bound for a bfloat16 computation (both scaled by ``max |desired|``)."""
+    rounding bound for a bfloat16 computation, both scaled by ``scale`` (default
+    ``max |desired|``, the magnitude of the terms where nothing cancels)."""
     actual = np.asarray(np.asarray(actual, np.float32), np.float64)
     desired = np.asarray(np.asarray(desired, np.float32), np.float64)
-    scale = max(float(np.max(np.abs(desired), initial=0.0)), 1e-30)
+    if scale is None:
+        scale = float(np.max(np.abs(desired), initial=0.0))
+    scale = max(scale, 1e-30)
     atol = float32_atol(scale, summands)
     if dtype == "bfloat16":
         atol += bfloat16_atol(scale, roundings)
-    np.testing.assert_allclose(actual, desired, rtol=0, atol=atol)
+    np.testing.assert_allclose(actual, desired, rtol=0, atol=atol, err_msg=err_msg)

@@ -1,0 +1,202 @@
+"""Which position schemes the fused kernels run, and their in-kernel terms (issue 45).
+
+``model.attention_impl = "kernel"`` runs every layer through
+:func:`copejax.ops.kernels.attention.fused_attention`. A scheme is covered when each of its
+parts (a composite's too) either leaves the logits to the content (its sites are among
+``embed``, ``qk`` and ``output``: nope, learned, sinusoidal, randomized, rope, xpos) or has a
+kernel term here, built from the same block term the engine runs
+(:meth:`~copejax.positions.base.AttentionSite.block_terms`) and the scheme's own pure
+functions, evaluated tile by tile in the kernels:
+
+- alibi: ``-m_h (i - j)`` (``alibi_bias``), from one slope per head;
+- t5: ``table[bucket(j - i), h]`` (``t5_bucket``, the table read by a one-hot sum);
+- kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
+- fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
+- fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
+  units one by one), from c, L and the MLP as a row per head.
+
+Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
+registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
+scheme to one of the two.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kernels.terms import KernelTerm, TermTile, param_scalars, table_lookup
+from copejax.positions.alibi import alibi_bias, alibi_slopes
+from copejax.positions.base import Dims, PositionScheme
+from copejax.positions.fire import fire_normalized_distance
+from copejax.positions.kerple import Kerple, kerple_bias
+from copejax.positions.t5 import T5Bias, t5_bucket
+
+# Sites that leave the attention logits to q . k / sqrt(H) (and the softmax in place).
+CONTENT_SITES = frozenset({"embed", "qk", "output"})
+
+# Why a scheme with other sites has no kernel term yet (the error message names it).
+NOT_YET = {
+    "cope": "its gate count is carried from the newest key tile to the oldest (a carried "
+    "term; the kernels have per-pair terms only so far)",
+    "stickbreaking": "its stick-breaking normalizer replaces the softmax, with a log "
+    "remainder carried across key tiles",
+    "selective": "its accumulated penalties are a (B, S, T/Q) prefix per query block",
+    "path": "its Householder-like transforms of the queries are carried across key tiles",
+    "dape": "its MLP reads each pair's content logits across heads",
+    "relative": "its bias q_i . e[i - j] reads one table row per distance (max_distance + 1 "
+    "rows) for each query",
+    "relative_capped": "its bias q_i . e[min(i - j, max)] reads one table row per distance "
+    "for each query",
+    "transformer_xl": "its bias reads the queries against sinusoidal embeddings per distance",
+    "tape": "it mixes its position tensors into the values as extra features",
+}
+
+
+def _alibi_tile(params_P: jax.Array, tile: TermTile) -> jax.Array:
+    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
+    return alibi_bias(q_Q[None], k_K[None], params_P).reshape(q_Q.shape[0], k_K.shape[0])
+
+
+def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
+    slopes_N1 = jnp.asarray(alibi_slopes(dims.num_heads), jnp.float32)[:, None]
+    return KernelTerm("alibi", _alibi_tile, params_NP=slopes_N1)
+
+
+def _t5_tile(
+    table_P: jax.Array, tile: TermTile, *, bidirectional: bool, max_distance: int
+) -> jax.Array:
+    relative_QK = tile.k_positions_K[None, :] - tile.q_positions_Q[:, None]
+    bucket_QK = t5_bucket(relative_QK, bidirectional, table_P.shape[0], max_distance)
+    return table_lookup(bucket_QK, table_P)
+
+
+def _t5(scheme: T5Bias, term: BlockTerm, dims: Dims) -> KernelTerm:
+    tile = functools.partial(
+        _t5_tile, bidirectional=scheme.bidirectional, max_distance=scheme.max_distance
+    )
+    return KernelTerm("t5", tile, params_NP=jnp.transpose(term.params))
+
+
+def _kerple_tile(r_P: jax.Array, tile: TermTile, *, variant: str) -> jax.Array:
+    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
+    r1, r2 = param_scalars(r_P)
+    bias = kerple_bias(q_Q[None], k_K[None], r1[None], r2[None], variant)
+    return bias.reshape(q_Q.shape[0], k_K.shape[0])
+
+
+def _kerple(scheme: Kerple, term: BlockTerm, dims: Dims) -> KernelTerm:
+    r1_N, r2_N = scheme.positive(*term.params)
+    tile = functools.partial(_kerple_tile, variant=scheme.variant)
+    return KernelTerm("kerple", tile, params_NP=jnp.stack([r1_N, r2_N], axis=1))
+
+
+def _fox_tile(params_P: None, tile: TermTile) -> jax.Array:
+    # decay_BNTS's c_i - c_j for one head's tile
+    return tile.q_values_Q[:, None] - tile.k_values_K[None, :]
+
+
+def _fox(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
+    c_q, c_k = term.q_arrays["c"], term.k_arrays["c"]
+    return KernelTerm("fox", _fox_tile, q_values_BTN=c_q, k_values_BSN=c_k)
+
+
+def _fire_tile(row_P: jax.Array, tile: TermTile, *, width: int) -> jax.Array:
+    """f(psi(|i - j|) / psi(max(i, L))) for one head: the MLP's F hidden units one by one
+    (``fire_bias``'s einsum over F as a sum of F elementwise passes)."""
+    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
+    values = param_scalars(row_P)
+    c, threshold, b2 = values[0], values[1], values[2]
+    w1, b1, w2 = values[3 : 3 + width], values[3 + width : 3 + 2 * width], values[3 + 2 * width :]
+    x_QK = fire_normalized_distance(q_Q[None], k_K[None], c, threshold)
+    x_QK = x_QK.reshape(q_Q.shape[0], k_K.shape[0])
+    out_QK = jnp.zeros(x_QK.shape, jnp.float32) + b2
+    for unit in range(width):
+        out_QK = out_QK + w2[unit] * jax.nn.relu(x_QK * w1[unit] + b1[unit])
+    return out_QK
+
+
+def _fire(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
+    """One row per head: c, L, b2[h], w1 (F), b1 (F), w2[:, h] (F); the shared entries are
+    broadcast to every head, and JAX sums their gradients back."""
+    p, heads = term.params, dims.num_heads
+    width = p["b1_F"].shape[0]
+
+    def shared(x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(jnp.reshape(x, (1, -1)).astype(jnp.float32), (heads, x.size))
+
+    row_NP = jnp.concatenate(
+        [
+            shared(p["c"]),
+            shared(p["threshold"]),
+            p["b2_N"].astype(jnp.float32)[:, None],
+            shared(p["w1_1F"]),
+            shared(p["b1_F"]),
+            jnp.transpose(p["w2_FN"]).astype(jnp.float32),
+        ],
+        axis=1,
+    )
+    return KernelTerm("fire", functools.partial(_fire_tile, width=width), params_NP=row_NP)
+
+
+TermBuilder = Callable[[PositionScheme, BlockTerm, Dims], KernelTerm]
+TERM_BUILDERS: dict[str, TermBuilder] = {
+    "alibi": _alibi,
+    "t5": _t5,
+    "kerple": _kerple,
+    "fox": _fox,
+    "fire": _fire,
+}
+
+
+def parts(scheme: PositionScheme) -> tuple[PositionScheme, ...]:
+    """A composite's parts in order, or the scheme itself."""
+    return tuple(getattr(scheme, "parts", ())) or (scheme,)
+
+
+def _has_term(part: PositionScheme) -> bool:
+    """Whether the part adds a logit term (acts at a site besides embed, qk and output)."""
+    return not set(part.sites) <= CONTENT_SITES
+
+
+def covered() -> tuple[str, ...]:
+    """The schemes with a kernel term, by name (besides the content-only ones)."""
+    return tuple(TERM_BUILDERS)
+
+
+def kernel_refusal(scheme: PositionScheme) -> str | None:
+    """Why ``scheme`` cannot run on the fused kernels (naming the part), or None."""
+    for part in parts(scheme):
+        if _has_term(part) and part.name not in TERM_BUILDERS:
+            reason = NOT_YET.get(part.name, f"it acts at sites {part.sites}")
+            return (
+                f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
+                f"{reason}. Kernels cover schemes whose sites are among "
+                f"{sorted(CONTENT_SITES)} and {list(TERM_BUILDERS)}; use attention_impl="
+                "'auto', 'blockwise' or 'naive'"
+            )
+    return None
+
+
+def kernel_terms(
+    scheme: PositionScheme, block_terms: tuple[BlockTerm, ...], dims: Dims
+) -> tuple[KernelTerm, ...]:
+    """The kernel terms of a covered scheme from its block terms (one per part that adds a
+    term, in the parts' order, as composites return them)."""
+    refusal = kernel_refusal(scheme)
+    if refusal is not None:
+        raise ValueError(refusal)
+    with_terms = [part for part in parts(scheme) if _has_term(part)]
+    if len(with_terms) != len(block_terms):
+        raise ValueError(
+            f"kernel: scheme {scheme.name!r} gave {len(block_terms)} block terms for the "
+            f"{len(with_terms)} parts with a term ({[p.name for p in with_terms]})"
+        )
+    return tuple(
+        TERM_BUILDERS[part.name](part, term, dims)
+        for part, term in zip(with_terms, block_terms, strict=True)
+    )

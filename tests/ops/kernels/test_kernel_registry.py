@@ -1,0 +1,144 @@
+"""``model.attention_impl="kernel"`` for every registered scheme: covered, or refused by name.
+
+A covered scheme's whole model (values and gradients of every parameter) on the fused kernels
+(Pallas interpret mode on the CPU) equals the naive path, with grouped KV heads, a window
+with sink tokens, packed segments and a length of several tiles; in float32 and bfloat16.
+A scheme the kernels cannot run is refused by ``ModelConfig.validate`` with a ValueError that
+names it. A new scheme falls in one of the two automatically (the registry is iterated).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model import decode
+from copejax.model.attention_paths import choose_impl
+from copejax.model.kernel_terms import kernel_refusal
+from copejax.model.transformer import Transformer
+from copejax.positions import registry
+from tests.conftest import perturbed, tiny_config
+from tests.ops.kernels.tolerances import assert_close
+
+LENGTH, BLOCK = 40, 16  # three key tiles, the last one padded
+SEGMENTS_BT = np.array([[0] * LENGTH, [0] * 17 + [1] * 15 + [2] * 8], np.int32)
+POSITIONS_BT = np.array([np.arange(LENGTH), np.r_[np.arange(17), np.arange(15), np.arange(8)]])
+SCHEMES = registry.names()
+COVERED = [name for name in SCHEMES if kernel_refusal(registry.make_scheme(name)) is None]
+REFUSED = [name for name in SCHEMES if name not in COVERED]
+# Composites: their parts' terms are summed in the kernels as the naive path sums biases.
+COMPOSITES = ["alibi+rope", "fox+t5", "kerple+xpos"]
+SLOW = pytest.mark.slow
+
+
+def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int):
+    scheme = registry.make_scheme(position)
+    layers = 2 if scheme.share_across_layers else 1
+    return tiny_config(
+        position,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        d_model=64,
+        max_len=LENGTH,
+        attention_impl=impl,
+        attention_block=BLOCK,
+        window=window,
+        window_sink_tokens=sinks,
+        dtype=dtype,
+    )
+
+
+def _compare(position: str, dtype: str, window: int | None, sinks: int) -> None:
+    tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
+    positions_BT, ids_BT = jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
+    naive = Transformer(_config(position, "naive", dtype, window, sinks))
+    kernel = Transformer(_config(position, "kernel", dtype, window, sinks))
+    params = perturbed(jax.jit(naive.init)(jax.random.key(0), tokens_BT, positions_BT)["params"])
+
+    def loss(model: Transformer, p: object) -> tuple[jax.Array, jax.Array]:
+        logits_BTV = model.apply({"params": p}, tokens_BT, positions_BT, ids_BT)
+        return jnp.mean(jnp.sin(logits_BTV.astype(jnp.float32))), logits_BTV
+
+    grad = lambda m: jax.jit(jax.value_and_grad(lambda p: loss(m, p), has_aux=True))
+    (_, logits_n), grads_n = grad(naive)(params)
+    (_, logits_k), grads_k = grad(kernel)(params)
+    # A layer's output sums LENGTH keys (float32 reordering); bfloat16 rounds the weights and
+    # the output on each path (2 roundings) in each of the layers, and the logits once.
+    layers = naive.cfg.num_layers
+    assert_close(logits_k, logits_n, dtype=dtype, summands=LENGTH, roundings=2 * layers + 1)
+    # A gradient that cancels to about 0 (FIRE's output bias: the softmax ignores a constant
+    # per head) is compared at the scale of the whole gradient, what its terms are made of.
+    leaves_n = jax.tree_util.tree_leaves_with_path(grads_n)
+    scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for _, g in leaves_n)
+    flat_k = dict(jax.tree_util.tree_leaves_with_path(grads_k))
+    for path, grad_n in leaves_n:
+        assert_close(
+            flat_k[path],
+            grad_n,
+            dtype=dtype,
+            summands=LENGTH,
+            roundings=4 * layers + 2,
+            scale=scale,
+            err_msg=jax.tree_util.keystr(path),
+        )
+
+
+@pytest.mark.parametrize(
+    "position",
+    [p if p in ("nope", "fox") else pytest.param(p, marks=SLOW) for p in COVERED]
+    + [pytest.param(p, marks=SLOW) for p in COMPOSITES],
+)
+def test_kernel_equals_naive_float32_window_sinks_gqa_packed(position: str) -> None:
+    _compare(position, "float32", window=12, sinks=2)
+
+
+@pytest.mark.parametrize(
+    "position", [p if p == "alibi" else pytest.param(p, marks=SLOW) for p in COVERED]
+)
+def test_kernel_equals_naive_bfloat16_full_causal(position: str) -> None:
+    _compare(position, "bfloat16", window=None, sinks=0)
+
+
+@SLOW
+@pytest.mark.parametrize("position", COVERED)
+def test_kernel_equals_naive_float32_full_causal(position: str) -> None:
+    _compare(position, "float32", window=None, sinks=0)
+
+
+@SLOW
+@pytest.mark.parametrize("position", COVERED)
+def test_kernel_equals_naive_bfloat16_window_sinks(position: str) -> None:
+    _compare(position, "bfloat16", window=12, sinks=2)
+
+
+@pytest.mark.parametrize("position", [*REFUSED, "cope+rope", "rope+stickbreaking"])
+def test_refused_by_name(position: str) -> None:
+    part = next(p for p in position.split("+") if p in REFUSED)
+    with pytest.raises(ValueError, match=f"no kernel for scheme '{part}'"):
+        tiny_config(position, attention_impl="kernel")
+
+
+def test_refuses_the_attention_sink() -> None:
+    with pytest.raises(ValueError, match="attention_sink"):
+        tiny_config("rope", attention_impl="kernel", attention_sink=True)
+
+
+def test_refuses_decoding() -> None:
+    """Decoding reads a KV cache; the refusal comes when the decode path is first traced."""
+    cfg = tiny_config("alibi", attention_impl="kernel")
+    with pytest.raises(ValueError, match="decoding reads a KV cache"):
+        decode.init_cache(cfg, 1, 8)
+
+
+def test_auto_never_takes_the_kernels() -> None:
+    """``auto`` keeps its measured choices: no GPU measurement of the kernels exists yet."""
+    for name in COVERED:
+        for dtype in ("float32", "bfloat16"):
+            cfg = tiny_config(name, dtype=dtype)
+            for backend in ("cpu", "gpu", "tpu"):
+                for length in (16, 4096, 65536):
+                    pairs = 8 * length * length
+                    assert choose_impl(cfg, length, False, backend, pairs) != "kernel"

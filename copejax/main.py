@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from copejax.config import command_line
+from copejax.config import command_line, config_flag
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/x.py:smoke")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
@@ -80,4 +80,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=command_line.parse_flags)
+    app.run(main, flags_parser=config_flag.parse_flags)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from copejax.positions.base import PositionScheme
@@ -85,8 +86,7 @@ def _load_all() -> None:
     import importlib
     import pkgutil
 
-    import copejax.positions as package
-
-    for info in pkgutil.iter_modules(package.__path__):
+    # The folder, not the package object: the package imports this module.
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if not info.name.startswith("_"):
             importlib.import_module(f"copejax.positions.{info.name}")

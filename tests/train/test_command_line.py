@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from copejax.config import command_line
+from copejax.config import config_flag
 from copejax.runtime import results_json
 from copejax.runtime.workdir import run_labels
 from copejax.training import train
@@ -43,7 +43,7 @@ def _parse(monkeypatch: pytest.MonkeyPatch, *argv: str) -> ml_collections.Config
     flags.DEFINE_string("workdir", None, "workdir", flag_values=values)
     full = ["prog", "--workdir=/tmp/unused", *argv]
     monkeypatch.setattr(sys, "argv", list(full))  # ml_collections reads overrides from it
-    command_line.parse_flags(full, values=values)
+    config_flag.parse_flags(full, values=values)
     return values["config"].value
 
 

@@ -37,17 +37,20 @@ def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def _layer_config(scheme: str, length: int, options: dict[str, Any]) -> Any:
     """The ModelConfig of the benchmarked layer."""
+    from copejax.model import checks
     from copejax.model.config import ModelConfig
 
-    return ModelConfig(
-        vocab_size=16,
-        d_model=HEADS * HEAD_DIM,
-        num_heads=HEADS,
-        num_layers=1,
-        head_dim=HEAD_DIM,
-        max_len=length,
-        **_position_fields(scheme, options),
-    ).validate()
+    return checks.validate(
+        ModelConfig(
+            vocab_size=16,
+            d_model=HEADS * HEAD_DIM,
+            num_heads=HEADS,
+            num_layers=1,
+            head_dim=HEAD_DIM,
+            max_len=length,
+            **_position_fields(scheme, options),
+        )
+    )
 
 
 def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:

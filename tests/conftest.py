@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -22,7 +23,7 @@ def tiny_config(position: str, **overrides: object) -> ModelConfig:
         vocab_size=13, d_model=32, num_heads=2, num_layers=2, max_len=16, position=position
     )
     kwargs.update(overrides)
-    return ModelConfig(**kwargs).validate()
+    return checks.validate(ModelConfig(**kwargs))
 
 
 def tokens_and_positions(batch: int = 2, length: int = 8, seed: int = 0) -> tuple[jax.Array, ...]:

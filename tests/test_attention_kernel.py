@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import decode
+from copejax.model import checks, decode
 from copejax.model.transformer import Transformer
 from tests.conftest import tiny_config
 
@@ -40,7 +40,7 @@ TOKENS_BT = np.random.default_rng(0).integers(0, 13, (2, 8)).astype(np.int32)
 def _models(position: str) -> tuple[Transformer, Transformer, object]:
     einsum_cfg = tiny_config(position)
     kernel_cfg = dataclasses.replace(einsum_cfg, attention_impl="dot_product_attention")
-    kernel_cfg.validate()
+    checks.validate(kernel_cfg)
     params = Transformer(einsum_cfg).init(
         jax.random.key(0), jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT)
     )["params"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import logit_scaling
+from copejax.model import checks, logit_scaling
 from copejax.model.attention import Attention
 from copejax.model.attention_paths import choose_impl
 from copejax.model.config import ModelConfig
@@ -330,7 +330,7 @@ def test_dot_product_attention_takes_grouped_heads_and_scaling() -> None:
 def test_bad_layouts_are_clear_errors(overrides: dict, message: str) -> None:
     kwargs = {"vocab_size": 13, "d_model": 32, "num_heads": 4, "position": "rope", **overrides}
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**kwargs).validate()
+        checks.validate(ModelConfig(**kwargs))
 
 
 def test_auto_does_not_pick_the_fused_kernel_with_a_sink() -> None:

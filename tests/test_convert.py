@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from copejax.interop import convert, hf_config  # noqa: E402
+from copejax.model import checks  # noqa: E402
 from copejax.model.config import ModelConfig  # noqa: E402
 from copejax.model.transformer import Transformer  # noqa: E402
 from copejax.training import pretrained  # noqa: E402
@@ -146,7 +147,7 @@ def _hf_logits(root: Path, tokens_BT: np.ndarray) -> np.ndarray:
 
 def _copejax_logits(root: Path, tokens_BT: np.ndarray) -> np.ndarray:
     model, vocab_size, params = convert.read_hf(root)
-    cfg = ModelConfig.from_config(model, vocab_size=vocab_size, default_max_len=0).validate()
+    cfg = checks.validate(ModelConfig.from_config(model, vocab_size=vocab_size, default_max_len=0))
     positions_BT = np.broadcast_to(np.arange(tokens_BT.shape[1]), tokens_BT.shape)
     logits = Transformer(cfg).apply(
         {"params": params}, jnp.asarray(tokens_BT), jnp.asarray(positions_BT)
@@ -187,7 +188,7 @@ def test_tape_retrofit_of_a_converted_llama_equals_transformers(
     root = _variant(hf_llama, tmp_path, VARIANTS["default"])
     converted = convert.from_hf(root, tmp_path / "converted")
     block = finetune.model_block_for(pretrained.read_model(converted)[0], "tape")
-    cfg = ModelConfig.from_config(block, vocab_size=61, default_max_len=0).validate()
+    cfg = checks.validate(ModelConfig.from_config(block, vocab_size=61, default_max_len=0))
     tokens_BT = _tokens(LENGTH)
     positions_BT = jnp.broadcast_to(jnp.arange(LENGTH), tokens_BT.shape)
     fresh = Transformer(cfg).init(jax.random.key(0), jnp.asarray(tokens_BT), positions_BT)

@@ -20,6 +20,7 @@ import pytest
 from flax import traverse_util
 
 from copejax.config.base import load_config
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 from copejax.training import finetune, pretrained, train
@@ -53,7 +54,7 @@ def nn_unbox(tree: Any) -> Any:
 
 
 def _cfg(block: dict[str, Any]) -> ModelConfig:
-    return ModelConfig.from_config(block, vocab_size=VOCAB, default_max_len=64).validate()
+    return checks.validate(ModelConfig.from_config(block, vocab_size=VOCAB, default_max_len=64))
 
 
 @pytest.fixture(scope="module")

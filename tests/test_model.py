@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 from tests.conftest import tiny_config, tokens_and_positions
@@ -187,7 +188,7 @@ def test_bad_configs_name_the_value_and_what_is_allowed(
     kwargs: dict[str, object] = dict(vocab_size=13, d_model=32, num_heads=2, num_layers=1)
     kwargs.update(overrides)
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**kwargs).validate()
+        checks.validate(ModelConfig(**kwargs))
 
 
 def test_scheme_cache_does_not_confuse_equal_values_of_other_types() -> None:

@@ -32,6 +32,7 @@ from flax import traverse_util
 
 from copejax.config import command_line
 from copejax.interop import hf_config, hf_weights
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.training import pretrained
 
@@ -41,9 +42,9 @@ _OUT = flags.DEFINE_string("out", None, "Directory to write.")
 
 
 def _model_config(model: dict[str, Any], vocab_size: int) -> ModelConfig:
-    return ModelConfig.from_config(
-        model, vocab_size=vocab_size, default_max_len=int(model["max_len"])
-    ).validate()
+    return checks.validate(
+        ModelConfig.from_config(model, vocab_size=vocab_size, default_max_len=int(model["max_len"]))
+    )
 
 
 def read_hf(hf_dir: str | os.PathLike) -> tuple[dict[str, Any], int, Any]:

@@ -199,7 +199,7 @@ class Attention(nn.Module):
                 site, q_BTNH=q_BTNH, k_BSNH=k_BSNH, v_BSNH=v_BSNH, extra_BSNC=extra_BSNC, ctx=ctx
             )
         elif impl == "dot_product_attention":
-            # ModelConfig.validate allows this kernel only for schemes whose logits are
+            # copejax.model.checks allows this kernel only for schemes whose logits are
             # content plus a position-only bias; nothing needs the weights.
             y_BTNH = dot_product_attention(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             mixed_BTNC = None

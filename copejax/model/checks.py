@@ -1,8 +1,8 @@
-"""The checks of :meth:`copejax.model.config.ModelConfig.validate`, one per concern.
+"""A ModelConfig's checks: :func:`validate` runs them all, one per concern.
 
 Each takes the config and raises ValueError naming the first bad value and what is allowed:
 sizes, the block / dtype / attention-path choices, the sliding window and its sink tokens, the
-per-layer pattern (in :mod:`copejax.model.layouts`), the attention layout (grouped KV heads, the
+per-layer pattern (``copejax.model.layouts``), the attention layout (grouped KV heads, the
 attention sink, logit scaling) and what the position scheme allows.
 """
 
@@ -21,7 +21,21 @@ from copejax.model.config import (
 )
 from copejax.model.dense_init import DENSE_INITS
 from copejax.model.kernel_terms import kernel_refusal
+from copejax.model.layouts import parse_kind
 from copejax.model.logit_scaling import LOGIT_SCALINGS
+
+
+def validate(cfg: ModelConfig) -> ModelConfig:
+    """Raises ValueError naming the first bad value of ``cfg`` and what is allowed; returns
+    ``cfg``."""
+    check_sizes(cfg)
+    check_choices(cfg)
+    check_window(cfg)
+    if cfg.resolved_pattern():
+        check_pattern(cfg)
+    check_attention_layout(cfg)
+    check_scheme(cfg)
+    return cfg
 
 
 def check_sizes(cfg: ModelConfig) -> None:
@@ -188,4 +202,44 @@ def check_attention_layout(cfg: ModelConfig) -> None:
                 "softmax (stick-breaking has no denominator, each weight is a sigmoid of "
                 "its own logit times the remaining stick), so the scaling's derivation "
                 "does not apply: use logit_scaling='none'"
+            )
+
+
+def check_pattern(cfg: ModelConfig) -> None:
+    """The per-layer pattern: its length divides the layers, and each kind is a valid layer of
+    an attention-site scheme that keeps no modules shared across layers."""
+    pattern = cfg.resolved_pattern()
+    if cfg.num_layers % len(pattern):
+        raise ValueError(
+            f"model.layer_pattern has {len(pattern)} kinds {list(pattern)}, which does not "
+            f"divide model.num_layers={cfg.num_layers}; allowed: a pattern whose length "
+            "divides the layer count"
+        )
+    model_scheme = cfg.scheme
+    if "carry" in model_scheme.sites:
+        raise ValueError(
+            f"model.position={cfg.position!r} has a carry site, which the layers of a "
+            "layer_pattern would not update; use a scheme without one as model.position"
+        )
+    for kind in dict.fromkeys(pattern):
+        scheme_name = parse_kind(kind)[0]
+        layer = cfg.for_layer(pattern.index(kind))
+        try:
+            validate(layer)
+        except ValueError as error:
+            raise ValueError(f"model.layer_pattern kind {kind!r}: {error}") from None
+        scheme = layer.scheme
+        for site in ("embed", "carry"):
+            if site in scheme.sites:
+                raise ValueError(
+                    f"model.layer_pattern kind {kind!r}: {scheme_name!r} uses the {site} site, "
+                    "which acts once per model, not per layer; set model.position to it "
+                    "(its embed site is applied once at the input) and use attention-site "
+                    "schemes in the pattern"
+                )
+        if scheme.shared_attention_module(layer.dims) is not None:
+            raise ValueError(
+                f"model.layer_pattern kind {kind!r}: {scheme_name!r} shares its modules "
+                "across layers, which a per-layer pattern cannot; use a per-layer variant "
+                "(e.g. CoPE without share_layers)"
             )

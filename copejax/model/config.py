@@ -1,4 +1,4 @@
-"""The model's frozen configuration and its validation."""
+"""The model's frozen configuration; :func:`copejax.model.checks.validate` checks it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from copejax.model.layouts import parse_kind, preset_pattern
 from copejax.model.logit_scaling import (
     LLAMA4_ATTN_SCALE,
     LLAMA4_FLOOR_SCALE,
@@ -32,18 +33,6 @@ UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len", "window", "num_kv_heads")
 # queries, keys and values the qk site returns, an additive bias, and computes the masked
 # softmax itself; a bias site is allowed when its bias reads positions only.
 KERNEL_SITES = frozenset({"embed", "qk"})
-# ModelConfig fields a layer kind of ``layer_pattern`` may set for its layers
-# (``"rope:window=512"``); extend this tuple to make another attention field per-layer.
-PER_LAYER_FIELDS = (
-    "window",
-    "window_sink_tokens",
-    "attention_sink",
-    "logit_scaling",
-    "ssmax_scale",
-    "ssmax_learned",
-    "llama4_floor_scale",
-    "llama4_attn_scale",
-)
 
 
 def _freeze(options: Mapping[str, Any] | tuple) -> tuple[tuple[str, Any], ...]:
@@ -216,17 +205,44 @@ class ModelConfig:
         return cls(vocab_size=vocab_size, **fields)
 
     def resolved_pattern(self) -> tuple[str, ...]:
-        """``layer_pattern``, or the preset ``layout``'s; () when the layers are uniform."""
-        from copejax.model import layouts
-
-        return layouts.pattern_of(self)
+        """``layer_pattern``, or the preset ``layout``'s (``copejax.model.layouts``); () when
+        the layers are uniform."""
+        if self.layout is not None and self.layer_pattern:
+            raise ValueError(
+                f"set model.layout={self.layout!r} or model.layer_pattern, not both "
+                "(a preset is a named layer_pattern)"
+            )
+        if self.layout is not None:
+            return preset_pattern(self.layout, self.window)
+        pattern = self.layer_pattern
+        if isinstance(pattern, str) or not all(isinstance(kind, str) for kind in pattern):
+            raise ValueError(
+                "model.layer_pattern must be a list of kinds 'scheme[:key=value,...]', "
+                f"got {pattern!r}"
+            )
+        return tuple(pattern)
 
     def for_layer(self, index: int) -> ModelConfig:
         """Layer ``index``'s own configuration: its pattern kind's scheme, options and
-        per-layer fields (``PER_LAYER_FIELDS``); ``self`` when the layers are uniform."""
-        from copejax.model import layouts
-
-        return layouts.layer_config(self, index)
+        per-layer fields (``layouts.PER_LAYER_FIELDS``); ``self`` when the layers are uniform."""
+        pattern = self.resolved_pattern()
+        if not pattern:
+            return self
+        scheme, fields, scheme_options = parse_kind(pattern[index % len(pattern)])
+        options = dict(self.position_options) if scheme == self.position else {}
+        options.update(scheme_options)
+        layer_fields: dict[str, Any] = {"window": self.window if self.layout is None else None}
+        layer_fields.update(fields)
+        if layer_fields["window"] is None and "window_sink_tokens" not in dict(fields):
+            layer_fields["window_sink_tokens"] = 0  # sinks belong to window layers
+        return dataclasses.replace(
+            self,
+            position=scheme,
+            position_options=options,
+            layer_pattern=(),
+            layout=None,
+            **layer_fields,
+        )
 
     @property
     def resolved_head_dim(self) -> int:
@@ -278,18 +294,3 @@ class ModelConfig:
             max_len=self.max_len,
             num_kv_heads=self.num_kv_heads,
         )
-
-    def validate(self) -> ModelConfig:
-        """Raises ValueError naming the first bad value and what is allowed; returns self
-        (the checks are in :mod:`copejax.model.checks`)."""
-        from copejax.model import checks as model_checks
-        from copejax.model import layouts
-
-        model_checks.check_sizes(self)
-        model_checks.check_choices(self)
-        model_checks.check_window(self)
-        if self.resolved_pattern():
-            layouts.validate_pattern(self)
-        model_checks.check_attention_layout(self)
-        model_checks.check_scheme(self)
-        return self

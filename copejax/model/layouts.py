@@ -4,8 +4,8 @@
 divide ``model.num_layers``). A kind is ``scheme[:key=value,...]``:
 
 - ``scheme``: a registered position scheme (``"rope"``, ``"nope"``, ``"alibi+rope"``);
-- ``key=value``: a per-layer ModelConfig field (:data:`copejax.model.config.PER_LAYER_FIELDS`:
-  ``window``, ``window_sink_tokens``) or an option of the scheme (``rope:base=1000000``).
+- ``key=value``: a per-layer ModelConfig field (:data:`PER_LAYER_FIELDS`: ``window``,
+  ``window_sink_tokens``...) or an option of the scheme (``rope:base=1000000``).
 
 Values are read as integers, floats, ``true`` / ``false`` or ``none`` where they parse as
 such, strings otherwise. A layer's scheme options start from ``model.position_options`` when
@@ -15,7 +15,8 @@ fields start from the model's (``window=none`` clears a model-wide window).
 Embed-site schemes (learned, sinusoidal, randomized absolute positions) act once at the model
 input, not per layer: ``model.position`` still supplies that embed site, and a pattern kind
 may not have one (nor a carry site, nor modules shared across layers, which are built once
-per model). Everything is checked by ``ModelConfig.validate`` before any compute.
+per model). ``ModelConfig.for_layer`` builds a layer's config from its kind, and
+:func:`copejax.model.checks.validate` checks everything before any compute.
 
 Presets (``model.layout``; ``model.window`` replaces the preset's local window):
 
@@ -36,16 +37,24 @@ Presets (``model.layout``; ``model.window`` replaces the preset's local window):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from copejax.positions import registry
 
-if TYPE_CHECKING:
-    from copejax.model.config import ModelConfig
-
+# ModelConfig fields a layer kind of ``layer_pattern`` may set for its layers
+# (``"rope:window=512"``); extend this tuple to make another attention field per-layer.
+PER_LAYER_FIELDS = (
+    "window",
+    "window_sink_tokens",
+    "attention_sink",
+    "logit_scaling",
+    "ssmax_scale",
+    "ssmax_learned",
+    "llama4_floor_scale",
+    "llama4_attn_scale",
+)
 _KIND = re.compile(r"^([A-Za-z0-9_+]+)(?::(.*))?$")
 
 
@@ -79,23 +88,6 @@ def preset_pattern(name: str, window: int | None = None) -> tuple[str, ...]:
     return pattern(default if window is None else window)
 
 
-def pattern_of(cfg: ModelConfig) -> tuple[str, ...]:
-    """``cfg.layer_pattern``, or its preset ``layout``'s pattern; () when uniform."""
-    if cfg.layout is not None and cfg.layer_pattern:
-        raise ValueError(
-            f"set model.layout={cfg.layout!r} or model.layer_pattern, not both "
-            "(a preset is a named layer_pattern)"
-        )
-    if cfg.layout is not None:
-        return preset_pattern(cfg.layout, cfg.window)
-    pattern = cfg.layer_pattern
-    if isinstance(pattern, str) or not all(isinstance(kind, str) for kind in pattern):
-        raise ValueError(
-            f"model.layer_pattern must be a list of kinds 'scheme[:key=value,...]', got {pattern!r}"
-        )
-    return tuple(pattern)
-
-
 def _value(text: str) -> Any:
     lowered = text.strip().lower()
     if lowered in ("none", "null"):
@@ -116,8 +108,6 @@ def parse_kind(kind: str) -> tuple[str, tuple[tuple[str, Any], ...], tuple[tuple
 
     Raises ValueError naming the kind, the bad part and what is allowed.
     """
-    from copejax.model.config import PER_LAYER_FIELDS
-
     match = _KIND.match(kind.strip())
     if not match:
         raise ValueError(
@@ -150,64 +140,3 @@ def parse_kind(kind: str) -> tuple[str, tuple[tuple[str, Any], ...], tuple[tuple
                 f"{options}"
             )
     return scheme, tuple(sorted(fields.items())), tuple(sorted(scheme_options.items()))
-
-
-def layer_config(cfg: ModelConfig, index: int) -> ModelConfig:
-    """Layer ``index``'s configuration (uniform layers: ``cfg`` itself)."""
-    pattern = pattern_of(cfg)
-    if not pattern:
-        return cfg
-    scheme, fields, scheme_options = parse_kind(pattern[index % len(pattern)])
-    options = dict(cfg.position_options) if scheme == cfg.position else {}
-    options.update(scheme_options)
-    layer_fields: dict[str, Any] = {"window": cfg.window if cfg.layout is None else None}
-    layer_fields.update(fields)
-    if layer_fields["window"] is None and "window_sink_tokens" not in dict(fields):
-        layer_fields["window_sink_tokens"] = 0  # sinks belong to window layers
-    return dataclasses.replace(
-        cfg,
-        position=scheme,
-        position_options=options,
-        layer_pattern=(),
-        layout=None,
-        **layer_fields,
-    )
-
-
-def validate_pattern(cfg: ModelConfig) -> None:
-    """Checks the pattern before any compute; raises ValueError naming the bad value."""
-    pattern = pattern_of(cfg)
-    if cfg.num_layers % len(pattern):
-        raise ValueError(
-            f"model.layer_pattern has {len(pattern)} kinds {list(pattern)}, which does not "
-            f"divide model.num_layers={cfg.num_layers}; allowed: a pattern whose length "
-            "divides the layer count"
-        )
-    model_scheme = cfg.scheme
-    if "carry" in model_scheme.sites:
-        raise ValueError(
-            f"model.position={cfg.position!r} has a carry site, which the layers of a "
-            "layer_pattern would not update; use a scheme without one as model.position"
-        )
-    for kind in dict.fromkeys(pattern):
-        scheme_name = parse_kind(kind)[0]
-        layer = layer_config(cfg, pattern.index(kind))
-        try:
-            layer.validate()
-        except ValueError as error:
-            raise ValueError(f"model.layer_pattern kind {kind!r}: {error}") from None
-        scheme = layer.scheme
-        for site in ("embed", "carry"):
-            if site in scheme.sites:
-                raise ValueError(
-                    f"model.layer_pattern kind {kind!r}: {scheme_name!r} uses the {site} site, "
-                    "which acts once per model, not per layer; set model.position to it "
-                    "(its embed site is applied once at the input) and use attention-site "
-                    "schemes in the pattern"
-                )
-        if scheme.shared_attention_module(layer.dims) is not None:
-            raise ValueError(
-                f"model.layer_pattern kind {kind!r}: {scheme_name!r} shares its modules "
-                "across layers, which a per-layer pattern cannot; use a per-layer variant "
-                "(e.g. CoPE without share_layers)"
-            )

@@ -13,7 +13,7 @@ another pair). This module does the same; its initialisation follows PyTorch's `
 (uniform in +-1/sqrt(fan_in) for weights and biases).
 
 Because ``f`` reads the content logits, no fused kernel can take the bias precomputed
-(``jax.nn.dot_product_attention`` is refused by ``ModelConfig.validate``); the blockwise engine
+(``jax.nn.dot_product_attention`` is refused by ``copejax.model.checks``); the blockwise engine
 evaluates it per (query block, key block) pair from ``PairBlock.logits_BNQK``. The naive path
 holds the MLP's (B, T, S, D_DAPE) hidden activations: XLA's memory analysis of the layer's
 gradient (CPU, B = 1, D = 128, N = 4, T = 4096) gives 10.5 GiB of temporaries naive and

@@ -27,6 +27,7 @@ import numpy as np
 
 from copejax.config.base import NONFINITE
 from copejax.data.base import Task, make_task
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 from copejax.runtime import sharding
@@ -145,8 +146,8 @@ def validate(
 ) -> Plan:
     """Checks every part of a config before any compute; raises ValueError on the first problem.
 
-    Checks the seed, the task and its options, the model (ModelConfig.validate, which checks
-    the position scheme), the optimizer, the mesh against the device count, that batch
+    Checks the seed, the task and its options, the model (``copejax.model.checks.validate``,
+    which checks the position scheme), the optimizer, the mesh against the device count, that batch
     sizes divide over the batch-sharded mesh axes and the processes, and (tracing the model,
     no compute) that the mesh axes divide every sharded parameter dimension and that the
     position scheme takes every evaluation split's sequence length.
@@ -155,7 +156,7 @@ def validate(
     if not isinstance(config.seed, int) or not 0 <= config.seed < 2**31:
         raise ValueError(f"seed must be an integer in [0, 2**31), got {config.seed!r}")
     task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = model_config(config, task).validate()
+    cfg = checks.validate(model_config(config, task))
     optim.validate(config.train)
     if config.train.nonfinite not in NONFINITE:
         raise ValueError(

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 from flax.core import meta
 
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 
@@ -74,7 +75,7 @@ def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelCo
                 f"got {key}={tape_options[key]!r}"
             )
     options = {"init": "rope", "base": base, "layout": rope.layout, **tape_options}
-    return dataclasses.replace(rope_cfg, position="tape", position_options=options).validate()
+    return checks.validate(dataclasses.replace(rope_cfg, position="tape", position_options=options))
 
 
 def _unbox(leaf: Any) -> Any:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import decode
+from copejax.model import checks, decode
 from copejax.model.attention import Attention
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
@@ -196,9 +196,9 @@ def test_initialisation_follows_pytorch_linear() -> None:
 def test_dot_product_attention_is_refused() -> None:
     """The bias reads the content logits: no fused kernel can take it precomputed."""
     with pytest.raises(ValueError, match="dot_product_attention"):
-        ModelConfig(
-            vocab_size=13, position="dape", attention_impl="dot_product_attention"
-        ).validate()
+        checks.validate(
+            ModelConfig(vocab_size=13, position="dape", attention_impl="dot_product_attention")
+        )
 
 
 @pytest.mark.parametrize(

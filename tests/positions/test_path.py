@@ -317,8 +317,9 @@ def test_decode_cache_holds_key_value_heads() -> None:
 
 
 def test_sink_tokens_beside_a_window_are_refused_with_the_reason() -> None:
+    from copejax.model import checks
     from copejax.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=8, position="path", window=4, window_sink_tokens=1)
     with pytest.raises(ValueError, match=r"'path' cannot keep sink tokens beside a window"):
-        cfg.validate()
+        checks.validate(cfg)

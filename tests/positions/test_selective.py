@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import decode
+from copejax.model import checks, decode
 from copejax.model.attention import Attention
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
@@ -321,9 +321,9 @@ def test_pruned_keys_get_zero_weight_and_stay_pruned() -> None:
 
 def test_dot_product_attention_is_refused() -> None:
     with pytest.raises(ValueError, match="dot_product_attention"):
-        ModelConfig(
-            vocab_size=13, position="selective", attention_impl="dot_product_attention"
-        ).validate()
+        checks.validate(
+            ModelConfig(vocab_size=13, position="selective", attention_impl="dot_product_attention")
+        )
 
 
 @pytest.mark.parametrize(

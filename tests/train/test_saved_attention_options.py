@@ -11,6 +11,7 @@ import pytest
 
 from copejax.config.base import base_config
 from copejax.data.base import make_task
+from copejax.model import checks
 from copejax.model.saved_configs import upgrade_attention_options
 from copejax.training.plan import model_config
 
@@ -35,7 +36,7 @@ def test_a_cope_run_saved_with_per_scheme_options_loads_with_model_level_ones() 
     options["blockwise_min_len"] = 512
     config = _saved_config("cope", options)
     task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = model_config(config, task).validate()
+    cfg = checks.validate(model_config(config, task))
     assert (cfg.attention_impl, cfg.attention_block, cfg.scan_impl) == ("blockwise", 64, "cumsum")
     assert dict(cfg.position_options) == {"p_max": 8}
 
@@ -43,7 +44,7 @@ def test_a_cope_run_saved_with_per_scheme_options_loads_with_model_level_ones() 
 def test_a_saved_dot_product_attention_kernel_becomes_the_attention_impl() -> None:
     config = _saved_config("rope", {}, kernel="dot_product_attention")
     task = make_task(config.task.name, config.task.options.to_dict())
-    cfg = model_config(config, task).validate()
+    cfg = checks.validate(model_config(config, task))
     assert cfg.attention_impl == "dot_product_attention"
 
 

@@ -3,8 +3,9 @@
 A covered scheme's whole model (values and gradients of every parameter) on the fused kernels
 (Pallas interpret mode on the CPU) equals the naive path, with grouped KV heads, a window
 with sink tokens, packed segments and a length of several tiles; in float32 and bfloat16.
-A scheme the kernels cannot run is refused by ``ModelConfig.validate`` with a ValueError that
-names it. A new scheme falls in one of the two automatically (the registry is iterated).
+A scheme the kernels cannot run is refused by ``copejax.model.checks.validate`` with a
+ValueError that names it. A new scheme falls in one of the two automatically (the registry is
+iterated).
 """
 
 from __future__ import annotations

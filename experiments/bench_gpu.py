@@ -20,8 +20,8 @@ import statistics
 from pathlib import Path
 
 from copejax.runtime.results_json import write_json
-from experiments.bench import NOPE_ARMS, ROOT
 from experiments.bench_page import fastest_nope_ratios
+from experiments.bench_settings import NOPE_ARMS, ROOT
 
 OTHER_ARMS = (
     ("rope", "rope", {}),

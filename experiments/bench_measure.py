@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from experiments.bench import (
+from experiments.bench_settings import (
     BATCH,
     HEAD_DIM,
     HEADS,

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from experiments import sweep
-from experiments.bench import LONG_RUN_S, LONG_SCHEMES, NOPE_ARMS, STEP_MODEL
+from experiments.bench_settings import LONG_RUN_S, LONG_SCHEMES, NOPE_ARMS, STEP_MODEL
 
 
 def loglog_slope(points: list[tuple[float, float]]) -> float | None:

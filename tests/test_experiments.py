@@ -27,6 +27,10 @@ from experiments import (
     sweep,
     tape_tasks,
 )
+from experiments import length_generalization_arms as lg_arms
+from experiments import length_generalization_page as lg_page
+from experiments import length_generalization_results as lg_results
+from experiments import length_generalization_tables as lg_tables
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -267,7 +271,6 @@ def test_complete_run_is_read_without_restoring_it(
 def test_length_generalization_summary_and_step_time() -> None:
     """The study's page numbers from records written here: per-task accuracy over seeds and
     ms/step from the logged steps/s without the first (compiling) window."""
-    lg = length_generalization
 
     def records(long: float, test: float, speeds: list[float]) -> list[dict[str, float]]:
         logs = [{"step": 5 * (i + 1), "train/steps_per_sec": v} for i, v in enumerate(speeds)]
@@ -275,9 +278,9 @@ def test_length_generalization_summary_and_step_time() -> None:
         final.update({"eval/test/accuracy/2": test, "eval/long/accuracy/50": long})
         return [*logs, {"step": 99, **final}]
 
-    key = lg.label("parity_check", "rope")
+    key = lg_arms.label("parity_check", "rope")
     result = sweep.Sweep(
-        study=lg.STUDY,
+        study=lg_arms.STUDY,
         scale="smoke",
         seeds=[0, 1],
         records={key: [records(0.5, 1.0, [1.0, 10.0, 20.0, 40.0]), records(0.7, 0.9, [2.0, 50.0])]},
@@ -285,7 +288,7 @@ def test_length_generalization_summary_and_step_time() -> None:
         wall_time_s=1.0,
         workdirs={},
     )
-    summary = lg.summarize(result, ["parity_check"])
+    summary = lg_results.summarize(result, ["parity_check"])
     cell = summary["rope"]["parity_check"]
     assert cell["long"]["per_seed"] == [0.5, 0.7]
     assert cell["long"]["mean"] == pytest.approx(0.6) and cell["long"]["std"] == pytest.approx(0.1)
@@ -297,36 +300,40 @@ def test_length_generalization_summary_and_step_time() -> None:
         },
         "bucket_sort": {"long": {"accuracy": 0.9}},
     }
-    long_table = lg.table(summary, ["parity_check"], "long", repeat)
+    long_table = lg_tables.table(summary, ["parity_check"], "long", repeat)
     assert "| `rope` | 60.0 ± 10.0 |" in long_table
-    assert long_table.endswith(f"| *{lg.REPEAT_RULE}* | *50.0* |")
-    assert f"| *{lg.REPEAT_RULE}* | *45.0* |" in lg.table(summary, ["parity_check"], "test", repeat)
-    assert "| `rope` | 35.0 (20.0-50.0) |" in lg.time_table(summary, ["parity_check"])
-    assert "| `rope` | - |" in lg.table(summary, ["bucket_sort"], "long", repeat)
-    assert lg.repeat_curve(repeat["parity_check"]) == [(2, 0.45), (50, 0.5)]
-    assert lg.length_curves(result, "parity_check") == {
+    assert long_table.endswith(f"| *{lg_arms.REPEAT_RULE}* | *50.0* |")
+    assert f"| *{lg_arms.REPEAT_RULE}* | *45.0* |" in lg_tables.table(
+        summary, ["parity_check"], "test", repeat
+    )
+    assert "| `rope` | 35.0 (20.0-50.0) |" in lg_tables.time_table(summary, ["parity_check"])
+    assert "| `rope` | - |" in lg_tables.table(summary, ["bucket_sort"], "long", repeat)
+    assert lg_results.repeat_curve(repeat["parity_check"]) == [(2, 0.45), (50, 0.5)]
+    assert lg_results.length_curves(result, "parity_check") == {
         "rope": [[(2, 1.0), (50, 0.5)], [(2, 0.9), (50, 0.7)]]
     }
     fox = {"long": sweep.spread(0.4, 0.0, [0.4, 0.4])}
     two = {"rope": summary["rope"], "fox": {"parity_check": fox}}
-    ranked = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.3}}})
+    ranked = lg_tables.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.3}}})
     assert ranked == (
         "`parity_check`: best on the test lengths `rope` 60.0 %, then `fox` 40.0 % "
         "(ahead on every seed)."
     )
     # the rule is named only where some arm has every seed at or below it (rope's seeds
     # are 0.5 and 0.7, fox's 0.4 and 0.4)
-    floor = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.45}}})
+    floor = lg_tables.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.45}}})
     assert floor == ranked + (
-        f" On `parity_check` the {lg.REPEAT_RULE} scores 45.0 %: every seed of `rope` is "
+        f" On `parity_check` the {lg_arms.REPEAT_RULE} scores 45.0 %: every seed of `rope` is "
         "above it, every seed of `fox` at or below it."
     )
-    straddled = lg.reading(two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.6}}})
+    straddled = lg_tables.reading(
+        two, ["parity_check"], {"parity_check": {"long": {"accuracy": 0.6}}}
+    )
     assert straddled == ranked + (
-        f" On `parity_check` the {lg.REPEAT_RULE} scores 60.0 %: every seed of `fox` at or "
+        f" On `parity_check` the {lg_arms.REPEAT_RULE} scores 60.0 %: every seed of `fox` at or "
         "below it."
     )
-    tie = lg.reading(
+    tie = lg_tables.reading(
         {"rope": {"parity_check": fox}, "fox": {"parity_check": fox}},
         ["parity_check"],
         {"parity_check": {"long": {"accuracy": 0.3}}},
@@ -339,29 +346,33 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
     the peer (with its threads), the init probe, the parametrisation probe (with a subset of
     its arms), the kept runs and a non-default seed count; none of them for a full default
     run (``--jobs`` only changes the wall time, so it is not repeated)."""
-    lg = length_generalization
     Own = argparse.Namespace
     plain = Own(
         peer=False, peer_threads=0, init_probe=False, peer_probe=False, peer_probe_arms="",
         records="",
     )  # fmt: skip
-    assert lg.page_options(plain, lg.SCALE_TASKS["cpu"], "cpu") == []
+    assert length_generalization.page_options(plain, lg_arms.SCALE_TASKS["cpu"], "cpu") == []
     everything = Own(
         peer=True, peer_threads=1, init_probe=True, peer_probe=True, peer_probe_arms="",
         records="experiments/records",
     )  # fmt: skip
-    got = lg.page_options(everything, ["reverse_string", "duplicate_string"], "cpu")
+    got = length_generalization.page_options(
+        everything, ["reverse_string", "duplicate_string"], "cpu"
+    )
     tasks = "--tasks=reverse_string,duplicate_string"
     records = "--records=experiments/records"
     assert got == [tasks, "--peer", "--peer-threads=1", "--init-probe", "--peer-probe", records]
-    all_arms = ",".join(lg.PEER_PROBE_ARMS)
+    all_arms = ",".join(lg_arms.PEER_PROBE_ARMS)
     every_arm = argparse.Namespace(**{**vars(everything), "peer_probe_arms": all_arms})
-    assert lg.page_options(every_arm, ["reverse_string", "duplicate_string"], "cpu") == got
+    assert (
+        length_generalization.page_options(every_arm, ["reverse_string", "duplicate_string"], "cpu")
+        == got
+    )
     some = argparse.Namespace(**{**vars(everything), "peer_probe_arms": "fox, rope"})
-    subset = lg.page_options(some, ["reverse_string", "duplicate_string"], "cpu")
+    subset = length_generalization.page_options(some, ["reverse_string", "duplicate_string"], "cpu")
     assert subset == [*got[:5], "--peer-probe-arms=rope,fox", records]  # the probe's order
     runs = sweep.Sweep(
-        study=lg.STUDY,
+        study=lg_arms.STUDY,
         scale="cpu",
         seeds=[0],
         records={},
@@ -369,15 +380,15 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
         wall_time_s=1.0,
         workdirs={},
     )
-    default_seeds = sweep.parse_args(["--scale=cpu"], lg.STUDY)
-    block = sweep.commands_block(lg.STUDY, default_seeds, runs, got)
+    default_seeds = sweep.parse_args(["--scale=cpu"], lg_arms.STUDY)
+    block = sweep.commands_block(lg_arms.STUDY, default_seeds, runs, got)
     assert (
         "python -m experiments.length_generalization --scale=cpu "
         "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe "
         "--peer-probe --records=experiments/records\n"
     ) in block
-    three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg.STUDY)
-    block = sweep.commands_block(lg.STUDY, three_seeds, runs, [])
+    three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg_arms.STUDY)
+    block = sweep.commands_block(lg_arms.STUDY, three_seeds, runs, [])
     assert "python -m experiments.length_generalization --scale=cpu --seeds=3\n" in block
 
 
@@ -388,7 +399,7 @@ def test_length_generalization(dirs: tuple[Path, Path]) -> None:
     got = data["results"]["cope"]["reverse_string"]["long"]
     assert got["per_seed"] == [record["eval/long/accuracy"]]
     assert f"{100 * record['eval/long/accuracy']:.1f} ± 0.0" in page
-    assert set(data["results"]) == set(length_generalization.ARMS)
+    assert set(data["results"]) == set(lg_arms.ARMS)
     assert "Not run yet: the x-transformers" in page
     per_seed = f"| reverse_string, cope | {100 * record['eval/long/accuracy']:.1f} |"
     assert per_seed in page
@@ -397,16 +408,15 @@ def test_length_generalization(dirs: tuple[Path, Path]) -> None:
 
 def test_length_generalization_peer_per_seed_and_json() -> None:
     """The peer's every seed listed in seed order, and its JSON cells in copejax's shape."""
-    lg = length_generalization
     runs = [
         {"test/accuracy": 0.9, "long/accuracy": 0.25, "step_ms": 10.0},
         {"test/accuracy": 1.0, "long/accuracy": 0.75, "step_ms": 30.0},
     ]
     peer = {"rope": {"parity_check": runs}}
-    assert "| parity_check, rope | 25.0 / 75.0 | 90.0 / 100.0 |" in lg.peer_per_seed(
+    assert "| parity_check, rope | 25.0 / 75.0 | 90.0 / 100.0 |" in lg_tables.peer_per_seed(
         peer, ["parity_check"]
     )
-    cell = lg.peer_json(peer)["rope"]["parity_check"]
+    cell = lg_results.peer_json(peer)["rope"]["parity_check"]
     assert cell["long"]["per_seed"] == [0.25, 0.75] and cell["long"]["mean"] == 0.5
     assert cell["test"]["per_seed"] == [0.9, 1.0] and cell["step_ms"]["mean"] == 20.0
 
@@ -422,11 +432,10 @@ def test_median_range_keeps_one_fast_run_out_of_the_cell() -> None:
 
 def test_length_generalization_peer_side_by_side() -> None:
     """The peer table: agreement within the larger seed std, one-seed cells marked n/a."""
-    lg = length_generalization
     ours = {"long": sweep.spread(0.6, 0.1, [0.5, 0.7]), "step_ms": sweep.spread(5.0, 1.0, [4, 6])}
     theirs = [{"long/accuracy": a, "step_ms": 20.0} for a in (0.65, 0.75)]
     far = [{"long/accuracy": a, "step_ms": 30.0} for a in (0.9, 0.9)]
-    table = lg.peer_section(
+    table = lg_tables.peer_section(
         {"rope": {"parity_check": ours, "bucket_sort": ours}},
         {"rope": {"parity_check": theirs, "bucket_sort": far}},
         ["parity_check", "bucket_sort"],
@@ -436,7 +445,7 @@ def test_length_generalization_peer_side_by_side() -> None:
         "| 20.0 (20.0-20.0) |" in table
     )  # 4 of the 6 splits of {0.5, 0.7, 0.65, 0.75} are at least 10 points apart
     assert "| `rope` | bucket_sort | 60.0 ± 10.0 | 90.0 ± 0.0 | no (gap 30.0, p = 0.33) |" in table
-    one = lg.peer_section(
+    one = lg_tables.peer_section(
         {"rope": {"parity_check": {**ours, "long": sweep.spread(0.6, 0.0, [0.6])}}},
         {"rope": {"parity_check": theirs[:1]}},
         ["parity_check"],
@@ -448,100 +457,100 @@ def test_length_generalization_init_probe_section_and_json() -> None:
     """The probe table: the study's init, the torch-scale init and the peer side by side per
     split, and whether each init's test-length accuracy is within the peer's seed spread; the
     probe's config carries the options it names."""
-    lg = length_generalization
     from copejax.config.base import load_config
 
     def run(test: float, long: float) -> list[dict[str, float]]:
         return [{"step": 9, "eval/test/accuracy": test, "eval/long/accuracy": long}]
 
     result = sweep.Sweep(
-        study=lg.STUDY,
+        study=lg_arms.STUDY,
         scale="smoke",
         seeds=[0, 1],
         records={
-            lg.label("parity_check", "nope"): [run(0.7, 0.5), run(0.9, 0.5)],
-            lg.probe_label("parity_check", "nope"): [run(1.0, 0.6), run(1.0, 0.8)],
+            lg_arms.label("parity_check", "nope"): [run(0.7, 0.5), run(0.9, 0.5)],
+            lg_arms.probe_label("parity_check", "nope"): [run(1.0, 0.6), run(1.0, 0.8)],
         },
         commands=[],
         wall_time_s=1.0,
         workdirs={},
     )
     peer = {"nope": {"parity_check": [{"test/accuracy": 0.95, "long/accuracy": 0.65}] * 2}}
-    table = lg.init_probe_section(result, peer, ["parity_check"])
+    table = lg_tables.init_probe_section(result, peer, ["parity_check"])
     assert (
         "| `nope` | parity_check | 80.0 ± 10.0 | 100.0 ± 0.0 | 95.0 ± 0.0 "
         "| 50.0 ± 0.0 | 70.0 ± 10.0 | 65.0 ± 0.0 | no (gap 15.0, p = 0.33) | yes (p = 1) |" in table
     )
     assert "`alibi`" not in table  # probe arms that did not run are left out
-    probe = lg.summarize(result, ["parity_check"], lg.INIT_PROBE_ARMS, lg.probe_label)
+    probe = lg_results.summarize(
+        result, ["parity_check"], lg_arms.INIT_PROBE_ARMS, lg_arms.probe_label
+    )
     cell = probe["nope"]["parity_check"]
     assert cell["long"]["per_seed"] == [0.6, 0.8] and cell["test"]["mean"] == 1.0
     config = load_config(
-        sweep.ROOT / lg.CONFIG,
-        f"parity_check,smoke,position=nope{lg.INIT_PROBE}",
+        sweep.ROOT / lg_arms.CONFIG,
+        f"parity_check,smoke,position=nope{lg_arms.INIT_PROBE}",
     )
     assert config.model.init_std == 0.072 and config.model.scale_embeddings is False
     assert config.model.dense_init == "normal"  # every weight N(0, 0.072^2)
-    default = load_config(sweep.ROOT / lg.CONFIG, "parity_check,smoke,position=nope")
+    default = load_config(sweep.ROOT / lg_arms.CONFIG, "parity_check,smoke,position=nope")
     assert default.model.scale_embeddings is True and default.model.dense_init == "fan_in"
 
 
 def test_length_generalization_tasks_subset() -> None:
-    lg = length_generalization
-    assert lg.select_tasks("cpu", "") == lg.SCALE_TASKS["cpu"]
-    assert lg.select_tasks("cpu", "parity_check, reverse_string") == (
+    assert lg_arms.select_tasks("cpu", "") == lg_arms.SCALE_TASKS["cpu"]
+    assert lg_arms.select_tasks("cpu", "parity_check, reverse_string") == (
         "reverse_string",
         "parity_check",
     )
     with pytest.raises(SystemExit, match="unknown \\['reverse'\\]; the cpu scale has"):
-        lg.select_tasks("cpu", "reverse")
+        lg_arms.select_tasks("cpu", "reverse")
     with pytest.raises(SystemExit, match="unknown"):
-        lg.select_tasks("smoke", "parity_check")  # not among the smoke scale's tasks
+        lg_arms.select_tasks("smoke", "parity_check")  # not among the smoke scale's tasks
 
 
 def test_length_generalization_probe_arms_subset() -> None:
     """The parametrisation probe trains every peer arm, or a named subset in the peer's
     order; an unknown name is an error that lists the peer's arms."""
-    lg = length_generalization
-    assert lg.select_probe_arms("") == lg.PEER_PROBE_ARMS == length_generalization_peer.ARMS
-    assert lg.select_probe_arms("fox,learned") == ("learned", "fox")
+    assert (
+        lg_arms.select_probe_arms("") == lg_arms.PEER_PROBE_ARMS == length_generalization_peer.ARMS
+    )
+    assert lg_arms.select_probe_arms("fox,learned") == ("learned", "fox")
     with pytest.raises(SystemExit, match="unknown \\['randomized'\\]; the peer has nope"):
-        lg.select_probe_arms("nope,randomized")  # copejax's arm, not the peer's
+        lg_arms.select_probe_arms("nope,randomized")  # copejax's arm, not the peer's
 
 
 def test_length_generalization_probe_arms_per_task() -> None:
     """``--peer-probe-arms`` names the probe's arms for every task, or per task as
     ``TASK:ARM+ARM`` (a task not named is not probed); the page's regenerate command writes
     the plan back in the shortest form that reads back the same."""
-    lg = length_generalization
     tasks = ("reverse_string", "duplicate_string", "odds_first")
-    every = lg.select_probe_plan("", tasks)
-    assert every == dict.fromkeys(tasks, lg.PEER_PROBE_ARMS)
-    assert lg.select_probe_plan("fox,nope", tasks) == dict.fromkeys(tasks, ("nope", "fox"))
+    every = lg_arms.select_probe_plan("", tasks)
+    assert every == dict.fromkeys(tasks, lg_arms.PEER_PROBE_ARMS)
+    assert lg_arms.select_probe_plan("fox,nope", tasks) == dict.fromkeys(tasks, ("nope", "fox"))
     spec = "odds_first:sinusoidal+nope, reverse_string:fox+rope+nope"
-    plan = lg.select_probe_plan(spec, tasks)
+    plan = lg_arms.select_probe_plan(spec, tasks)
     assert plan == {"reverse_string": ("nope", "rope", "fox"), "odds_first": ("nope", "sinusoidal")}
-    flag = lg.probe_plan_flag(plan, tasks)
+    flag = lg_arms.probe_plan_flag(plan, tasks)
     assert flag == "reverse_string:nope+rope+fox,odds_first:nope+sinusoidal"
-    assert lg.select_probe_plan(flag, tasks) == plan
-    assert lg.probe_plan_flag(every, tasks) == ""
-    same = lg.select_probe_plan(",".join(f"{t}:nope+rope" for t in tasks), tasks)
-    assert lg.probe_plan_flag(same, tasks) == "nope,rope"
+    assert lg_arms.select_probe_plan(flag, tasks) == plan
+    assert lg_arms.probe_plan_flag(every, tasks) == ""
+    same = lg_arms.select_probe_plan(",".join(f"{t}:nope+rope" for t in tasks), tasks)
+    assert lg_arms.probe_plan_flag(same, tasks) == "nope,rope"
     with pytest.raises(SystemExit, match="task 'bucket_sort' not among the page's tasks"):
-        lg.select_probe_plan("bucket_sort:nope", tasks)
+        lg_arms.select_probe_plan("bucket_sort:nope", tasks)
     with pytest.raises(SystemExit, match="task 'odds_first' named twice"):
-        lg.select_probe_plan("odds_first:nope,odds_first:rope", tasks)
+        lg_arms.select_probe_plan("odds_first:nope,odds_first:rope", tasks)
     with pytest.raises(SystemExit, match="not both"):
-        lg.select_probe_plan("nope,odds_first:rope", tasks)
+        lg_arms.select_probe_plan("nope,odds_first:rope", tasks)
     with pytest.raises(SystemExit, match="names no arm"):
-        lg.select_probe_plan("odds_first:", tasks)
+        lg_arms.select_probe_plan("odds_first:", tasks)
     with pytest.raises(SystemExit, match="unknown \\['randomized'\\]"):
-        lg.select_probe_plan("odds_first:nope+randomized", tasks)
+        lg_arms.select_probe_plan("odds_first:nope+randomized", tasks)
     own = argparse.Namespace(
         peer=True, peer_threads=1, init_probe=False, peer_probe=True, peer_probe_arms=spec,
         records="",
     )  # fmt: skip
-    assert lg.page_options(own, tasks, "cpu")[-1] == f"--peer-probe-arms={flag}"
+    assert length_generalization.page_options(own, tasks, "cpu")[-1] == f"--peer-probe-arms={flag}"
 
 
 def test_peer_venv_is_built_once_for_concurrent_runs(
@@ -600,30 +609,28 @@ def test_peer_runs_train_once_each_with_jobs(
         return {"long/accuracy": offset + seed / 10, "step_ms": 1.0}
 
     monkeypatch.setattr(peer, "run", fake_run)
-    lg = length_generalization
-    out = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
+    out = lg_results.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
     assert len(calls) == 2 * len(peer.ARMS)
     assert {arg for arg, _, _ in calls} == {"parity_check,smoke,steps=10,seed=0",
                                             "parity_check,smoke,steps=10,seed=1"}  # fmt: skip
     assert [r["long/accuracy"] for r in out["rope"]["parity_check"]] == [0.0, 0.1]
-    again = lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
+    again = lg_results.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1, jobs=2)
     assert len(calls) == 2 * len(peer.ARMS) and again == out
-    probe = lg.run_peer(
+    probe = lg_results.run_peer(
         ["parity_check"], "smoke", [0, 1], str(tmp_path), 1, parametrisation="copejax",
         arms=("nope", "sinusoidal"),
     )  # fmt: skip
     assert sorted(probe) == ["nope", "sinusoidal"]
     assert [r["long/accuracy"] for r in probe["nope"]["parity_check"]] == [0.5, 0.6]
     assert len(calls) == 2 * len(peer.ARMS) + 4  # cached apart from the default runs
-    cached = sorted(p.name for p in (tmp_path / lg.STUDY / "smoke" / "peer").iterdir())
+    cached = sorted(p.name for p in (tmp_path / lg_arms.STUDY / "smoke" / "peer").iterdir())
     assert "parity_check_nope_seed1_copejax.json" in cached and len(cached) == 18
-    assert lg.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1) == out
+    assert lg_results.run_peer(["parity_check"], "smoke", [0, 1], str(tmp_path), 1) == out
 
 
 def test_length_generalization_peer_probe_section() -> None:
     """The parametrisation probe's table: copejax, the peer and the re-parametrised peer per
     split, each peer's agreement with copejax's spread, and the probe's every seed."""
-    lg = length_generalization
     ours = {
         "test": sweep.spread(0.9, 0.0, [0.9, 0.9]),
         "long": sweep.spread(0.6, 0.1, [0.5, 0.7]),
@@ -637,7 +644,9 @@ def test_length_generalization_peer_probe_section() -> None:
             ]
         }
     }
-    table = lg.peer_probe_section({"nope": {"parity_check": ours}}, peer, probe, ["parity_check"])
+    table = lg_tables.peer_probe_section(
+        {"nope": {"parity_check": ours}}, peer, probe, ["parity_check"]
+    )
     assert (
         "| `nope` | parity_check | 90.0 ± 0.0 | 100.0 ± 0.0 | 90.0 ± 10.0 | 60.0 ± 10.0 "
         "| 90.0 ± 0.0 | 60.0 ± 5.0 | no (gap 30.0, p = 0.33) | yes (p = 1) | 55.0 / 65.0 |" in table
@@ -887,7 +896,7 @@ def test_length_generalization_same_function_section() -> None:
         "peer_losses": [1.3512, 1.0, 0.7452],
         "max_loss_difference": 6e-7,
     }
-    table = length_generalization.same_function_section({"nope": found})
+    table = lg_tables.same_function_section({"nope": found})
     assert "| `nope` | 4.8e-06 | 2.82 | 1.3512 → 0.7452 | 6.0e-07 |" in table
-    note = length_generalization.SAME_FUNCTION_NOTE.format(noise=0.1, steps=20, task="t")
+    note = lg_page.SAME_FUNCTION_NOTE.format(noise=0.1, steps=20, task="t")
     assert "N(0, 0.1²)" in note and "20 steps" in note and "`t` batches" in note

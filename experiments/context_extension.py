@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import sweep
+from experiments import sweep, sweep_page
 from experiments.lm import length_plots, perplexity_cells, ppl_by_length
 
 STUDY = "context_extension"
@@ -184,7 +184,7 @@ def write(
     )
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 f"Study 8: context extension of a pretrained RoPE model, T -> {FACTOR}T",
                 args.scale,
                 result,
@@ -210,10 +210,10 @@ def write(
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from experiments import lm, sweep
+from experiments import lm, sweep, sweep_page, sweep_plots
 
 STUDY = "cope_ablations"
 # CoPE Table 8 (Wikitext-103, T = 1024): row name -> (val. ppl, test ppl). The paper's baseline
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ["arm", "change", "val. ppl (per byte)", "paper row (Table 8)", "paper val.", "paper test"],
         rows,
     )
-    bars = sweep.plot_path(args.out, STUDY, args.scale, "bars")
-    sweep.bar_plot(
+    bars = sweep_plots.plot_path(args.out, STUDY, args.scale, "bars")
+    sweep_plots.bar_plot(
         list(stats),
         {"val. perplexity": list(stats.values())},
         bars,
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Study 5: CoPE ablations (CoPE Table 8)", args.scale, result, NOTES[args.scale]
             ),
             "Validation perplexity exp(mean loss) at the training length from the run's last "
@@ -145,10 +145,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

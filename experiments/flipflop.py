@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from experiments import sweep
+from experiments import sweep, sweep_page, sweep_plots
 
 STUDY = "flipflop"
 CONFIG = "configs/flipflop.py"
@@ -109,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = sweep.markdown_table(
         ["scheme", *headers, "CoPE paper in-dist %", "CoPE paper OOD %", PATH_COLUMN], rows
     )
-    bars = sweep.plot_path(args.out, STUDY, args.scale, "errors")
-    sweep.bar_plot(
+    bars = sweep_plots.plot_path(args.out, STUDY, args.scale, "errors")
+    sweep_plots.bar_plot(
         labels,
         {s: [summary[label][s] for label in labels] for s in splits},
         bars,
@@ -121,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "ood_sparse": [_fraction(PAPER.get(label, {}).get("ood_sparse")) for label in labels],
         },
     )
-    curves = sweep.plot_path(args.out, STUDY, args.scale, "error_vs_steps")
-    sweep.curve_plot(
+    curves = sweep_plots.plot_path(args.out, STUDY, args.scale, "error_vs_steps")
+    sweep_plots.curve_plot(
         {
             f"{label} {split}": [
                 sweep.eval_curve(r, f"{split}/error") for r in result.records[label]
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Study 1: Flip-Flop (CoPE Table 2 left, Table 7, Figure 5)",
                 args.scale,
                 result,
@@ -169,10 +169,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

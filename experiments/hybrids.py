@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import sweep
+from experiments import sweep, sweep_page
 from experiments.lm import extrapolate, length_plots, perplexity_cells, ppl_by_length
 
 STUDY = "hybrids"
@@ -149,7 +149,7 @@ def write(
     )
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Study 7: attention layouts against length (hybrids, sinks, SSMax)",
                 args.scale,
                 result,
@@ -183,10 +183,10 @@ def write(
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

@@ -46,7 +46,7 @@ from typing import Any
 
 from experiments import length_generalization_peer as peer_module
 from experiments import length_generalization_peer_weights as peer_weights
-from experiments import run_records, sweep
+from experiments import run_records, sweep, sweep_page, sweep_plots
 from experiments.length_generalization_arms import (
     ARGS,
     ARM_OPTIONS,
@@ -170,8 +170,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     probed = [arm for arm in PEER_PROBE_ARMS if any(arm in a for a in probe_plan.values())]
     same_task = f"{tasks[0]},{ARGS[args.scale]}"
     same = {arm: peer_weights.compare(same_task, arm) for arm in probed} if own.peer_probe else {}
-    plot = sweep.plot_path(args.out, STUDY, args.scale, "accuracy")
-    sweep.bar_plot(
+    plot = sweep_plots.plot_path(args.out, STUDY, args.scale, "accuracy")
+    sweep_plots.bar_plot(
         list(tasks),
         {
             arm: [(c["long"]["mean"], c["long"]["std"]) for c in by.values()]
@@ -183,8 +183,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     )
     curve_images = []
     for task in tasks:
-        path = sweep.plot_path(args.out, STUDY, args.scale, task)
-        sweep.curve_plot(
+        path = sweep_plots.plot_path(args.out, STUDY, args.scale, task)
+        sweep_plots.curve_plot(
             {**length_curves(result, task), REPEAT_RULE: [repeat_curve(repeat[task])]},
             path,
             xlabel="input length n",
@@ -205,9 +205,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
         peer_threads=own.peer_threads,
         plot_name=plot.name,
         curve_images=curve_images,
-        commands=sweep.commands_block(STUDY, args, result, page_options(own, tasks, args.scale)),
+        commands=sweep_page.commands_block(
+            STUDY, args, result, page_options(own, tasks, args.scale)
+        ),
     )
-    return sweep.write_outputs(
+    return sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

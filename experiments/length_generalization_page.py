@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments import length_generalization_peer_weights as peer_weights
-from experiments import sweep
+from experiments import sweep, sweep_page
 from experiments.length_generalization_arms import ARMS, REPEAT_RULE, SPLITS
 from experiments.length_generalization_tables import (
     init_probe_section,
@@ -158,7 +158,7 @@ def render(
     ``same`` empty or false leave theirs out) and ``commands``, the regenerate block."""
     return "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Length generalisation on the Ruoss et al. 2023 tasks (arXiv 2305.16843)",
                 scale,
                 result,

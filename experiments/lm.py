@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import sweep
+from experiments import sweep, sweep_page, sweep_plots
 
 STUDY = "lm"
 CONFIG = "configs/lm.py"
@@ -132,7 +132,7 @@ def write(
     )
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Study 4: language modelling and length generalisation (CoPE Table 5, Fig. 3)",
                 args.scale,
                 result,
@@ -159,13 +159,13 @@ def write(
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
             "",
             "The extrapolation numbers are those of `python -m copejax.evaluation.extrapolate "
             f"--workdir=<run> --max_examples={EVAL_ROWS[args.scale]}`.",
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,
@@ -206,8 +206,8 @@ def length_plots(
     from copejax.evaluation import lm_eval
 
     lengths = sorted({n for runs in ppl.values() for r in runs for n in r})
-    curve = sweep.plot_path(args.out, study, args.scale, "ppl_vs_length")
-    sweep.curve_plot(
+    curve = sweep_plots.plot_path(args.out, study, args.scale, "ppl_vs_length")
+    sweep_plots.curve_plot(
         {
             label: [[(n, r[n]) for n in lengths if not math.isnan(r[n])] for r in runs]
             for label, runs in ppl.items()
@@ -218,7 +218,7 @@ def length_plots(
         title=title,
         log_y=True,
     )
-    first_seed = sweep.plot_path(args.out, study, args.scale, "seed0_buckets")
+    first_seed = sweep_plots.plot_path(args.out, study, args.scale, "seed0_buckets")
     lm_eval.plot_extrapolation(
         {label: runs[0] for label, runs in per_run.items()}, lengths[0], str(first_seed)
     )

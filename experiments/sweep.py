@@ -1,7 +1,8 @@
 """Sweeps for the results pages: train arms (a config plus options) over seeds with
-``copejax.training.train.run``, average the last evaluation over seeds, and write a markdown page, a
-JSON file and PNG plots next to the papers' numbers (CoPE, arXiv 2405.18719; TAPE,
-arXiv 2501.00712).
+``copejax.training.train.run``, average the last evaluation over seeds, and format the cells of
+the tables that set them next to the papers' numbers (CoPE, arXiv 2405.18719; TAPE,
+arXiv 2501.00712). A page's header, commands and files are ``experiments.sweep_page``'s, its
+plots ``experiments.sweep_plots``'.
 
 Every run is an ordinary copejax workdir, so any of them can be re-run alone with the
 command the page lists (``python -m copejax.main --config=... --workdir=...``).
@@ -22,7 +23,6 @@ import numpy as np
 
 from copejax.config.base import load_config
 from copejax.runtime.metrics import read_jsonl
-from copejax.runtime.results_json import write_json
 from copejax.runtime.workdir import config_to_dict, read_config, same_run
 from experiments import run_records
 
@@ -302,183 +302,11 @@ def paper_cell(paper: Mapping[str, Mapping[str, float]], label: str, column: str
     return "-" if value is None else f"{value:g}"
 
 
-def commands_block(
-    study: str, args: argparse.Namespace, sweep: Sweep, options: Sequence[str] = ()
-) -> str:
-    """The command that regenerates a page and every training run it makes. The command
-    repeats the ``args`` that shape the page (``--scale``, and ``--seeds`` when it was given)
-    and the study's own ``options`` (its flags beyond :func:`parse_args`)."""
-    seeds = [f"--seeds={args.seeds}"] if args.seeds else []
-    lines = [
-        "Regenerate this page (all runs, then the table and plots):",
-        "",
-        "```",
-        " ".join([f"python -m experiments.{study}", f"--scale={args.scale}", *seeds, *options]),
-        "```",
-        "",
-        "which trains, one after another (each line also runs alone):",
-        "",
-        "```",
-        *sweep.commands,
-        "```",
-    ]
-    return "\n".join(lines)
-
-
-def write_outputs(
-    out: str | Path,
-    study: str,
-    scale: str,
-    page: str,
-    result: Sweep,
-    **fields: Any,
-) -> Path:
-    """The one results writer of the studies: ``<out>/<study>.md`` (``<study>_<scale>.md``
-    unless the scale is cpu) and the JSON beside it, ``{"study", "scale", "seeds",
-    "wall_time_s", **fields, "commands"}`` with non-finite numbers as null. Returns the
-    markdown path."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = study if scale == "cpu" else f"{study}_{scale}"
-    data = {
-        "study": study,
-        "scale": scale,
-        "seeds": result.seeds,
-        "wall_time_s": result.wall_time_s,
-        **fields,
-        "commands": result.commands,
-    }
-    write_json(out / f"{stem}.json", data)
-    path = out / f"{stem}.md"
-    path.write_text(page.rstrip() + "\n")
-    return path
-
-
 def spread(mean: float, std: float, per_seed: Sequence[float]) -> dict[str, Any]:
     """One cell of a results JSON: the mean and standard deviation over seeds, and each
     seed's value."""
     return {"mean": mean, "std": std, "per_seed": list(per_seed)}
 
 
-def plot_path(out: str | Path, study: str, scale: str, name: str) -> Path:
-    stem = study if scale == "cpu" else f"{study}_{scale}"
-    Path(out).mkdir(parents=True, exist_ok=True)
-    return Path(out) / f"{stem}_{name}.png"
-
-
-def bar_plot(
-    labels: Sequence[str],
-    series: Mapping[str, Sequence[tuple[float, float]]],
-    path: Path,
-    *,
-    ylabel: str,
-    title: str,
-    paper: Mapping[str, Sequence[float | None]] | None = None,
-) -> None:
-    """Grouped bars: one group per label, one bar per series (mean with a std whisker); the
-    paper's numbers, where given, as black crosses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(max(5.0, 1.2 * len(labels) + 2), 3.8))
-    width = 0.8 / max(len(series), 1)
-    x = np.arange(len(labels))
-    for i, (name, values) in enumerate(series.items()):
-        means = [v[0] for v in values]
-        stds = [v[1] for v in values]
-        offset = x + (i - (len(series) - 1) / 2) * width
-        axes.bar(offset, means, width, yerr=stds, capsize=3, label=name)
-        if paper and name in paper:
-            points = [(o, p) for o, p in zip(offset, paper[name], strict=True) if p is not None]
-            if points:
-                axes.scatter(*zip(*points, strict=True), marker="x", color="black", zorder=3)
-    axes.set_xticks(x, labels, rotation=20)
-    axes.set(ylabel=ylabel, title=title + ("  (x: paper)" if paper else ""))
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def curve_plot(
-    curves: Mapping[str, Sequence[Sequence[tuple[float, float]]]],
-    path: Path,
-    *,
-    xlabel: str,
-    ylabel: str,
-    title: str,
-    log_y: bool = False,
-) -> None:
-    """One line per label: the mean over seeds of (x, y) curves sharing their x values, with
-    a band of one std."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for label, per_seed in curves.items():
-        length = min((len(c) for c in per_seed), default=0)
-        if length == 0:
-            continue
-        xs = np.asarray([p[0] for p in per_seed[0][:length]], dtype=np.float64)
-        ys = np.asarray([[p[1] for p in c[:length]] for c in per_seed], dtype=np.float64)
-        mean, std = ys.mean(0), ys.std(0)
-        axes.plot(xs, mean, marker="o", markersize=3, label=label)
-        axes.fill_between(xs, mean - std, mean + std, alpha=0.2)
-    if log_y:
-        axes.set_yscale("log")
-    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
 def seeds_for(args: argparse.Namespace, default: int) -> list[int]:
     return list(range(args.seeds or default))
-
-
-def _processes(jobs: int) -> str:
-    return "one process" if jobs == 1 else f"{jobs} single-threaded training processes"
-
-
-def logged_training_s(sweep: Sweep) -> float:
-    """Seconds of training steps in the runs' logs: each logged window's steps over its
-    ``train/steps_per_sec``, summed over windows, seeds and arms (evaluation left out)."""
-    total = 0.0
-    for per_seed in sweep.records.values():
-        for records in per_seed:
-            previous = 0
-            for record in records:
-                if "train/steps_per_sec" in record:
-                    total += (record["step"] - previous) / record["train/steps_per_sec"]
-                    previous = record["step"]
-    return total
-
-
-def header(title: str, scale: str, sweep: Sweep, notes: str) -> str:
-    return "\n".join(
-        [
-            f"# {title}",
-            "",
-            f"Scale `{scale}`, seeds {sweep.seeds}, wall time {sweep.wall_time_s / 60:.1f} min"
-            f" (training and evaluation, {_processes(sweep.jobs)} on {os.cpu_count()} CPUs;"
-            " 1-minute load "
-            f"average {sweep.load_average[0]:.1f} at the start, {sweep.load_average[1]:.1f} "
-            "at the end"
-            + (
-                f"; {sweep.reused} runs were already complete and only re-read; the training"
-                f" logs of all {sum(map(len, sweep.records.values()))} runs add up to"
-                f" {logged_training_s(sweep) / 60:.1f} min of training steps"
-                if sweep.reused
-                else ""
-            )
-            + ").",
-            "",
-            notes.strip(),
-            "",
-        ]
-    )

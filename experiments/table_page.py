@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from experiments import sweep
+from experiments import sweep, sweep_page, sweep_plots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +72,8 @@ def write_page(
     table = sweep.markdown_table(
         ["arm", *(c.title for c in columns), *(p.title for p in paper_columns)], rows
     )
-    bars = sweep.plot_path(args.out, study, args.scale, "bars")
-    sweep.bar_plot(
+    bars = sweep_plots.plot_path(args.out, study, args.scale, "bars")
+    sweep_plots.bar_plot(
         labels,
         {c.title: [tuple(summary[label][c.key][:2]) for label in labels] for c in columns},
         bars,
@@ -83,7 +83,7 @@ def write_page(
     images = [bars, *extra_images]
     page = "\n".join(
         [
-            sweep.header(title, args.scale, result, notes),
+            sweep_page.header(title, args.scale, result, notes),
             caption,
             "",
             table,
@@ -102,10 +102,10 @@ def write_page(
             *extra_sections,
             "## Commands",
             "",
-            sweep.commands_block(study, args, result),
+            sweep_page.commands_block(study, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         study,
         args.scale,

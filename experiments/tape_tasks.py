@@ -15,7 +15,7 @@ import numpy as np
 
 from copejax.data.addition import accuracy_grid
 from copejax.plots.addition import write_heatmap
-from experiments import sweep
+from experiments import sweep, sweep_page, sweep_plots
 
 STUDY = "tape_tasks"
 ADDITION = "configs/addition.py"
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         beyond = [beyond_training(g, TRAIN_DIGITS[args.scale]) for g in grids]
         tests = result.final(arm.label, "test/accuracy")
         mean_grid = np.nanmean(np.stack(grids), axis=0)
-        image = sweep.plot_path(args.out, STUDY, args.scale, f"addition_{scheme}")
+        image = sweep_plots.plot_path(args.out, STUDY, args.scale, f"addition_{scheme}")
         write_heatmap(
             mean_grid, image, f"{scheme}: mean over seeds, average {np.nanmean(mean_grid):.1%}"
         )
@@ -138,8 +138,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         ]
         key_data[scheme] = per_length
     key_table = sweep.markdown_table(["scheme", *(f"accuracy at {n} %" for n in lengths)], key_rows)
-    key_plot = sweep.plot_path(args.out, STUDY, args.scale, "passkey")
-    sweep.curve_plot(
+    key_plot = sweep_plots.plot_path(args.out, STUDY, args.scale, "passkey")
+    sweep_plots.curve_plot(
         curves,
         key_plot,
         xlabel="context length (tokens)",
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     page = "\n".join(
         [
-            sweep.header(
+            sweep_page.header(
                 "Study 6: addition heatmap and passkey (TAPE Figures 2 and 3)",
                 args.scale,
                 result,
@@ -182,10 +182,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "",
             "## Commands",
             "",
-            sweep.commands_block(STUDY, args, result),
+            sweep_page.commands_block(STUDY, args, result),
         ]
     )
-    path = sweep.write_outputs(
+    path = sweep_page.write_outputs(
         args.out,
         STUDY,
         args.scale,

@@ -25,6 +25,7 @@ from experiments import (
     lm,
     selective_copy,
     sweep,
+    sweep_page,
     tape_tasks,
 )
 from experiments import length_generalization_arms as lg_arms
@@ -220,8 +221,8 @@ def test_header_of_reread_runs_states_their_logged_training_time() -> None:
         {"step": 300, "train/steps_per_sec": 4.0},
     ]  # 50 s + 50 s
     result = sweep.Sweep("s", "cpu", [0, 1], {"a": [log, log[:1]]}, [], 3.0, {}, reused=2)
-    assert sweep.logged_training_s(result) == pytest.approx(150.0)
-    text = sweep.header("t", "cpu", result, "")
+    assert sweep_page.logged_training_s(result) == pytest.approx(150.0)
+    text = sweep_page.header("t", "cpu", result, "")
     assert "2 runs were already complete" in text and "all 2 runs add up to 2.5 min" in text
 
 
@@ -233,7 +234,7 @@ def test_parallel_sweep_trains_each_run_once_as_alone(tmp_path: Path) -> None:
     arm = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
     result = sweep.run_sweep("counting", "smoke", [arm], [0, 1], tmp_path / "par", jobs=2)
     assert result.reused == 0 and result.jobs == 2
-    assert "2 single-threaded training processes" in sweep.header("t", "smoke", result, "")
+    assert "2 single-threaded training processes" in sweep_page.header("t", "smoke", result, "")
     alone = sweep.train_arm(arm, 0, tmp_path / "alone")
     par, ser = sweep.last_eval(result.records["cope"][0]), sweep.last_eval(alone)
     assert par.keys() == ser.keys()
@@ -381,14 +382,14 @@ def test_length_generalization_regenerate_command_has_the_pages_flags() -> None:
         workdirs={},
     )
     default_seeds = sweep.parse_args(["--scale=cpu"], lg_arms.STUDY)
-    block = sweep.commands_block(lg_arms.STUDY, default_seeds, runs, got)
+    block = sweep_page.commands_block(lg_arms.STUDY, default_seeds, runs, got)
     assert (
         "python -m experiments.length_generalization --scale=cpu "
         "--tasks=reverse_string,duplicate_string --peer --peer-threads=1 --init-probe "
         "--peer-probe --records=experiments/records\n"
     ) in block
     three_seeds = sweep.parse_args(["--seeds=3", "--jobs=2"], lg_arms.STUDY)
-    block = sweep.commands_block(lg_arms.STUDY, three_seeds, runs, [])
+    block = sweep_page.commands_block(lg_arms.STUDY, three_seeds, runs, [])
     assert "python -m experiments.length_generalization --scale=cpu --seeds=3\n" in block
 
 

@@ -5,7 +5,7 @@ the same function as copejax's model for each study arm?
 
 initialises copejax's model for the config and each arm (``length_generalization_peer.ARMS``),
 copies every parameter into the x-transformers network that the parametrisation probe trains
-(``length_generalization_peer.build_model`` with ``parametrisation="copejax"``), runs both on
+(``length_generalization_peer_worker.build_model`` with ``parametrisation="copejax"``), runs both on
 one batch of random tokens, then trains both from those weights for ``STEPS`` steps on the
 study's first batches (copejax with its trainer's own jitted step, ``make_steps``: optax's
 AdamW, clipping and schedule; the peer with the worker's torch loop), and prints the largest
@@ -50,8 +50,10 @@ import numpy as np
 
 try:
     from experiments import length_generalization_peer as peer
-except ImportError:  # the worker: the side venv's Python runs this file, beside the peer's
-    import length_generalization_peer as peer  # type: ignore[no-redef]
+    from experiments import length_generalization_peer_worker as peer_worker
+except ImportError:  # the side venv's Python runs this file beside the peer's worker; there only
+    # the worker half below runs, which needs nothing of the copejax side (``peer``)
+    import length_generalization_peer_worker as peer_worker  # type: ignore[no-redef]
 
 BATCH, LENGTH = 2, 48  # the random-token batch both models read
 NOISE = 0.1  # std of the noise added to every initial weight
@@ -255,12 +257,12 @@ def worker(spec_path: str, batches_path: str, weights_path: str, out_path: str) 
     spec = json.loads(Path(spec_path).read_text())
     weights = np.load(weights_path)
     params = {k.removeprefix("param:"): weights[k] for k in weights.files if k != "tokens"}
-    model = peer.build_model(spec)
+    model = peer_worker.build_model(spec)
     load_copejax_params(model, params, spec)
     model.eval()
     with torch.no_grad():
         logits = model(torch.from_numpy(weights["tokens"].astype(np.int64)))
-    losses, _ = peer.train_steps(model, spec, np.load(batches_path), spec["check_steps"])
+    losses, _ = peer_worker.train_steps(model, spec, np.load(batches_path), spec["check_steps"])
     np.savez(out_path, logits=logits.float().numpy(), losses=np.asarray(losses))
 
 
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--worker", nargs=4, metavar=("SPEC", "BATCHES", "WEIGHTS", "OUT"))
     parser.add_argument("--config", default="reverse_string,cpu", help="config argument")
-    parser.add_argument("--arms", default=",".join(peer.ARMS), help="comma-separated peer arms")
+    parser.add_argument("--arms", default="", help="comma-separated peer arms (default: all)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(*args.worker)
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         f"copejax | x-transformers | max abs loss difference over {STEPS} steps |\n"
         "|---|---|---|---|---|---|"
     )
-    for arm in args.arms.split(","):
+    for arm in args.arms.split(",") if args.arms else peer.ARMS:
         found = compare(args.config, arm.strip())
         ours, theirs, gap = found["losses"], found["peer_losses"], found["max_loss_difference"]
         print(

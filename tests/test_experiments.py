@@ -22,6 +22,7 @@ from experiments import (
     length_generalization,
     length_generalization_peer,
     length_generalization_peer_weights,
+    length_generalization_peer_worker,
     lm,
     selective_copy,
     sweep,
@@ -667,7 +668,7 @@ def test_length_generalization_peer_schedule_and_data(tmp_path: Path) -> None:
         config.train.update(schedule=schedule, warmup_steps=2, steps=6)
         reference = optim.learning_rate_schedule(config.train)
         for step in range(8):
-            got = peer.learning_rate(config.train.to_dict(), step)
+            got = length_generalization_peer_worker.learning_rate(config.train.to_dict(), step)
             assert got == pytest.approx(float(reference(step)), rel=1e-5, abs=1e-9)
     spec = peer.spec_of("parity_check,smoke,steps=3,seed=2", "cope")
     assert spec["arm"] == "cope" and spec["cope_p_max"] == 64 and spec["seed"] == 2
@@ -708,7 +709,7 @@ _DESCRIBE_PEER = """
 import json, math, sys
 import torch
 sys.path.insert(0, sys.argv[2])
-import length_generalization_peer as peer
+import length_generalization_peer_worker as peer
 spec = json.loads(sys.argv[1])
 torch.manual_seed(spec["seed"])
 model = peer.build_model(spec)
@@ -779,7 +780,7 @@ _DESCRIBE_PEER_POSITIONS = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[2])
-import length_generalization_peer as peer
+import length_generalization_peer_worker as peer
 spec = json.loads(sys.argv[1])
 model = peer.build_model(spec)
 torch.manual_seed(spec["seed"])

@@ -57,6 +57,17 @@ def ratios(rows: list[dict]) -> None:
             row["ratio_to_fastest_nope"] = statistics.median(per_round)
 
 
+# What the groups measured before the ones on the page, from the runs they replaced (the JSON
+# keeps only the latest group of each (T, dtype)).
+EARLIER = """## Earlier measurements
+
+The 2026-11-26 groups re-measured after the flash backwards for carried terms and
+stick-breaking: at 4096 in bfloat16 CoPE went from 48.5 to 22.9 ms and stick-breaking from
+34.9 to 17.4 ms, at 16384 CoPE from 722 to 337 ms. PaTH's block cap of 128 costs time on the
+GPU at 16384 in bfloat16 (2300 -> 3132 ms) for less memory (1930 -> 1139 MiB of XLA
+temporaries)."""
+
+
 def fastest_nope(group: dict) -> str:
     """The nope arm of ``group`` with the lowest median time."""
     times = {r["scheme"]: r["time_s"] for r in group["rows"] if "time_s" in r}
@@ -132,6 +143,8 @@ def page(groups: list[dict], device: str) -> str:
         "naive path (float32, while its logits fit) applies, `auto` takes it, and the "
         "engine's ratios here measure the walk, not the arithmetic. A Pallas kernel for the "
         "walk has not been written.",
+        "",
+        EARLIER,
     ]
     return "\n".join(lines) + "\n"
 

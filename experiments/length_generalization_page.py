@@ -8,7 +8,8 @@ from typing import Any
 
 from experiments import length_generalization_peer_weights as peer_weights
 from experiments import sweep, sweep_page
-from experiments.length_generalization_arms import ARMS, REPEAT_RULE, SPLITS
+from experiments.length_generalization_arms import ARMS, REPEAT_RULE, SCALE_TASKS, SPLITS
+from experiments.length_generalization_findings import FINDINGS
 from experiments.length_generalization_tables import (
     init_probe_section,
     peer_per_seed,
@@ -153,9 +154,12 @@ def render(
     curve_images: Sequence[str],
     commands: str,
 ) -> str:
-    """The page's markdown: header and notes, the accuracy tables, plots and reading, step
-    times, then the peer and probe sections that ran (``peer``, ``init_probe``, ``probe``,
-    ``same`` empty or false leave theirs out) and ``commands``, the regenerate block."""
+    """The page's markdown: header and notes, the written findings of the recorded runs (at
+    the `cpu` scale, every task, with the peer's probe), the accuracy tables, plots and
+    reading, step times, then the peer and probe sections that ran (``peer``, ``init_probe``,
+    ``probe``, ``same`` empty or false leave theirs out) and ``commands``, the regenerate
+    block."""
+    findings = scale == "cpu" and tuple(tasks) == SCALE_TASKS["cpu"] and bool(probe)
     return "\n".join(
         [
             sweep_page.header(
@@ -166,6 +170,7 @@ def render(
             ),
             DIFFERENCES,
             "",
+            *([FINDINGS, ""] if findings else []),
             "## Accuracy on the test lengths",
             "",
             "Per-output-token accuracy of each test length, averaged over the lengths (their "

@@ -173,6 +173,7 @@ def kernel_attention(
     terms = kernel_terms(cfg.scheme, block_terms, cfg.dims)
     q_ids_BT, _ = ctx.ids()
     block = cfg.attention_block or KERNEL_BLOCK
+    normalizer = site.block_normalizer(ctx) or engine_blocks.SOFTMAX
     return fused_attention(
         q_BTNH,
         k_BSGH,
@@ -186,4 +187,6 @@ def kernel_attention(
         k_rank_BT=ctx.key_ranks() if ctx.window is not None and ctx.sink_tokens else None,
         block_q=block,
         block_k=block,
+        normalizer=normalizer.kind,
+        include_self=normalizer.include_self,
     )

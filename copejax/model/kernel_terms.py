@@ -3,8 +3,9 @@
 ``model.attention_impl = "kernel"`` runs every layer through
 :func:`copejax.ops.kernels.attention.fused_attention`. A scheme is covered when each of its
 parts (a composite's too) either leaves the logits to the content (its sites are among
-``embed``, ``qk`` and ``output``: nope, learned, sinusoidal, randomized, rope, xpos) or has a
-kernel term here, built from the same block term the engine runs
+``embed``, ``qk`` and ``output``: nope, learned, sinusoidal, randomized, rope, xpos), replaces
+the softmax by a normalizer the kernels implement (stick-breaking, :data:`NORMALIZERS`), or has
+a kernel term here, built from the same block term the engine runs
 (:meth:`~copejax.positions.base.AttentionSite.block_terms`) and the scheme's own pure
 functions, evaluated tile by tile in the kernels:
 
@@ -13,7 +14,9 @@ functions, evaluated tile by tile in the kernels:
 - kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
 - fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
-  units one by one), from c, L and the MLP as a row per head.
+  units one by one), from c, L and the MLP as a row per head;
+- stickbreaking: no term; its normalizer runs in the kernels (:mod:`copejax.ops.kernels.stick`),
+  with or without the query's own key, and with ``remainder_bias``'s extra value channel.
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -38,13 +41,13 @@ from copejax.positions.t5 import T5Bias, t5_bucket
 
 # Sites that leave the attention logits to q . k / sqrt(H) (and the softmax in place).
 CONTENT_SITES = frozenset({"embed", "qk", "output"})
+# Schemes whose normalizer site the kernels implement (copejax.ops.kernels.stick).
+NORMALIZERS = frozenset({"stickbreaking"})
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
     "cope": "its gate count is carried from the newest key tile to the oldest (a carried "
     "term; the kernels have per-pair terms only so far)",
-    "stickbreaking": "its stick-breaking normalizer replaces the softmax, with a log "
-    "remainder carried across key tiles",
     "selective": "its accumulated penalties are a (B, S, T/Q) prefix per query block",
     "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
@@ -159,8 +162,17 @@ def parts(scheme: PositionScheme) -> tuple[PositionScheme, ...]:
 
 
 def _has_term(part: PositionScheme) -> bool:
-    """Whether the part adds a logit term (acts at a site besides embed, qk and output)."""
-    return not set(part.sites) <= CONTENT_SITES
+    """Whether the part adds a logit term (its bias site)."""
+    return "bias" in part.sites
+
+
+def _runs(part: PositionScheme) -> bool:
+    """Whether the kernels run the part: content sites, a normalizer they implement, and a
+    bias with a kernel term."""
+    other = set(part.sites) - CONTENT_SITES - {"bias"}
+    if part.name in NORMALIZERS:
+        other -= {"normalizer"}
+    return not other and (not _has_term(part) or part.name in TERM_BUILDERS)
 
 
 def covered() -> tuple[str, ...]:
@@ -171,12 +183,13 @@ def covered() -> tuple[str, ...]:
 def kernel_refusal(scheme: PositionScheme) -> str | None:
     """Why ``scheme`` cannot run on the fused kernels (naming the part), or None."""
     for part in parts(scheme):
-        if _has_term(part) and part.name not in TERM_BUILDERS:
+        if not _runs(part):
             reason = NOT_YET.get(part.name, f"it acts at sites {part.sites}")
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
-                f"{sorted(CONTENT_SITES)} and {list(TERM_BUILDERS)}; use attention_impl="
+                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)} and {list(TERM_BUILDERS)}; "
+                "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
             )
     return None

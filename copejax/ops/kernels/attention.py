@@ -34,6 +34,7 @@ from copejax.ops.kernels.tiles import Plan
 DEFAULT_BLOCK = 128
 MIN_BLOCK = 16  # Triton's smallest matmul tile
 NOT_A_SINK = 2**30  # the rank given to padding keys
+NORMALIZERS = ("softmax", "stickbreaking")
 
 
 def _tile(block: int, length: int) -> int:
@@ -79,6 +80,8 @@ def fused_attention(
     block_q: int = DEFAULT_BLOCK,
     block_k: int = DEFAULT_BLOCK,
     interpret: bool | None = None,
+    normalizer: str = "softmax",
+    include_self: bool = True,
 ) -> jax.Array:
     """Causal self-attention through the fused kernels.
 
@@ -94,6 +97,8 @@ def fused_attention(
       k_rank_BT: each key's index within its segment; needed for ``sink_tokens``.
       block_q, block_k: tile lengths (powers of two, at least 16; shorter for short inputs).
       interpret: Pallas interpret mode; None: everywhere but on a GPU.
+      normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
+      include_self: whether query i sees key i (False: stick-breaking's default).
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -109,6 +114,10 @@ def fused_attention(
         raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
+    if normalizer not in NORMALIZERS:
+        raise ValueError(f"kernel: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
+    if normalizer == "softmax" and not include_self:
+        raise ValueError("kernel: a softmax row always includes its own key (include_self)")
     sinks = sink_tokens if window is not None else 0
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
@@ -133,6 +142,8 @@ def fused_attention(
         groups=heads // kv_heads,
         biases=tuple(t.bias for t in terms),
         interpret=bool(interpret),
+        stick=normalizer == "stickbreaking",
+        include_self=include_self,
     )
     segments_BT = segment_ids_BT.astype(jnp.int32)
     lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
@@ -151,7 +162,7 @@ def fused_attention(
         "terms": [_term_arrays(t, padded) for t in terms],
     }
     y_BTNW = _attention(plan, arrays, ints)
-    return y_BTNW[:, :length]
+    return y_BTNW[:, :length].astype(v_BTGW.dtype)
 
 
 def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
@@ -185,8 +196,10 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
     def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[dict, None]:
         arrays, ints, o_BTNW, lse_BNT = residuals
         q_BTNH, k_BTGH, v_BTGW = arrays["q"], arrays["k"], arrays["v"]
-        do_BTNW = do_BTNW.astype(o_BTNW.dtype)
-        delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW.astype(jnp.float32), axis=-1)
+        # The matmuls take the inputs' dtype; D from the same rounded cotangent, so that
+        # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
+        do_BTNW = do_BTNW.astype(v_BTGW.dtype)
+        delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
         dq_BTNH, dk_BTNH, dv_BTNW, term_grads = backward_calls(
             plan,
             q_BTNH,

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from copejax.ops.kernels.forward import term_operands, term_refs
+from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
@@ -205,18 +206,29 @@ def backward_calls(
         pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
     ] + [pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))] * 3
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
+    out_specs = [pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
+    out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
+    out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
+    out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
+    # Stick-breaking: the carries entering each key tile, rows padded to a power of two.
+    carry_rows = 1 << max(plan.count_k - 1, 0).bit_length()
+    if plan.stick:
+        carry_spec = pl.BlockSpec((None, None, carry_rows, sq), lambda b, n, i: (b, n, 0, i))
+        out_specs += [carry_spec, carry_spec]
+        out_shape += [jax.ShapeDtypeStruct((batch, heads, carry_rows, length_q), f32)] * 2
+    dq_body = stick_dq_kernel if plan.stick else _dq_kernel
     dq_BTNH, *dqv = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q),
         in_specs=specs + term_specs,
-        out_specs=[pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
-        + [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms],
-        out_shape=[jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
-        + [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dq",
     )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in)
+    carries = dqv[len(q_terms) :]
+    dqv = dqv[: len(q_terms)]
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
@@ -247,16 +259,18 @@ def backward_calls(
     ]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_k), f32) for _ in k_terms]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
+    carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
+    dkdv_body = stick_dkdv_kernel if plan.stick else _dkdv_kernel
     dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
-        functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k),
-        in_specs=specs + term_specs,
+        in_specs=specs + term_specs + carry_specs * len(carries),
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dkdv",
-    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in)
+    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *carries)
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):

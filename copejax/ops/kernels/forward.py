@@ -19,20 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.stick import stick_forward_kernel
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
-
-
-def term_refs(refs: list, has: tuple[tuple[bool, bool, bool], ...]) -> tuple[list, list, list]:
-    """Splits a kernel's term refs (params, q values, k values of each term, those present)
-    into three lists with None where a term has no such array."""
-    params, q_values, k_values = [], [], []
-    it = iter(refs)
-    for has_params, has_q, has_k in has:
-        params.append(next(it) if has_params else None)
-        q_values.append(next(it) if has_q else None)
-        k_values.append(next(it) if has_k else None)
-    return params, q_values, k_values
 
 
 def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -100,7 +90,9 @@ def forward_call(
       terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
 
     Returns:
-      (o_BTNW in v's dtype, lse_BNT float32).
+      (o_BTNW float32, lse_BNT float32; with stick-breaking minus the log remainder). The
+      output stays float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's
+      gradient subtracts from D, where a bfloat16 output's rounding would show).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -119,7 +111,8 @@ def forward_call(
     inputs = [q_BTNH, k_BSGH, v_BSGW, ints["q_pos"], ints["q_seg"]]
     inputs += [ints["k_pos"], ints["k_seg"], ints["k_rank"]]
     has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
-    kernel = functools.partial(_forward_kernel, plan=plan, has=has, num_term_refs=len(term_inputs))
+    body = stick_forward_kernel if plan.stick else _forward_kernel
+    kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_inputs))
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -129,36 +122,10 @@ def forward_call(
             pl.BlockSpec((None, None, plan.size_q), lambda b, n, i: (b, n, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, length_q, heads, width), v_BSGW.dtype),
+            jax.ShapeDtypeStruct((batch, length_q, heads, width), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, length_q), jnp.float32),
         ],
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_forward",
     )(*inputs, *term_inputs)
-
-
-def term_operands(
-    plan: Plan, terms: list[dict], *, q_block: bool, k_block: bool
-) -> tuple[tuple, list, list]:
-    """The terms' arrays as kernel operands, with their block specs for a grid
-    (b, n, tile): per-query values cut to the program's query tile (``q_block``) or whole,
-    per-key values likewise (``k_block``), parameter rows by head. Returns (which arrays
-    each term has, operands, specs)."""
-    has, operands, specs = [], [], []
-    for term in terms:
-        has.append(tuple(term[key] is not None for key in ("params", "q", "k")))
-        if term["params"] is not None:
-            size = term["params"].shape[1]
-            operands.append(term["params"])
-            specs.append(pl.BlockSpec((None, size), lambda b, n, i: (n, 0)))
-        for key, blocked, size in (("q", q_block, plan.size_q), ("k", k_block, plan.size_k)):
-            if term[key] is None:
-                continue
-            operands.append(term[key])
-            if blocked:
-                specs.append(pl.BlockSpec((None, None, size), lambda b, n, i: (b, n, i)))
-            else:
-                whole = term[key].shape[2]
-                specs.append(pl.BlockSpec((None, None, whole), lambda b, n, i: (b, n, 0)))
-    return tuple(has), operands, specs

@@ -35,6 +35,8 @@ class Plan:
       groups: query heads per key/value head (grouped-query attention).
       biases: the terms' tile functions (:mod:`copejax.ops.kernels.terms`).
       interpret: run in Pallas interpret mode (any backend; the CPU's only mode).
+      stick: stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`).
+      include_self: whether query i sees key i (stick-breaking's default does not).
     """
 
     size_q: int
@@ -46,6 +48,8 @@ class Plan:
     groups: int
     biases: tuple[TileBias, ...]
     interpret: bool
+    stick: bool = False
+    include_self: bool = True
 
     @property
     def sinks(self) -> int:
@@ -102,7 +106,10 @@ class Plan:
         """The pair's mask (Q, K) bool."""
         q_index_Q1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (self.size_q, 1), 0)
         k_index_1K = k_first + jax.lax.broadcasted_iota(jnp.int32, (1, self.size_k), 1)
-        allowed_QK = k_index_1K <= q_index_Q1
+        if self.include_self:
+            allowed_QK = k_index_1K <= q_index_Q1
+        else:
+            allowed_QK = k_index_1K < q_index_Q1
         allowed_QK &= q_segments_Q[:, None] == k_segments_K[None, :]
         if self.window is not None:
             near_QK = q_index_Q1 - k_index_1K < self.window

@@ -46,3 +46,22 @@ def attention_jnp(q, k, v, bias_BNTS, allowed_BTS) -> jax.Array:
     s = jnp.where(allowed_BTS[:, None], s, -1e30)
     w = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("BNTS,BSNH->BTNH", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def stick_weights_jnp(z_BNTS, allowed_BTS, *, xp=jnp):
+    """Stick-breaking's A_ij = sigmoid(z_ij) prod_{j < k, k allowed} (1 - sigmoid(z_ik)), as
+    exp(log_sigmoid(z_ij) - sum_{k > j} softplus(z_ik)) over allowed keys (float32 jnp, or
+    float64 with ``xp=np``)."""
+    allowed = allowed_BTS[:, None]
+    z = xp.where(allowed, z_BNTS, 0.0)
+    softplus = xp.where(allowed, xp.logaddexp(z, 0.0), 0.0)
+    newer = xp.cumsum(softplus[..., ::-1], axis=-1)[..., ::-1] - softplus  # sum over k > j
+    return xp.where(allowed, xp.exp(-xp.logaddexp(-z, 0.0) - newer), 0.0)
+
+
+def stick_attention(q, k, v, bias_BNTS, allowed_BTS, *, xp=jnp):
+    """sum_j A_ij v_j with stick-breaking weights; G <= N heads in k, v."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = xp.repeat(k, groups, axis=2), xp.repeat(v, groups, axis=2)
+    z = xp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias_BNTS
+    return xp.einsum("bnts,bsnh->btnh", stick_weights_jnp(z, allowed_BTS, xp=xp), v)

@@ -30,7 +30,7 @@ SCHEMES = registry.names()
 COVERED = [name for name in SCHEMES if kernel_refusal(registry.make_scheme(name)) is None]
 REFUSED = [name for name in SCHEMES if name not in COVERED]
 # Composites: their parts' terms are summed in the kernels as the naive path sums biases.
-COMPOSITES = ["alibi+rope", "fox+t5", "kerple+xpos"]
+COMPOSITES = ["alibi+rope", "fox+t5", "kerple+xpos", "alibi+stickbreaking"]
 SLOW = pytest.mark.slow
 
 
@@ -89,7 +89,7 @@ def _compare(position: str, dtype: str, window: int | None, sinks: int) -> None:
 
 @pytest.mark.parametrize(
     "position",
-    [p if p in ("nope", "fox") else pytest.param(p, marks=SLOW) for p in COVERED]
+    [p if p == "fox" else pytest.param(p, marks=SLOW) for p in COVERED]
     + [pytest.param(p, marks=SLOW) for p in COMPOSITES],
 )
 def test_kernel_equals_naive_float32_window_sinks_gqa_packed(position: str) -> None:
@@ -115,7 +115,7 @@ def test_kernel_equals_naive_bfloat16_window_sinks(position: str) -> None:
     _compare(position, "bfloat16", window=12, sinks=2)
 
 
-@pytest.mark.parametrize("position", [*REFUSED, "cope+rope", "rope+stickbreaking"])
+@pytest.mark.parametrize("position", [*REFUSED, "cope+rope", "rope+path"])
 def test_refused_by_name(position: str) -> None:
     part = next(p for p in position.split("+") if p in REFUSED)
     with pytest.raises(ValueError, match=f"no kernel for scheme '{part}'"):

@@ -1,0 +1,249 @@
+"""Stick-breaking attention in the fused kernels (Tan et al. 2024, arXiv 2410.17980).
+
+Key j breaks off ``beta_ij = sigmoid(z_ij)`` of what the nearer keys left:
+``A_ij = exp(log_sigmoid(z_ij) - sum_{j < k, k allowed} softplus(z_ik))`` and ``y_i = sum_j
+A_ij v_j``, no normaliser. A query tile walks its key tiles newest first with the carry
+``r_i``, the softplus total of the newer tiles (the log stick remainder); within a tile the
+newer keys' sum is a matmul with a strictly triangular ones matrix, so that it runs on the
+tensor cores. The scores ``z`` are the content logits plus the terms' biases, as for softmax.
+
+Backward, with ``G_ij = A_ij (dY_i . v_j)`` and ``D_i = dY_i . y_i = sum_k G_ik``
+(:mod:`copejax.ops.stick_flash` derives it):
+
+    dv_j  = sum_i A_ij dY_i
+    dz_ij = G_ij sigmoid(-z_ij) - sigmoid(z_ij) (D_i - u_i - sum_{k >= j in the tile} G_ik)
+
+with ``u_i`` the ``G`` total of the newer tiles. The dq kernel walks newest first as the
+forward does, replaying ``r`` and accumulating ``u``, and writes both as they enter each key
+tile (B, N, count_k, T): the dk / dv kernel, whose programs own a key tile and loop over query
+tiles, reads them there instead of walking the newer tiles again. That is O(T^2 / K) floats
+per head, the price of not re-walking; the engine's stick backward keeps O(T).
+Shape letters as in :mod:`copejax.ops.kernels.forward`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
+
+
+def _newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
+    """M[k, j] = 1 where key k is newer than key j (or is j, ``inclusive``): ``x @ M`` sums
+    each row's entries over the newer keys of the tile."""
+    k_K1 = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    j_1K = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+    newer = k_K1 >= j_1K if inclusive else k_K1 > j_1K
+    return newer.astype(jnp.float32)
+
+
+def _tile_sum(x_QK: jax.Array, ones_KK: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(
+        x_QK,
+        ones_KK,
+        (((1,), (0,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,  # no TF32: these are sums of logs
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _as_mixed(a_QK: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The weights as the forward's value matmul took them (rounded to the values' dtype):
+    with them ``sum_k G_ik`` is ``dO_i . y_i = D_i`` up to float32 order, and ``D_i - u_i -
+    ...`` cancels exactly; with unrounded weights a bfloat16 rounding error would remain in
+    every row's ``older`` sum and add up over the keys (a term parameter's gradient then
+    drifts by tens of percent)."""
+    return a_QK.astype(dtype).astype(jnp.float32)
+
+
+def stick_weights_QK(z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array) -> tuple:
+    """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r
+    (``copejax.ops.engine_blocks.stick_terms``' stable forms)."""
+    z_QK = jnp.where(allowed_QK, z_QK, 0.0)
+    e_QK = jnp.exp(-jnp.abs(z_QK))
+    log1p_QK = jnp.log1p(e_QK)
+    softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
+    log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
+    after_QK = _tile_sum(softplus_QK, _newer_ones_KK(z_QK.shape[1], inclusive=False))
+    a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - r_Q[:, None]), 0.0)
+    return a_QK, softplus_QK, e_QK
+
+
+def stick_dz_QK(
+    z_QK: jax.Array, allowed_QK: jax.Array, *, e_QK: jax.Array, g_QK: jax.Array, delta_Q, u_Q
+) -> jax.Array:
+    """The score gradient of one pair (module docstring), from exp(-|z|) and G."""
+    z_QK = jnp.where(allowed_QK, z_QK, 0.0)
+    within_QK = _tile_sum(g_QK, _newer_ones_KK(z_QK.shape[1], inclusive=True))
+    older_QK = delta_Q[:, None] - u_Q[:, None] - within_QK
+    sigmoid_QK = jnp.where(z_QK >= 0, 1.0, e_QK) / (1.0 + e_QK)
+    sigmoid_neg_QK = jnp.where(z_QK >= 0, e_QK, 1.0) / (1.0 + e_QK)
+    return jnp.where(allowed_QK, g_QK * sigmoid_neg_QK - sigmoid_QK * older_QK, 0.0)
+
+
+def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """The forward program of one query tile (refs as ``forward._forward_kernel``'s; the
+    second output is minus the final log remainder, kept for symmetry, unused)."""
+    q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
+    o_ref, stat_ref = refs[8 + num_term_refs :]
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH, q_pos_Q, q_seg_Q = q_ref[...], qpos_ref[...], qseg_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    first, end = plan.key_tiles(qi)
+
+    def pair(step: jax.Array, state: tuple) -> tuple:
+        kj = end - 1 - step
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            r_Q, acc_QW = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
+            z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
+            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q)
+            v_KW = v_ref[keys, :]
+            acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
+            return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    init = (
+        jnp.zeros((plan.size_q,), jnp.float32),
+        jnp.zeros((plan.size_q, v_ref.shape[-1]), jnp.float32),
+    )
+    r_Q, acc_QW = jax.lax.fori_loop(0, end - first, pair, init)
+    o_ref[...] = acc_QW.astype(o_ref.dtype)
+    stat_ref[...] = -r_Q
+
+
+def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """dq, the terms' per-query gradients, and the carries entering each key tile."""
+    q_ref, k_ref, v_ref, do_ref, _, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    dq_ref, *rest = refs[11 + num_term_refs :]
+    dqv_refs, r_out_ref, u_out_ref = rest[:-2], rest[-2], rest[-1]
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH, do_QW, delta_Q = q_ref[...], do_ref[...], delta_ref[...]
+    q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    scale = 1.0 / math.sqrt(q_QH.shape[-1])
+    first, end = plan.key_tiles(qi)
+
+    def pair(step: jax.Array, state: tuple) -> tuple:
+        kj = end - 1 - step
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            r_Q, u_Q, dq_QH, dqv = state
+            r_out_ref[pl.ds(kj, 1), :] = r_Q[None, :]
+            u_out_ref[pl.ds(kj, 1), :] = u_Q[None, :]
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_KH, k_pos_K = k_ref[keys, :], kpos_ref[keys]
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
+            z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
+            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q)
+            v_KW = v_ref[keys, :]
+            g_QK = _as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
+            dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
+            dq_QH = dq_QH + dot_f32((dz_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
+            if dqv:
+
+                def bias(qv: list) -> jax.Array:
+                    return tile_bias_QK(plan.biases, (params, qv, k_values), q_pos_Q, k_pos_K)
+
+                grads = jax.vjp(bias, q_values)[1](dz_QK)[0]
+                dqv = [d + g for d, g in zip(dqv, [g for g in grads if g is not None], strict=True)]
+            r_Q = r_Q + jnp.sum(softplus_QK, axis=1)
+            return r_Q, u_Q + jnp.sum(g_QK, axis=1), dq_QH, dqv
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
+    init = (zeros_Q, zeros_Q, jnp.zeros(q_QH.shape, jnp.float32), [zeros_Q for _ in dqv_refs])
+    _, _, dq_QH, dqv = jax.lax.fori_loop(0, end - first, pair, init)
+    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
+    for ref, value in zip(dqv_refs, dqv, strict=True):
+        ref[...] = value
+
+
+def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """dk, dv, the terms' per-key gradients and parameters, from the saved carries."""
+    q_ref, k_ref, v_ref, do_ref, _, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    r_in_ref, u_in_ref = refs[11 + num_term_refs : 13 + num_term_refs]
+    dk_ref, dv_ref, *grad_refs = refs[13 + num_term_refs :]
+    num_dkv = sum(h[2] for h in has)
+    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
+    kj = pl.program_id(2)
+    k_first = kj * plan.size_k
+    k_KH, v_KW = k_ref[...], v_ref[...]
+    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    k_values = [None if r is None else r[...] for r in kv_refs]
+    scale = 1.0 / math.sqrt(k_KH.shape[-1])
+
+    def pair(qi: jax.Array, state: tuple) -> tuple:
+        q_first = qi * plan.size_q
+        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
+        q_seg_Q = qseg_ref[queries]
+
+        def compute(state: tuple) -> tuple:
+            dk_KH, dv_KW, dkv, dparams = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
+            q_values = [None if r is None else r[queries] for r in qv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
+            z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
+            a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, r_in_ref[queries])
+            g_QK = _as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
+            delta_Q, u_Q = delta_ref[queries], u_in_ref[queries]
+            dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
+            dv_KW = dv_KW + dot_f32(a_QK.astype(do_QW.dtype), do_QW, (0, 0))
+            dk_KH = dk_KH + dot_f32((dz_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
+            if dkv or dparams:
+
+                def bias(p: list, kv: list) -> jax.Array:
+                    return tile_bias_QK(plan.biases, (p, q_values, kv), q_pos_Q, k_pos_K)
+
+                g_params, g_kv = jax.vjp(bias, params, k_values)[1](dz_QK)
+                dkv = [d + g for d, g in zip(dkv, [g for g in g_kv if g is not None], strict=True)]
+                g_params = [g for g in g_params if g is not None]
+                dparams = [d + g for d, g in zip(dparams, g_params, strict=True)]
+            return dk_KH, dv_KW, dkv, dparams
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    first, end = plan.query_tiles(kj)
+    init = (
+        jnp.zeros(k_KH.shape, jnp.float32),
+        jnp.zeros(v_KW.shape, jnp.float32),
+        [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
+        [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
+    )
+    dk_KH, dv_KW, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
+    dk_ref[...] = dk_KH
+    dv_ref[...] = dv_KW
+    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
+        ref[...] = value

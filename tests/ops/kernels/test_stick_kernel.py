@@ -1,0 +1,111 @@
+"""Stick-breaking in the fused kernels (arXiv 2410.17980) against the dense reference.
+
+Values against NumPy in float64, gradients of q, k, v and a term's parameters and per-token
+values against ``jax.grad`` of the dense float32 maths; with and without the query's own key,
+grouped KV heads, packed segments, a window with sinks and several tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.terms import KernelTerm
+from tests.ops.kernels.reference import mask_BTS, stick_attention
+from tests.ops.kernels.test_fused_attention import (
+    POSITIONS_BT,
+    RANK_BT,
+    SEGMENTS_BT,
+    B,
+    G,
+    H,
+    N,
+    T,
+    _bias_BNTS,
+    _decay,
+    _inputs,
+    _slope,
+    _table,
+)
+from tests.ops.kernels.tolerances import assert_close
+
+
+def _allowed(window: int | None, sinks: int, include_self: bool) -> np.ndarray:
+    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    if not include_self:
+        allowed = allowed & ~np.eye(T, dtype=bool)[None]
+    return allowed
+
+
+def _kernel(x: dict, *, window: int | None, sinks: int, include_self: bool) -> jax.Array:
+    terms = [
+        KernelTerm("slope", _slope, params_NP=x["slopes"]),
+        KernelTerm("table", _table, params_NP=x["table"]),
+        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+    ]
+    return fused_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=terms,
+        window=window,
+        sink_tokens=sinks,
+        k_rank_BT=jnp.asarray(RANK_BT),
+        block_q=32,
+        block_k=16,
+        normalizer="stickbreaking",
+        include_self=include_self,
+    )
+
+
+@pytest.mark.parametrize(
+    ("window", "sinks", "include_self"),
+    [pytest.param(None, 0, False, marks=pytest.mark.slow), (20, 3, True)],
+)
+def test_values_equal_numpy(window: int | None, sinks: int, include_self: bool) -> None:
+    x = _inputs(jnp.float32)
+    y = jax.jit(lambda x: _kernel(x, window=window, sinks=sinks, include_self=include_self))(x)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    allowed = _allowed(window, sinks, include_self)
+    expected = stick_attention(x64["q"], x64["k"], x64["v"], _bias_BNTS(x64, np), allowed, xp=np)
+    assert_close(y, expected, dtype="float32", summands=T, roundings=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "window", "sinks", "include_self"),
+    [
+        ("float32", 20, 3, False),
+        pytest.param("float32", None, 0, True, marks=pytest.mark.slow),
+        pytest.param("bfloat16", None, 0, False, marks=pytest.mark.slow),
+    ],
+)
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, include_self: bool):
+    x = _inputs(jnp.dtype(dtype))
+    allowed = jnp.asarray(_allowed(window, sinks, include_self))
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def kernel(x):
+        y = _kernel(x, window=window, sinks=sinks, include_self=include_self)
+        return y.astype(jnp.float32)
+
+    def dense(x):  # the same inputs in float32: only the kernel's roundings differ
+        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
+        y = stick_attention(x32["q"], x32["k"], x32["v"], _bias_BNTS(x32), allowed)
+        return y
+
+    y, pull = jax.vjp(jax.jit(kernel), x)
+    y_ref, pull_ref = jax.vjp(dense, x)
+    (grads,), (grads_ref,) = jax.jit(pull)(cot), pull_ref(cot)
+    assert_close(y, y_ref, dtype=dtype, summands=T, roundings=2)
+    pairs = B * T * T // 2
+    for key, summands in [("q", T), ("k", T), ("v", T), ("c", T)]:
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
+    for key in ("slopes", "table"):
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=pairs, roundings=4)
+    assert G < N  # grouped heads are exercised

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "copejax"
 # Bottom to top. A module may import from its own layer and the layers below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("ops", "runtime", "data")),
-    ("schemes", ("positions",)),
-    ("model and configuration", ("model", "config")),
+    ("schemes", ("positions", "terms")),
+    ("model and configuration", ("model", "config", "linen", "functional")),
     ("training", ("training",)),
     ("evaluation and interop", ("evaluation", "interop")),
     (

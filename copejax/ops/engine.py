@@ -236,10 +236,10 @@ def blockwise_attention(
     k_BSNH: jax.Array,
     v_BSNW: jax.Array,
     *,
-    q_positions_BT: jax.Array,
-    k_positions_BS: jax.Array,
-    q_segment_ids_BT: jax.Array,
-    k_segment_ids_BS: jax.Array,
+    q_positions_BT: jax.Array | None = None,
+    k_positions_BS: jax.Array | None = None,
+    q_segment_ids_BT: jax.Array | None = None,
+    k_segment_ids_BS: jax.Array | None = None,
     offset: jax.Array | int = 0,
     terms: Sequence[BlockTerm] = (),
     normalizer: Normalizer = SOFTMAX,
@@ -257,9 +257,10 @@ def blockwise_attention(
     Args:
       q_BTNH, k_BSNH: queries and keys after the qk site.
       v_BSNW: values (W = H, or wider when a scheme mixes extra per-key features).
-      q_positions_BT, k_positions_BS: integer positions (what the terms read).
+      q_positions_BT, k_positions_BS: integer positions (what the terms read), (B, T) or
+        (T,); None: ``offset + t`` for query t, s for key s.
       q_segment_ids_BT, k_segment_ids_BS: packed documents; query t (key ``offset + t``) sees
-        key s iff s <= offset + t and the ids are equal.
+        key s iff s <= offset + t and the ids are equal. None: one document per row.
       offset: the key index of query 0 (0 in self-attention, the cache index when decoding).
       terms: the schemes' block terms, summed into the scores.
       normalizer: softmax, or stick-breaking.
@@ -296,7 +297,15 @@ def blockwise_attention(
     if not isinstance(sink_tokens, int) or sink_tokens < 0:
         raise ValueError(f"engine: sink_tokens must be an integer >= 0, got {sink_tokens!r}")
     sink_tokens = sink_tokens if window is not None else 0
-    length_q, length_k = q_BTNH.shape[1], k_BSNH.shape[1]
+    batch, length_q, length_k = q_BTNH.shape[0], q_BTNH.shape[1], k_BSNH.shape[1]
+    if q_positions_BT is None:
+        q_positions_BT = jnp.asarray(offset, jnp.int32) + jnp.arange(length_q, dtype=jnp.int32)
+    if k_positions_BS is None:
+        k_positions_BS = jnp.arange(length_k, dtype=jnp.int32)
+    q_positions_BT = jnp.broadcast_to(q_positions_BT, (batch, length_q))
+    k_positions_BS = jnp.broadcast_to(k_positions_BS, (batch, length_k))
+    q_segment_ids_BT = segments.default_segment_ids(q_segment_ids_BT, batch, length_q)
+    k_segment_ids_BS = segments.default_segment_ids(k_segment_ids_BS, batch, length_k)
     size_q, size_k = min(block, length_q), min(block, length_k)
     terms = tuple(terms)
     layout = Layout(

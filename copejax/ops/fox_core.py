@@ -156,4 +156,8 @@ def decay_BNTS(c_BTN: jax.Array, c_BSN: jax.Array) -> jax.Array:
 
 
 def fox_pair(params: None, pair: PairBlock, prepared: None, carry: Any) -> tuple[jax.Array, Any]:
+    """FoX's block term for one (query block, key block) pair (``copejax.ops.engine``):
+    ``D_ij = c_i - c_j`` (B, N, Q, K) from the prefix sums ``c`` of log f, which the term
+    carries as per-token arrays ``q_arrays["c"]`` (B, Q, N) and ``k_arrays["c"]`` (B, K, N)
+    (``copejax.terms.fox`` builds them). No params, no carry."""
     return decay_BNTS(pair.q_arrays["c"], pair.k_arrays["c"]), carry

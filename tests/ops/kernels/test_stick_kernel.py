@@ -109,3 +109,27 @@ def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, inclu
     for key in ("slopes", "table"):
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=pairs, roundings=4)
     assert G < N  # grouped heads are exercised
+
+
+def test_lowers_to_triton() -> None:
+    """The stick-breaking forward and backward kernels lower to Triton (from the CPU)."""
+    x = _inputs(jnp.bfloat16)
+
+    def loss(x):
+        y = fused_attention(
+            x["q"],
+            x["k"],
+            x["v"],
+            q_positions_BT=jnp.asarray(POSITIONS_BT),
+            k_positions_BT=jnp.asarray(POSITIONS_BT),
+            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+            terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
+            normalizer="stickbreaking",
+            include_self=False,
+            interpret=False,
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
+        assert name in text

@@ -9,13 +9,14 @@ interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as 
 here cuDNN's fused kernel, ``dpa``) at the issue's shapes, (B, N, H) = (2, 4, 64) (B x N = 8)
 and (4, 16, 128), T = 4096 and 16384. Arms: ``dpa`` (``jax.nn.dot_product_attention``,
 ``implementation="cudnn"``), the kernels (``model.attention_impl="kernel"``: nope, ALiBi, T5,
-Kerple, FoX) and the blockwise engine (nope, FoX) that ``auto`` takes for FoX today.
+FoX, stick-breaking) and the blockwise engine's FoX, the path ``auto`` takes for it today.
 Part ``cli``: steady-state tokens/s of ``python -m copejax.main`` on ``configs/lm.py:paper``
 with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"): RoPE
 with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
-Groups run in priority order and none starts past ``--budget_s``, so that the whole call,
-compilation included, stays within 8 minutes; skipped groups are listed on the page.
+Tasks run in priority order (the first layer group, the CLI arms, the other layer groups) and
+none starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
+minutes; skipped ones are listed on the page, which is rewritten after every task.
 
 Writes ``bench_kernels_gpu.md`` (dated, stating the device) and ``bench_kernels_gpu.json``
 under ``--out_dir`` (default ``experiments/results``). ``--smoke`` runs tiny shapes in
@@ -46,9 +47,8 @@ LAYER_ARMS = (
     ("nope kernel", "nope", KERNEL),
     ("alibi kernel", "alibi", KERNEL),
     ("t5 kernel", "t5", KERNEL),
-    ("kerple kernel", "kerple", KERNEL),
     ("fox kernel", "fox", KERNEL),
-    ("nope blockwise", "nope", {"attention_impl": "blockwise"}),
+    ("stickbreaking kernel", "stickbreaking", KERNEL),
     ("fox blockwise", "fox", {"attention_impl": "blockwise"}),
 )
 # (B, N, H) of the issue's targets, then T; in the order they run.
@@ -147,8 +147,8 @@ def page(result: dict) -> str:
         "",
         "Ratio = median over interleaved rounds of the arm's time over the round's fastest "
         "nope arm (cuDNN's fused kernel, `dpa`). XLA temp = the compiled program's temporary "
-        "buffers. Targets (issue 45): FoX, ALiBi and T5 at most 1.5x; XLA temporaries at 16K "
-        "within 1.2x of cuDNN nope's.",
+        "buffers. Targets (issue 45): FoX, ALiBi and T5 at most 1.5x, stick-breaking at most "
+        "2x; XLA temporaries at 16K within 1.2x of cuDNN nope's.",
         "",
         "| B | N | H | T | arm | path | time ms | ratio | XLA temp MiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -202,14 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit(f"needs a GPU backend (or --smoke), JAX has {jax.default_backend()!r}")
     start = time.perf_counter()
-    shapes, lengths, layer_arms = SHAPES, LENGTHS, LAYER_ARMS
-    variant, steps, rounds = "paper", args.cli_steps, args.rounds
-    cli_arms = CLI_ARMS
-    if args.smoke:
-        shapes, lengths, rounds = ((1, 2, 16),), (128,), 1
-        layer_arms = tuple(a for a in LAYER_ARMS if a[0] in ("dpa", "fox kernel"))
-        variant, steps, cli_arms = "smoke", 2, (("rope", "auto"), ("cope", "kernel"))
-    parts = args.parts.split(",")
+    tasks, rounds = plan(args.smoke, args.parts.split(","))
+    variant, steps = ("smoke", 2) if args.smoke else ("paper", args.cli_steps)
     result = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
@@ -218,30 +212,46 @@ def main(argv: list[str] | None = None) -> None:
         "cli": [],
         "skipped": [],
     }
-    over = lambda: time.perf_counter() - start > args.budget_s
-    if "layer" in parts:
-        for shape in shapes:
-            for length in lengths:
-                name = f"layer B, N, H = {shape}, T = {length}"
-                if over():
-                    result["skipped"].append(name)
-                    continue
-                result["layer"].append(layer_group(shape, length, layer_arms, rounds))
-                print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    if "cli" in parts:
-        for scheme, impl in cli_arms:
-            if over():
-                result["skipped"].append(f"cli {scheme} {impl}")
-                continue
-            left = max(args.budget_s + 60 - (time.perf_counter() - start), 30)
-            result["cli"].append(cli_run(scheme, impl, variant, steps, left))
-            print(f"cli {scheme}: {time.perf_counter() - start:.0f} s", flush=True)
-    result["wall_s"] = time.perf_counter() - start
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for kind, what in tasks:
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            result["skipped"].append(f"{kind} {what}")
+            continue
+        if kind == "layer":
+            shape, length, arms = what
+            result["layer"].append(layer_group(shape, length, arms, rounds or args.rounds))
+        else:
+            left = max(args.budget_s + 60 - elapsed, 30)
+            result["cli"].append(cli_run(*what, variant, steps, left))
+        print(f"{kind} {what[:2]}: {time.perf_counter() - start:.0f} s", flush=True)
+        # Written after every task: a call cut short by the device's time limit keeps them.
+        result["wall_s"] = time.perf_counter() - start
+        write_json(out / "bench_kernels_gpu.json", result)
+        (out / "bench_kernels_gpu.md").write_text(page(result))
+    result["wall_s"] = time.perf_counter() - start
     write_json(out / "bench_kernels_gpu.json", result)
     (out / "bench_kernels_gpu.md").write_text(page(result))
     print(page(result), flush=True)
+
+
+def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:
+    """The tasks in priority order (the first layer group, the CLI arms, the other layer
+    groups), so that a time budget cuts the least informative ones; and the rounds (None:
+    the command line's)."""
+    if smoke:
+        arms = tuple(a for a in LAYER_ARMS if a[0] in ("dpa", "fox kernel"))
+        layer = [("layer", ((1, 2, 16), 128, arms))]
+        cli = [("cli", arm) for arm in (("rope", "auto"), ("cope", "kernel"))]
+        rounds = 1
+    else:
+        layer = [("layer", (shape, t, LAYER_ARMS)) for t in LENGTHS for shape in SHAPES]
+        cli = [("cli", arm) for arm in CLI_ARMS]
+        rounds = None
+    layer = layer if "layer" in parts else []
+    cli = cli if "cli" in parts else []
+    return layer[:1] + cli + layer[1:], rounds
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Fused Pallas attention kernels for the engine's logit terms (issue 45).
 
 :func:`~copejax.ops.kernels.attention.fused_attention` (FlashAttention-2 forward and
-backward) with terms computed inside the kernels (:mod:`copejax.ops.kernels.terms`).
-Triton on GPUs, interpret mode elsewhere (:mod:`copejax.ops.kernels.triton_params`).
-This package imports only ``copejax.ops`` and JAX; the schemes' terms are built by the
-model layer (``copejax.model.transformer.kernel_terms``).
+backward) with terms computed inside the kernels (:mod:`copejax.ops.kernels.terms`), and
+stick-breaking in place of the softmax (:mod:`copejax.ops.kernels.stick`). Modules: the
+entry point and custom VJP (``attention``), the forward (``forward``) and backward
+(``backward``) kernels, stick-breaking's three (``stick``), what they share about a tile pair
+(``tiles``), the terms' operands (``operands``) and the GPU backend's parameters
+(``triton_params``: Triton on GPUs, interpret mode elsewhere). This package imports only
+``copejax.ops`` and JAX; the schemes' terms are built by the model layer
+(``copejax.model.kernel_terms``).
 """

@@ -5,7 +5,9 @@ kernel (:mod:`copejax.ops.kernels.forward`) keeps each query's log-sum-exp, the 
 kernels (:mod:`copejax.ops.kernels.backward`) recompute each pair's scores from it, all
 wired by ``jax.custom_vjp``. The scores are ``q . k / sqrt(H)`` plus the sum of the given
 :class:`~copejax.ops.kernels.terms.KernelTerm` biases, computed tile by tile inside the
-kernels: no (T, S) array exists, forward or backward. Masking: causal, packed segments,
+kernels: no (T, S) array exists, forward or backward. With ``normalizer="stickbreaking"``
+stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`; its backward keeps
+O(T^2 / K) carries, one per query and key tile). Masking: causal, packed segments,
 a sliding window W with StreamingLLM's sink tokens (the mask of
 :func:`copejax.ops.segments.pair_allowed_BQK`); grouped KV heads (G divides N); tiles with
 no allowed pair are skipped. Inputs in bfloat16 or float32; logits, softmax statistics and

@@ -15,6 +15,15 @@ import jax.numpy as jnp
 from copejax.ops.interpolate import interpolate_last_axis
 from copejax.ops.scan import cumsum
 
+__all__ = [
+    "cope_alibi_term",
+    "cope_gates",
+    "cope_integer_logits",
+    "cope_interpolated_term",
+    "cope_mlp_term",
+    "cope_positions",
+]
+
 
 def cope_gates(
     gate_logits_BNTS: jax.Array, mask_BTS: jax.Array, force_unit: bool = False

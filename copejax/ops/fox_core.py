@@ -16,6 +16,20 @@ import jax.numpy as jnp
 from copejax.ops import scan, segments
 from copejax.ops.engine_blocks import PairBlock
 
+__all__ = [
+    "OUTPUT_NORM_EPS",
+    "QK_NORM_EPS",
+    "decay_BNTS",
+    "fox_cached_cumsum",
+    "fox_decay_bias",
+    "fox_log_forget_gates",
+    "fox_output",
+    "fox_pair",
+    "mix_previous",
+    "rms_norm_heads",
+    "token_shift",
+]
+
 QK_NORM_EPS = 1e-6
 OUTPUT_NORM_EPS = 1e-6  # the authors' norm_eps (configs/model/forgetting_transformer.py)
 

@@ -21,6 +21,12 @@ from copejax.ops.engine_blocks import BlockTerm, PairBlock
 from copejax.positions.base import AttentionContext, AttentionSite, Dims, PositionScheme
 from copejax.positions.registry import register
 
+__all__ = [
+    "ALiBi",
+    "alibi_bias",
+    "alibi_slopes",
+]
+
 
 def _power_of_two_slopes(n: int) -> np.ndarray:
     """2^(-8/n), 2^(-16/n), ..., 2^(-8): start 2^(-8/n), ratio 2^(-8/n)."""

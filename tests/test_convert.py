@@ -253,6 +253,37 @@ def test_refuses_by_name(changes: dict[str, Any], named: str) -> None:
         hf_config.model_block_from_hf(hf)
 
 
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "beta_fast": 3}},
+            "rope_parameters keys ['beta_fast'] are not read by rope_type='linear'",
+        ),
+        (
+            {"rope_scaling": {"type": "linear", "factor": 2.0, "beta_fast": 3}},
+            "rope_scaling keys ['beta_fast'] are not read by rope_type='linear'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+            "rope_parameters.rope_type='proportional' has no copejax equivalent",
+        ),
+        (
+            {"rope_theta": 1e4, "rope_scaling": {"type": "proportional"}},
+            "rope_scaling.type='proportional' has no copejax equivalent",
+        ),
+    ],
+)
+def test_rope_refusals_name_the_key_the_config_uses(rope: dict[str, Any], message: str) -> None:
+    """A config.json in transformers 5's form (rope_parameters) is told about rope_parameters,
+    one in transformers 4's (rope_scaling) about rope_scaling, as each wrote its fields."""
+    with pytest.raises(ValueError) as refused:
+        hf_config.model_block_from_hf({**BASE, "model_type": "llama", **rope})
+    assert message in str(refused.value)
+    other = "rope_scaling" if "rope_parameters" in rope else "rope_parameters"
+    assert other not in str(refused.value)
+
+
 def test_refuses_extra_tensors(hf_llama: Path, tmp_path: Path) -> None:
     from safetensors.numpy import load_file, save_file
 

@@ -90,6 +90,11 @@ _SMOLLM3_KEYS = (
 )
 
 
+def _rope_key(hf: Mapping[str, Any]) -> str:
+    """The key that holds the checkpoint's RoPE settings, as its messages name it."""
+    return "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+
+
 def _rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE settings in transformers 5's form, from either spelling."""
     params = dict(hf.get("rope_parameters") or {})
@@ -135,11 +140,13 @@ def rope_options(hf: Mapping[str, Any]) -> dict[str, Any]:
       ValueError: an unknown ``rope_type`` or a RoPE key that type does not read.
     """
     params = _rope_parameters(hf)
+    key = _rope_key(hf)
+    written = hf.get(key) or {}
+    field = "type" if "type" in written and "rope_type" not in written else "rope_type"
     rope_type = params.pop("rope_type")
     if rope_type not in ROPE_TYPES:
         raise ValueError(
-            f"rope_scaling.rope_type={rope_type!r} has no copejax equivalent; allowed: "
-            f"{list(ROPE_TYPES)}"
+            f"{key}.{field}={rope_type!r} has no copejax equivalent; allowed: {list(ROPE_TYPES)}"
         )
     options: dict[str, Any] = {"base": float(params.pop("rope_theta")), "layout": "half"}
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -151,7 +158,7 @@ def rope_options(hf: Mapping[str, Any]) -> dict[str, Any]:
     unread = sorted(set(params) - set(_ROPE_KEYS[rope_type]))
     if unread:
         raise ValueError(
-            f"rope_scaling keys {unread} are not read by rope_type={rope_type!r} (it reads "
+            f"{key} keys {unread} are not read by rope_type={rope_type!r} (it reads "
             f"{list(_ROPE_KEYS[rope_type])}); refusing rather than dropping them"
         )
     if rope_type == "default":

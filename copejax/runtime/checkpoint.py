@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grain
 import jax
@@ -36,6 +36,25 @@ class CorruptCheckpointError(ValueError):
 
 
 CORRUPT_DIR = "corrupt_checkpoints"  # next to checkpoints/: where unreadable steps are moved
+
+
+class Restored(NamedTuple):
+    """What :meth:`Checkpointer.restore_latest` read back.
+
+    Attributes:
+      step: the checkpoint's step.
+      state: the train state, in the abstract state's shardings.
+      host: the loop's host-side sums saved with it.
+      data_restored: whether the data iterator was moved to the saved position (False: the
+        caller positions it, see ``check_config`` of ``restore_latest``).
+      saved_mesh: the mesh axis sizes the state was saved from (None when not recorded).
+    """
+
+    step: int
+    state: Any
+    host: dict[str, float]
+    data_restored: bool
+    saved_mesh: dict[str, int] | None
 
 
 def _leaves_by_path(tree: Any) -> dict[str, Any]:
@@ -126,6 +145,23 @@ class Checkpointer:
         )
         return dict(restored["config"]), dict(restored["host"] or {})
 
+    def saved_mesh(self, step: int) -> dict[str, int] | None:
+        """Mesh axis name -> size of the sharding that checkpoint ``step``'s arrays were saved
+        from (orbax's array metadata), or None when the metadata does not say."""
+        metadata = self.manager.item_metadata(step)
+        for leaf in jax.tree.leaves((metadata or {}).get("state")):
+            mesh = getattr(leaf, "sharding", None)
+            names, shape = getattr(mesh, "axis_names", None), getattr(mesh, "shape", None)
+            if names is not None and shape is not None:
+                return {str(n): int(k) for n, k in zip(names, list(shape), strict=True)}
+        return None
+
+    def data_state_fits(self, step: int) -> bool:
+        """Whether checkpoint ``step`` holds a data-iterator state for this process of this
+        process count (grain writes one file per process, ``process_<i>-of-<n>.json``)."""
+        name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        return (self.directory / str(step) / "data" / name).exists()
+
     def restore(
         self,
         step: int,
@@ -161,16 +197,20 @@ class Checkpointer:
         self,
         abstract_state: Any,
         data_iterator: grain.DatasetIterator | None,
-        check_config: Callable[[int, dict[str, Any]], None],
-    ) -> tuple[int, Any, dict[str, float]] | None:
-        """Restores the newest readable checkpoint: (step, state, host sums), or None if none.
+        check_config: Callable[[int, dict[str, Any]], bool],
+    ) -> Restored | None:
+        """Restores the newest readable checkpoint, or returns None if there is none.
 
         A checkpoint that cannot be read (a truncated or corrupted array file, a missing or
         torn item: a half-written checkpoint) is reported on stderr, moved to
         ``<workdir>/corrupt_checkpoints/<step>`` (so that the step can be saved again) and the
         previous one is tried. ``check_config(step, saved_config)`` may raise to refuse a
         checkpoint written by another config; that error, like CheckpointMismatchError, is a
-        config problem rather than corruption and is raised as is.
+        config problem rather than corruption and is raised as is. It returns whether the
+        checkpoint's data-iterator state fits ``data_iterator`` (the same pipeline); when it
+        does not (another number of data workers), or the checkpoint has no state for this
+        process (another process count), the iterator is left alone and
+        ``Restored.data_restored`` is False: the caller positions it.
 
         Raises:
           CorruptCheckpointError: checkpoints exist but none of them can be read; or none is
@@ -191,15 +231,16 @@ class Checkpointer:
             except Exception as error:  # any read failure means corruption
                 moved.append(self._set_aside(step, error))
                 continue
-            check_config(step, saved)
+            fits = check_config(step, saved) and self.data_state_fits(step)
+            data = data_iterator if fits else None
             try:
-                state = self.restore(step, abstract_state, data_iterator)
+                state = self.restore(step, abstract_state, data)
             except CheckpointMismatchError:
                 raise
             except Exception as error:
                 moved.append(self._set_aside(step, error))
                 continue
-            return step, state, host
+            return Restored(step, state, host, data is not None, self.saved_mesh(step))
         if moved:
             raise CorruptCheckpointError(
                 f"no readable checkpoint in {self.directory}; unreadable ones were moved to "

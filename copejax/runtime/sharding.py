@@ -78,9 +78,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1) -> jax.sharding.Me
     Enter it with ``jax.set_mesh(mesh)``; data is the outermost axis, so with several processes
     each process holds a contiguous block of the batch.
     """
-    shape = mesh_shape(data, fsdp, tensor, jax.device_count())
+    return mesh_of(mesh_shape(data, fsdp, tensor, jax.device_count()))
+
+
+def mesh_of(shape: tuple[int, int, int]) -> jax.sharding.Mesh:
+    """The mesh of resolved (data, fsdp, tensor) sizes (``mesh_shape``'s result) over every
+    device, axes of type Auto (see ``make_mesh``)."""
     auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(auto,) * len(MESH_AXES))
+    return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(auto,) * len(MESH_AXES))
 
 
 def rules_tuple(rules: Any) -> tuple[tuple[str, str | tuple[str, ...] | None], ...]:

@@ -1,9 +1,11 @@
 """Workdir safety: one run per workdir, its config written atomically, restarts on request.
 
 ``<workdir>/config.json`` holds the resolved config of the run that owns the workdir. Running
-the same config again resumes (``train.nonfinite`` may change, see RESUMABLE); a different
-config is refused (naming the keys that differ) unless the caller asks to restart, which removes
-the old run's checkpoints and metrics.
+the same config again resumes; keys that change neither the model nor the data stream may
+change on resume (RESUMABLE: the step count, the mesh, cadences, data workers), and the run
+names each change. Any other difference is refused, naming the keys that differ, the keys
+that may change, and the ways on: a new workdir initialised from this one (``train.init_from``)
+or a restart, which removes the old run's checkpoints and metrics.
 """
 
 from __future__ import annotations
@@ -82,16 +84,61 @@ def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
-# Keys a resumed run may change: they decide what happens at future steps, not what the saved
-# state is or how training goes on from it. A run stopped by a non-finite loss can go on with
-# nonfinite=skip; a run may evaluate more or less often (evaluating leaves training untouched:
-# tests/train/test_train.py). The config file then records the latest invocation's value.
-RESUMABLE = ("train.nonfinite", "train.eval_every")
+# Keys a resumed run may change: they decide what happens at future steps or where the
+# computation runs, not what the saved state is or which batches come next.
+# - train.steps: a run goes on to the new count (a finished one too); the learning-rate
+#   schedule is a function of it, so its later steps follow the schedule of the new count
+#   (the resume log says so).
+# - mesh.*: orbax restores the arrays into the new mesh's shardings; the device count is not a
+#   key (mesh.data=-1 takes what there is), the resume log names a change of it too.
+# - cadences: logging, evaluating (it leaves training untouched: tests/train/test_train.py),
+#   checkpointing and how many checkpoints are kept.
+# - data.worker_count: the data iterator is positioned at the restored step whatever the
+#   number of workers (copejax.training.resume).
+# - train.nonfinite: a run stopped by a non-finite loss can go on with nonfinite=skip.
+# The config file then records the latest invocation's values.
+RESUMABLE = (
+    "train.steps",
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
+    "train.log_every",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "data.worker_count",
+    "train.nonfinite",
+)
+
+
+def _key(difference: str) -> str:
+    return difference.split(":", maxsplit=1)[0]
+
+
+def resumable_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """'key: old -> new' for every RESUMABLE key that ``new`` changes."""
+    return [d for d in config_differences(old, new) if _key(d) in RESUMABLE]
 
 
 def same_run(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """True when ``new`` may resume a run of ``old``: equal apart from RESUMABLE keys."""
-    return not [d for d in config_differences(old, new) if d.split(":")[0] not in RESUMABLE]
+    return not [d for d in config_differences(old, new) if _key(d) not in RESUMABLE]
+
+
+def refusal(what: str, old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The message refusing to resume ``what`` (a workdir, a checkpoint) of config ``old``
+    with ``new``: the keys that differ, those that may change, and the ways on."""
+    diffs = [d for d in config_differences(old, new) if _key(d) not in RESUMABLE]
+    shown = "\n  ".join(diffs[:20])
+    more = f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else ""
+    return (
+        f"{what} holds a run with a different config; differing keys:\n  {shown}{more}\n"
+        f"A resumed run may change only {', '.join(RESUMABLE)}.\n"
+        "To keep that run and train this config from its weights, use a new --workdir with "
+        "--config.train.init_from=<this workdir> (a fine-tune: it starts at step 0 from the "
+        "run's latest checkpoint); to discard that run, pass --restart (it deletes its "
+        "checkpoints and metrics and starts over)."
+    )
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
@@ -127,13 +174,7 @@ def check(workdir: str | os.PathLike, config: dict[str, Any], restart: bool) -> 
         return bool(_outputs(workdir))
     if old is None or same_run(old, config):
         return False
-    diffs = [d for d in config_differences(old, config) if d.split(":")[0] not in RESUMABLE]
-    shown = "\n  ".join(diffs[:20])
-    raise WorkdirConflictError(
-        f"workdir {workdir} holds a run with a different config; differing keys:\n  {shown}\n"
-        "Use another --workdir, or pass --restart to delete that run's checkpoints and metrics "
-        "and start over."
-    )
+    raise WorkdirConflictError(refusal(f"workdir {workdir}", old, config))
 
 
 def wipe(workdir: str | os.PathLike) -> list[str]:

@@ -25,8 +25,10 @@ Scheme changes and how their new parameters start:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -113,11 +115,28 @@ def check_architecture(source: ModelConfig, target: ModelConfig) -> None:
             )
 
 
-def check_source(init_from: str | os.PathLike, target: ModelConfig) -> None:
-    """Before any compute: ``init_from`` is readable and has ``target``'s architecture."""
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    """A checked ``train.init_from``: where the weights are and the model that computes them.
+
+    Attributes:
+      path: a converted checkpoint or a copejax workdir (``copejax.training.pretrained``).
+      model_config: the pretrained model (its architecture is the fine-tune's).
+    """
+
+    path: Path
+    model_config: ModelConfig
+
+
+def check_source(init_from: str | os.PathLike, target: ModelConfig) -> InitSource:
+    """Before any compute: ``init_from`` is readable and has ``target``'s architecture.
+
+    Returns the checked source, which :func:`initial_params` then loads the weights of.
+    """
     block, vocab_size = pretrained.read_model(init_from)
     source = ModelConfig.from_config(block, vocab_size=vocab_size, default_max_len=target.max_len)
     check_architecture(source, target)
+    return InitSource(Path(init_from).absolute(), source)
 
 
 def merge_params(fresh: Any, source: Any) -> tuple[Any, list[str], list[str]]:
@@ -156,17 +175,17 @@ def merge_params(fresh: Any, source: Any) -> tuple[Any, list[str], list[str]]:
 
 
 def initial_params(
-    fresh: Any, target: ModelConfig, init_from: str | os.PathLike
+    fresh: Any, target: ModelConfig, init_from: InitSource | str | os.PathLike
 ) -> tuple[Any, str]:
-    """``merge_params`` of ``init_from``'s weights into ``fresh``, after the architecture check.
+    """``merge_params`` of ``init_from``'s weights into ``fresh``, after the architecture check
+    (done by :func:`check_source` when ``init_from`` is a path; an InitSource is checked).
 
     Returns the parameters and the lines to log (source, counts, every added parameter).
     """
-    source = pretrained.load(init_from)
-    source_cfg = ModelConfig.from_config(
-        source.model, vocab_size=source.vocab_size, default_max_len=target.max_len
-    )
-    check_architecture(source_cfg, target)
+    if not isinstance(init_from, InitSource):
+        init_from = check_source(init_from, target)
+    source = pretrained.load(init_from.path)
+    source_cfg = init_from.model_config
     params, copied, added = merge_params(fresh, source.params)
     change = (
         f"{source_cfg.position} -> {target.position}"

@@ -4,13 +4,16 @@ Training: ``source -> shuffle(seed) -> repeat -> [process::processes] -> batch``
 ``k`` holds examples ``k*B .. (k+1)*B - 1`` of the shuffled stream whatever the number of
 processes (process ``p`` takes every ``P``-th one from offset ``p``), so runs on one process and
 on several see the same data. The iterator's state (``{"next_index": k}``) is checkpointed with
-the model; every epoch is shuffled differently (grain reseeds per epoch).
+the model; every epoch is shuffled differently (grain reseeds per epoch). A run resumed with
+another number of data workers (or processes) cannot use that state; :func:`seek` moves a
+fresh iterator to the batch the restored step reads next.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import grain
 import numpy as np
@@ -72,6 +75,34 @@ def train_iterator(
     if worker_count > 0:
         iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=worker_count))
     return iter(iter_ds)
+
+
+def _prefetch_state(batches: int, worker_count: int) -> dict[str, Any]:
+    """The state of :func:`train_iterator` with ``worker_count`` > 0 workers after ``batches``
+    batches: grain 0.2's ``mp_prefetch`` interleaves the workers' slices ``i::worker_count``
+    round-robin, so worker ``i`` has read ceil((batches - i) / worker_count) of them.
+    (grain's own iterator gives the same state: tests/train/test_input_pipeline.py.)"""
+    return {
+        "next_index_in_cycle": batches % worker_count,
+        "next_index_in_datasets": worker_count,
+        "iterators_in_use_indices": list(range(worker_count)),
+        "iterators_in_use_states": [
+            {"next_index": -(-(batches - i) // worker_count)} for i in range(worker_count)
+        ],
+        "exhausted": [0] * worker_count,
+        "future_states": {},
+    }
+
+
+def seek(iterator: grain.DatasetIterator, batches: int, worker_count: int) -> None:
+    """Moves a :func:`train_iterator` of ``worker_count`` workers to where it is after reading
+    ``batches`` batches (a resumed run's step: every step reads one batch)."""
+    if batches < 0:
+        raise ValueError(f"batches must be >= 0, got {batches}")
+    if worker_count > 0:
+        iterator.set_state(_prefetch_state(batches, worker_count))
+    else:
+        grain.experimental.set_next_index(iterator, batches)
 
 
 def eval_batches(

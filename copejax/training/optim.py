@@ -8,6 +8,7 @@ is not pulled towards zero by the regulariser rather than by the data.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -97,6 +98,24 @@ def make_optimizer(
     if train.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(float(train.grad_clip)), adamw)
     return adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A run's optimizer: the optax transformation and its learning-rate schedule.
+
+    Attributes:
+      tx: clipping then AdamW (:func:`make_optimizer`).
+      schedule: step -> learning rate (:func:`learning_rate_schedule`), logged by the steps.
+    """
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+
+
+def optimizer(train: ml_collections.ConfigDict, boxed_params: Any) -> Optimizer:
+    """The :class:`Optimizer` of ``train`` for parameters shaped like ``boxed_params``."""
+    return Optimizer(make_optimizer(train, boxed_params), learning_rate_schedule(train))
 
 
 def global_norm(tree: Any) -> jax.Array:

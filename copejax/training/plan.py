@@ -1,20 +1,22 @@
 """Planning a run: a config checked in full before any compute and resolved into a Plan.
 
-``validate`` is what ``copejax.training.train`` runs first and what
-``copejax.training.trained_run`` reads a
-finished run back with: the task, the ``ModelConfig`` (``model_config``), the optimiser, the
-mesh and batch sizes, the evaluation splits, and the checks that need the model's parameter
-shapes, done by tracing only. Those catch two problems that otherwise surface deep inside JAX
-after compilation has started: a sharded parameter dimension that its mesh axes do not divide
-(e.g. a 13-token vocabulary split over ``tensor=2``), and an evaluation split whose sequences
-are longer than a position table (a learned table of ``max_len`` rows, a relative table). The
-shapes come from ``jax.eval_shape`` of the initialiser, the sharding recipe of maxtext; the
-model is the decoder-only transformer of Vaswani et al. 2017 (arXiv 1706.03762).
+``validate`` is what ``copejax.training.train`` runs first, and its Plan is what training
+uses: nothing in it is derived again. It resolves the task, the ``ModelConfig``
+(``model_config``, which ``copejax.training.trained_run`` reads a finished run back with), the
+optimiser, the mesh and batch sizes, the evaluation splits and the fine-tune's source, and
+does the checks that need the model's parameter shapes, by tracing only. Those catch two
+problems that otherwise surface deep inside JAX after compilation has started: a sharded
+parameter dimension that its mesh axes do not divide (e.g. a 13-token vocabulary split over
+``tensor=2``), and an evaluation split whose sequences are longer than a position table (a
+learned table of ``max_len`` rows, a relative table). The shapes come from ``jax.eval_shape``
+of the initialiser, the sharding recipe of maxtext; the model is the decoder-only transformer
+of Vaswani et al. 2017 (arXiv 1706.03762).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -31,7 +33,8 @@ from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 from copejax.runtime import sharding
-from copejax.training import optim
+from copejax.training import finetune, optim
+from copejax.training.trained_run import model_config
 
 
 def split_length(task: Task, split: str, seed: int) -> int:
@@ -125,24 +128,45 @@ def check_divisible(params: Any, mesh_sizes: Mapping[str, int], rules: Any) -> N
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a validated config resolves to."""
+    """What a validated config resolves to: everything training uses, derived once.
+
+    Attributes:
+      task: the task.
+      model_config: the resolved and checked ModelConfig.
+      mesh_shape: (data, fsdp, tensor) sizes for the device count validated against.
+      rules: the logical axis rules.
+      optimizer: the optimizer and its learning-rate schedule.
+      eval_splits: the splits evaluated.
+      init_source: ``train.init_from``, checked against the model (None: no fine-tune, or
+        not resolved because the plan only reads a run back).
+    """
 
     task: Task
     model_config: ModelConfig
     mesh_shape: tuple[int, int, int]
+    rules: tuple[tuple[str, Any], ...]
+    optimizer: optim.Optimizer
     eval_splits: tuple[str, ...]
+    init_source: finetune.InitSource | None = None
 
+    @functools.cached_property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The device mesh of ``mesh_shape`` over this machine's devices (built on first use;
+        a plan validated for another device count has none)."""
+        return sharding.mesh_of(self.mesh_shape)
 
-def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
-    """The ModelConfig of ``config.model`` (``ModelConfig.from_config``): the vocabulary and
-    the default ``max_len`` come from the task."""
-    return ModelConfig.from_config(
-        config.model.to_dict(), vocab_size=len(task.vocab), default_max_len=task.seq_len
-    )
+    @property
+    def batch_ways(self) -> int:
+        """The mesh ways of the batch-carrying axes data x fsdp (the dummy init batch)."""
+        return self.mesh_shape[0] * self.mesh_shape[1]
 
 
 def validate(
-    config: ml_collections.ConfigDict, device_count: int | None = None, process_count: int = 1
+    config: ml_collections.ConfigDict,
+    device_count: int | None = None,
+    process_count: int = 1,
+    *,
+    init_source: bool = True,
 ) -> Plan:
     """Checks every part of a config before any compute; raises ValueError on the first problem.
 
@@ -150,7 +174,9 @@ def validate(
     which checks the position scheme), the optimizer, the mesh against the device count, that batch
     sizes divide over the batch-sharded mesh axes and the processes, and (tracing the model,
     no compute) that the mesh axes divide every sharded parameter dimension and that the
-    position scheme takes every evaluation split's sequence length.
+    position scheme takes every evaluation split's sequence length. With ``init_source``,
+    ``train.init_from`` (when set) is read and its architecture checked against the model;
+    the tools that read a finished run back pass False (its source may be gone).
     """
     device_count = jax.device_count() if device_count is None else device_count
     if not isinstance(config.seed, int) or not 0 <= config.seed < 2**31:
@@ -191,4 +217,15 @@ def validate(
     check_divisible(params, dict(zip(sharding.MESH_AXES, shape, strict=True)), rules)
     lengths = {s: split_length(task, s, config.seed) for s in eval_splits}
     check_lengths(cfg, {**lengths, "train": task.seq_len}, params)
-    return Plan(task=task, model_config=cfg, mesh_shape=shape, eval_splits=eval_splits)
+    source = None
+    if init_source and config.train.get("init_from"):
+        source = finetune.check_source(config.train.init_from, cfg)
+    return Plan(
+        task=task,
+        model_config=cfg,
+        mesh_shape=shape,
+        rules=rules,
+        optimizer=optim.optimizer(config.train, params),
+        eval_splits=eval_splits,
+        init_source=source,
+    )

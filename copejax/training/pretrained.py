@@ -108,9 +108,9 @@ def read_model(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
         raise ValueError(_neither(root))
     import ml_collections
 
-    from copejax.training.plan import validate
+    from copejax.training.trained_run import run_model
 
-    cfg = validate(ml_collections.ConfigDict(saved)).model_config
+    cfg = run_model(ml_collections.ConfigDict(saved))[1]
     return block_of(cfg), cfg.vocab_size
 
 

@@ -26,13 +26,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from copejax.model.transformer import Transformer
-from copejax.runtime import sharding, workdir
+from copejax.runtime import workdir
 from copejax.runtime.checkpoint import Checkpointer
 from copejax.runtime.metrics import MetricsWriter, truncate_after
 from copejax.runtime.preemption import Preempted, StopSignal
 from copejax.runtime.progress import Progress
 from copejax.runtime.workdir_lock import WorkdirLock, WorkdirUnusableError, prepare
-from copejax.training import finetune, input_pipeline
+from copejax.training import finetune, input_pipeline, resume
 from copejax.training.plan import Plan, validate
 from copejax.training.train_step import Steps, make_steps
 
@@ -118,8 +118,6 @@ def run(
     a step's loss or gradient is not finite.
     """
     plan = validate(config, process_count=jax.process_count())
-    if config.train.get("init_from"):
-        finetune.check_source(config.train.init_from, plan.model_config)
     resolved = workdir.config_to_dict(config)
     root = Path(workdir_path)
     main_process = jax.process_index() == 0
@@ -174,8 +172,7 @@ def _run_locked(
     stop_after: int | None,
 ) -> dict[str, float]:
     """``run`` once the workdir is locked and holds this run's config."""
-    mesh = sharding.make_mesh(*plan.mesh_shape)
-    rules = sharding.rules_tuple(config.axis_rules)
+    mesh, rules = plan.mesh, plan.rules
     # Inside the mesh context the model's activation sharding constraints (logical names
     # through the rules) take effect; jax.jit also gets explicit in/out shardings.
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules), contextlib.ExitStack() as stack:
@@ -206,9 +203,9 @@ def _train(
 ) -> dict[str, float]:
     train = config.train
     model = Transformer(plan.model_config)
-    batch_ways = plan.mesh_shape[0] * plan.mesh_shape[1]
+    init_shape = (plan.batch_ways, plan.task.seq_len)
     steps = make_steps(
-        model, train, config.seed, (batch_ways, plan.task.seq_len), mesh=mesh, rules=rules
+        model, train, config.seed, init_shape, mesh=mesh, rules=rules, optimizer=plan.optimizer
     )
     data = input_pipeline.train_iterator(
         plan.task,
@@ -222,24 +219,31 @@ def _train(
     ckpt = Checkpointer(root / "checkpoints", train.keep_checkpoints)
     stack.callback(ckpt.close)
 
-    def check_config(step: int, saved: dict[str, Any]) -> None:
+    saved_configs: dict[int, dict[str, Any]] = {}
+
+    def check_config(step: int, saved: dict[str, Any]) -> bool:
+        """Refuses another run's checkpoint; True when its data-iterator state fits."""
         if not workdir.same_run(saved, resolved):
-            diffs = "\n  ".join(workdir.config_differences(saved, resolved)[:20])
             raise workdir.WorkdirConflictError(
-                f"checkpoint {step} in {root} was written by a different config:\n  {diffs}\n"
-                "Pass --restart to discard it and start over."
+                workdir.refusal(f"checkpoint {step} in {root}", saved, resolved)
             )
+        saved_configs[step] = saved
+        return saved.get("data", {}).get("worker_count") == config.data.worker_count
 
     host = _empty_window()
     restored = ckpt.restore_latest(steps.abstract_state, data, check_config)
     if restored is None:
         state, start = steps.init(), 0
-        if train.get("init_from"):
-            state = _start_from(state, steps, plan, train.init_from, main_process)
+        if plan.init_source is not None:
+            state = _start_from(state, steps, plan, main_process)
     else:
-        start, state, saved_host = restored
-        host = saved_host or host
-        print(f"resumed from checkpoint {start} in {root / 'checkpoints'}", flush=True)
+        start, state, host = restored.step, restored.state, restored.host or host
+        _check_steps(start, train.steps, root)
+        lines = resume.changes(saved_configs[start], resolved, train, restored, mesh)
+        lines.append(resume.position_data(data, restored, config.data.worker_count) or "")
+        said = "".join(f"\n{line}" for line in lines if line)
+        changed = f" with changes:{said}" if said else ""
+        print(f"resumed from checkpoint {start} in {root / 'checkpoints'}{changed}", flush=True)
     if main_process:  # a resumed run re-does the steps after its checkpoint
         truncate_after(root / "metrics.jsonl", start)
 
@@ -313,11 +317,22 @@ def _train(
     return last
 
 
-def _start_from(state: Any, steps: Steps, plan: Plan, init_from: str, main_process: bool) -> Any:
-    """The initial state with ``train.init_from``'s weights (``copejax.training.finetune``); logs
-    what was copied and which of the new scheme's parameters were added."""
+def _check_steps(start: int, steps: int, root: Path) -> None:
+    """A resumed run may extend ``train.steps``, not end before a step it has saved."""
+    if start > steps:
+        raise ValueError(
+            f"train.steps={steps} is below checkpoint {start} in {root / 'checkpoints'}: the "
+            f"run has trained further; set train.steps >= {start} to resume or extend it (or "
+            "train a new --workdir with --config.train.init_from=<this workdir>)"
+        )
+
+
+def _start_from(state: Any, steps: Steps, plan: Plan, main_process: bool) -> Any:
+    """The initial state with the plan's ``train.init_from`` weights
+    (``copejax.training.finetune``); logs what was copied and which of the new scheme's
+    parameters were added."""
     params, log = finetune.initial_params(
-        jax.device_get(state.params), plan.model_config, init_from
+        jax.device_get(state.params), plan.model_config, plan.init_source
     )
     if main_process:
         print(log, flush=True)

@@ -113,6 +113,7 @@ def make_steps(
     *,
     mesh: jax.sharding.Mesh,
     rules: Any,
+    optimizer: optim.Optimizer | None = None,
 ) -> Steps:
     """Builds the sharded initialiser and the jitted steps; call them inside ``jax.set_mesh``
     and ``nn.logical_axis_rules(rules)``.
@@ -124,12 +125,15 @@ def make_steps(
       init_shape: (B, T) of the dummy batch used to create parameters.
       mesh: the device mesh.
       rules: logical axis rules.
+      optimizer: the run's optimizer (``Plan.optimizer``); None builds it from
+        ``train_config``.
     """
     from copejax.runtime import sharding
 
-    boxed_abstract = jax.eval_shape(lambda: _boxed_init(model, seed, init_shape))
-    tx = optim.make_optimizer(train_config, boxed_abstract)
-    schedule = optim.learning_rate_schedule(train_config)
+    if optimizer is None:
+        boxed_abstract = jax.eval_shape(lambda: _boxed_init(model, seed, init_shape))
+        optimizer = optim.optimizer(train_config, boxed_abstract)
+    tx, schedule = optimizer.tx, optimizer.schedule
 
     def boxed_state() -> TrainState:
         params = _boxed_init(model, seed, init_shape)

@@ -18,11 +18,11 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from copejax.data.base import Task
+from copejax.data.base import Task, make_task
+from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.runtime import workdir
 from copejax.runtime.checkpoint import Checkpointer
-from copejax.training.plan import validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +51,21 @@ class TrainedRun:
         return self.model_config.position
 
 
+def model_config(config: ml_collections.ConfigDict, task: Task) -> ModelConfig:
+    """The ModelConfig of ``config.model`` (``ModelConfig.from_config``): the vocabulary and
+    the default ``max_len`` come from the task."""
+    return ModelConfig.from_config(
+        config.model.to_dict(), vocab_size=len(task.vocab), default_max_len=task.seq_len
+    )
+
+
+def run_model(config: ml_collections.ConfigDict) -> tuple[Task, ModelConfig]:
+    """The task and the checked ModelConfig of a run's resolved config: what reading the run
+    back needs (``copejax.training.plan.validate`` checks the rest, for training it)."""
+    task = make_task(config.task.name, config.task.options.to_dict())
+    return task, checks.validate(model_config(config, task))
+
+
 def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
     """Reads ``<path>/config.json`` and restores checkpoint ``step`` (default: the latest).
 
@@ -62,7 +77,8 @@ def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
     if saved is None:
         raise ValueError(f"{root} has no {workdir.CONFIG_FILE}: not a copejax workdir")
     config = ml_collections.ConfigDict(saved)
-    plan = validate(config)
+    # The task and model only: a run trained on another mesh or device count reads back here.
+    task, cfg = run_model(config)
     ckpt = Checkpointer(root / "checkpoints", config.train.keep_checkpoints, asynchronous=False)
     try:
         steps = ckpt.all_steps()
@@ -78,4 +94,4 @@ def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
     finally:
         ckpt.close()
     params = jax.device_get(restored["state"]["params"])
-    return TrainedRun(root, config, plan.task, plan.model_config, params, int(chosen))
+    return TrainedRun(root, config, task, cfg, params, int(chosen))

@@ -1,9 +1,12 @@
 """Runs tiny_copy training in a subprocess: ``python -m tests.train.run_tiny WORKDIR JSON``.
 
-JSON holds ``{"position", "train", "mesh", "model", "eval", "distributed": [addr, n, i],
-"kill_during_save": step}`` (all optional); ``kill_during_save`` SIGKILLs the process as soon as
-the asynchronous save of that step has started (its files are still being written). WORKDIR
-may be a comma-separated list: the same config runs in each.
+JSON holds ``{"position", "train", "mesh", "model", "eval", "data", "distributed": [addr, n, i],
+"kill_during_save": step, "stop_after": [step or null per workdir], "train_by_workdir": [{...}
+per workdir]}`` (all optional);
+``kill_during_save`` SIGKILLs the process as soon as the asynchronous save of that step has
+started (its files are still being written). WORKDIR may be a comma-separated list: the same
+config runs in each (``stop_after`` ends the runs it names after that step, as
+``train.run(stop_after=...)`` does; ``train_by_workdir`` overrides train keys per run).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def _die_during_save(kill_step: int) -> None:
 
 def main() -> None:
     workdir, spec = sys.argv[1], json.loads(sys.argv[2])
+    # grain's data workers read absl flags (copejax.main parses them; this runner has none)
+    from absl import flags
+
+    flags.FLAGS.mark_as_parsed()
     if spec.get("distributed"):
         address, count, index = spec["distributed"]
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -49,8 +56,14 @@ def main() -> None:
     config.mesh.update(spec.get("mesh", {}))
     config.model.update(spec.get("model", {}))
     config.eval.update(spec.get("eval", {}))
-    for root in workdir.split(","):  # several runs share one process (and its start-up cost)
-        train.run(config, root)
+    config.data.update(spec.get("data", {}))
+    roots = workdir.split(",")
+    stops = spec.get("stop_after") or [None] * len(roots)
+    overrides = spec.get("train_by_workdir") or [{}] * len(roots)
+    for root, stop, override in zip(roots, stops, overrides, strict=True):
+        run_config = config.copy_and_resolve_references()  # runs share one process's start-up
+        run_config.train.update(override)
+        train.run(run_config, root, stop_after=stop)
 
 
 if __name__ == "__main__":

@@ -191,9 +191,11 @@ def test_stopped_by_a_nan_resumes_with_skip(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with pytest.raises(train.NonFiniteLossError, match=r"at step 4;.*checkpoint 3 in .*skip"):
         train.run(config, root)
-    other = tiny_config(steps=7)
-    with pytest.raises(workdir.WorkdirConflictError, match=r"train\.steps: 6 -> 7"):
-        train.run(other, root)  # only train.nonfinite may change on resume
+    other = tiny_config(learning_rate=2e-2)
+    other.task.options.poison_index = 3 * 8 + 5
+    other.data.shuffle = False
+    with pytest.raises(workdir.WorkdirConflictError, match=r"train\.learning_rate: 0\.01 -> 0\.02"):
+        train.run(other, root)  # train.nonfinite may change on resume, the optimizer may not
     config.train.nonfinite = "skip"
     final = train.run(config, root)
     records = read_jsonl(root / "metrics.jsonl")

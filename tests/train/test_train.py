@@ -94,8 +94,13 @@ def test_resume_may_change_how_often_it_evaluates(uninterrupted: tuple, tmp_path
 def test_different_config_is_refused_unless_restart(uninterrupted: tuple, tmp_path) -> None:
     root = tmp_path / "copy"
     shutil.copytree(uninterrupted[0], root)
-    with pytest.raises(workdir.WorkdirConflictError, match=r"train\.steps: 6 -> 7"):
-        train.run(tiny_config(steps=7), root)
+    with pytest.raises(workdir.WorkdirConflictError) as refused:
+        train.run(tiny_config(learning_rate=2e-2), root)
+    said = str(refused.value)
+    assert "train.learning_rate: 0.01 -> 0.02" in said
+    # It names what may change, and a way on that keeps the run before the one that deletes it.
+    assert "may change only train.steps, mesh.data" in said
+    assert said.index("--config.train.init_from=") < said.index("--restart")
     train.run(tiny_config(steps=7), root, restart=True, stop_after=1)
     assert [r["step"] for r in read_jsonl(root / "metrics.jsonl")] == [1]
     assert Checkpointer(root / "checkpoints", keep=5).all_steps() == []

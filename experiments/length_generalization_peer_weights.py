@@ -24,8 +24,8 @@ attention ``2i`` and feed-forward ``2i + 1``):
   (N H, D); ``out`` (N, H, D) -> ``to_out`` (D, N H);
 - ``mlp/wi_up`` and ``wi_gate`` -> the two halves of ``ff.0.proj`` (up first, as its ``GLU``
   splits them); ``mlp/wo`` -> ``ff.2``;
-- ``position_embed/table`` -> ``pos_emb.emb.weight`` (``learned``); ``own_site/pos_emb`` ->
-  ``attend.cope.pos_emb`` (``cope``); ``own_site/forget_w`` and ``forget_b`` ->
+- ``learned/table`` -> ``pos_emb.emb.weight`` (``learned``); ``attention/cope/pos_emb`` ->
+  ``attend.cope.pos_emb`` (``cope``); ``attention/fox/forget_w`` and ``forget_b`` ->
   ``data_dependent_alibi.to_forget_gates.0`` (``fox``).
 
 Two layouts differ and are matched by a permutation that leaves the function unchanged:
@@ -203,8 +203,8 @@ def load_copejax_params(model: Any, params: Mapping[str, np.ndarray], spec: dict
         "token_emb.emb.weight": take("token_embed/embedding"),
         "attn_layers.final_norm.g": take("final_norm/scale"),
     }
-    if "position_embed/table" in params:
-        mapped["pos_emb.emb.weight"] = take("position_embed/table")
+    if "learned/table" in params:
+        mapped["pos_emb.emb.weight"] = take("learned/table")
     for i in range(spec["num_layers"]):
         ours, attn, ff = (
             f"block_{i}/",
@@ -219,13 +219,13 @@ def load_copejax_params(model: Any, params: Mapping[str, np.ndarray], spec: dict
             mapped[f"{attn}1.{theirs}.weight"] = kernel.reshape(kernel.shape[0], -1).T
         out = take(ours + "attention/out/kernel")
         mapped[attn + "1.to_out.weight"] = out.reshape(-1, out.shape[-1]).T
-        site = ours + "attention/own_site/"
-        if site + "pos_emb" in params:
-            mapped[attn + "1.attend.cope.pos_emb"] = take(site + "pos_emb")
-        if site + "forget_w" in params:
+        cope, fox = ours + "attention/cope/", ours + "attention/fox/"
+        if cope + "pos_emb" in params:
+            mapped[attn + "1.attend.cope.pos_emb"] = take(cope + "pos_emb")
+        if fox + "forget_w" in params:
             gate = attn + "1.data_dependent_alibi.to_forget_gates.0."
-            mapped[gate + "weight"] = take(site + "forget_w").T
-            mapped[gate + "bias"] = take(site + "forget_b")
+            mapped[gate + "weight"] = take(fox + "forget_w").T
+            mapped[gate + "bias"] = take(fox + "forget_b")
         mapped[ff + "0.0.g"] = take(ours + "mlp_norm/scale")
         up_gate = [take(f"{ours}mlp/wi_{half}/kernel").T for half in ("up", "gate")]
         mapped[ff + "1.ff.0.proj.weight"] = np.concatenate(up_gate, axis=0)

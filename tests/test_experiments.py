@@ -867,8 +867,8 @@ def test_peer_weight_map_layouts() -> None:
     np.testing.assert_array_equal(
         halves["block_0/attention/out/kernel"][0, 0], [0, 2, 4, 6, 1, 3, 5, 7]
     )
-    with pytest.raises(ValueError, match="own_site/slopes: no residual axis of width 8"):
-        weights._sinusoid_halves({"block_0/attention/own_site/slopes": np.ones(4)}, 8)
+    with pytest.raises(ValueError, match="alibi/slopes: no residual axis of width 8"):
+        weights._sinusoid_halves({"block_0/attention/alibi/slopes": np.ones(4)}, 8)
 
 
 @pytest.mark.slow  # the side venv (torch, x-transformers) and seven small models

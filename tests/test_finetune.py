@@ -82,7 +82,7 @@ def test_tape_retrofit_equals_rope_at_step_zero(source_dir: Path) -> None:
     expected = _logits(_cfg(SOURCE), source.params)
     cfg, params, log = _finetune(source_dir, "tape")
     assert cfg.position == "tape" and dict(cfg.position_options)["base"] == 500.0
-    assert "rope -> tape" in log and "added block_0/attention/own_site" in log
+    assert "rope -> tape" in log and "added block_0/attention/tape/" in log
     np.testing.assert_allclose(_logits(cfg, params), expected, atol=2e-5, rtol=0)
     # the copied parameters are the pretrained ones, bit for bit
     flat = traverse_util.flatten_dict(params)
@@ -103,7 +103,7 @@ def test_fox_starts_with_gates_near_one(source_dir: Path) -> None:
     options = dict(cfg.position_options)
     assert options["forget_bias_init"] == finetune.FORGET_BIAS_FINETUNE and options["base"] == 500
     added = [line for line in log.splitlines() if line.startswith("  added")]
-    assert added and all("own_site" in line for line in added)
+    assert added and all("/attention/fox+rope/fox/" in line for line in added)
     biases = [v for p, v in traverse_util.flatten_dict(params).items() if p[-1] == "forget_b"]
     assert biases and all(np.all(jax.nn.sigmoid(b) > 0.99) for b in biases)
     # an explicit choice wins
@@ -114,7 +114,9 @@ def test_fox_starts_with_gates_near_one(source_dir: Path) -> None:
 def test_cope_adds_its_tables(source_dir: Path) -> None:
     _, params, log = _finetune(source_dir, "cope+rope", p_max=16)
     assert "rope -> cope+rope" in log and "added" in log
-    assert any("own_site" in "/".join(p) for p in traverse_util.flatten_dict(params))
+    assert any(
+        "attention/cope+rope/cope/" in "/".join(p) for p in traverse_util.flatten_dict(params)
+    )
 
 
 def test_refusals(source_dir: Path, tmp_path: Path) -> None:
@@ -155,9 +157,7 @@ def test_main_fine_tunes_with_a_new_scheme(
     assert config.train.init_from == str(source_dir)
     train.run(config, tmp_path / "run")
     out = capsys.readouterr().out
-    assert (
-        "init_from" in out and "rope -> tape" in out and "added block_1/attention/own_site" in out
-    )
+    assert "init_from" in out and "rope -> tape" in out and "added block_1/attention/tape/" in out
     run = load_run(tmp_path / "run")
     flat = traverse_util.flatten_dict(run.params)
     for path, value in pretrained.load(source_dir).flat_params().items():

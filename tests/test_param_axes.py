@@ -43,7 +43,7 @@ def test_key_and_value_kernels_use_the_kv_heads_axis() -> None:
         assert box.names == (sharding.EMBED, sharding.KV_HEADS, sharding.HEAD_DIM)
         assert box.value.shape == (32, 2, 8)
     assert attention["query"]["kernel"].names[1] == sharding.HEADS
-    assert attention["own_site"]["k_norm_scale"].names[0] == sharding.KV_HEADS
+    assert attention["fox"]["k_norm_scale"].names[0] == sharding.KV_HEADS
     assert (
         dict(sharding.DEFAULT_RULES)[sharding.KV_HEADS]
         == dict(sharding.DEFAULT_RULES)[sharding.HEADS]

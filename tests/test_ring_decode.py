@@ -164,7 +164,7 @@ def test_every_registered_scheme_decodes_from_a_ring() -> None:
 )
 def test_selective_penalties_live_in_ring_slots(options: tuple) -> None:
     cfg = _config("selective", position_options=options)
-    penalty = _attention_caches(decode.init_cache(cfg, 2, 8))[0]["own_site"]["penalty"]
+    penalty = _attention_caches(decode.init_cache(cfg, 2, 8))[0]["selective"]["penalty"]
     assert penalty["selective_penalty"].shape == (2, cfg.window + cfg.window_sink_tokens)
     _decode_equals_forward(cfg, max_len=4)
 

@@ -82,7 +82,7 @@ class ALiBi(PositionScheme):
         alibi_slopes(dims.num_heads)
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _ALiBiSite(dims=dims)
+        return _ALiBiSite(dims=dims, name=self.name)
 
 
 class _ALiBiSite(AttentionSite):

@@ -78,6 +78,13 @@ class Composite(PositionScheme):
         return next((r for r in reasons if r is not None), None)
 
     def validate(self, dims: Dims) -> None:
+        names = [p.name for p in self.parts]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"{self.name}: {repeated} appear more than once; each part's modules are named "
+                "after its scheme, so a scheme may join a combination once"
+            )
         for site in ("normalizer", "carry"):
             users = [p.name for p in self.parts if site in p.sites]
             if len(users) > 1:
@@ -95,10 +102,10 @@ class Composite(PositionScheme):
     def embed_module(self, dims: Dims) -> EmbedSite | None:
         if not any(p.embed_module is not PositionScheme.embed_module for p in self.parts):
             return None
-        return _CompositeEmbed(dims=dims, parts=self.parts)
+        return _CompositeEmbed(dims=dims, parts=self.parts, name=self.name)
 
     def attention_module(self, dims: Dims) -> AttentionSite | None:
-        return _CompositeAttention(dims=dims, parts=self.parts)
+        return _CompositeAttention(dims=dims, parts=self.parts, name=self.name)
 
     def shared_attention_module(self, dims: Dims) -> tuple[Any, ...] | None:
         """One entry per part: the part's shared module, or None for a per-layer part."""
@@ -108,7 +115,7 @@ class Composite(PositionScheme):
     def layer_attention_module(self, dims: Dims, shared: Any) -> AttentionSite | None:
         if shared is None:
             shared = (None,) * len(self.parts)
-        return _CompositeAttention(dims=dims, parts=self.parts, shared=shared)
+        return _CompositeAttention(dims=dims, parts=self.parts, shared=shared, name=self.name)
 
 
 class _CompositeEmbed(EmbedSite):

@@ -179,7 +179,7 @@ class CoPE(PositionScheme):
         return values
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _CoPESite(dims=dims, scheme=self)
+        return _CoPESite(dims=dims, scheme=self, name=self.name)
 
 
 def _ramp_bias_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:

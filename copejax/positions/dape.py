@@ -119,7 +119,7 @@ class DAPE(PositionScheme):
         return Kerple(variant="log", r1_init=self.r1_init, r2_init=self.r2_init)
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _DAPESite(dims=dims, scheme=self)
+        return _DAPESite(dims=dims, scheme=self, name=self.name)
 
 
 def _torch_linear_init(fan_in: int) -> nn.initializers.Initializer:

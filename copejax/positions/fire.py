@@ -102,7 +102,7 @@ class Fire(PositionScheme):
             raise ValueError(f"{self.name}: mlp_width must be an integer, got {self.mlp_width!r}")
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _FireSite(dims=dims, scheme=self)
+        return _FireSite(dims=dims, scheme=self, name=self.name)
 
 
 class _FireSite(AttentionSite):

@@ -147,7 +147,7 @@ class FoX(PositionScheme):
             )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _FoXSite(dims=dims, scheme=self)
+        return _FoXSite(dims=dims, scheme=self, name=self.name)
 
 
 def _param(

@@ -118,7 +118,7 @@ class Kerple(PositionScheme):
         return _inverse_softplus(self.r1_init), raw2
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _KerpleSite(dims=dims, scheme=self)
+        return _KerpleSite(dims=dims, scheme=self, name=self.name)
 
 
 class _KerpleSite(AttentionSite):

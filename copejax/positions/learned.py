@@ -102,7 +102,12 @@ class Learned(PositionScheme):
             )
 
     def embed_module(self, dims: Dims) -> EmbedSite:
-        return LearnedEmbed(dims=dims, table_size=self.resolved_table_size(dims), std=self.init_std)
+        return LearnedEmbed(
+            dims=dims,
+            table_size=self.resolved_table_size(dims),
+            std=self.init_std,
+            name=self.name,
+        )
 
 
 class LearnedEmbed(EmbedSite):

@@ -159,7 +159,7 @@ class PaTH(PositionScheme):
         return None
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _PaTHSite(dims=dims, scheme=self)
+        return _PaTHSite(dims=dims, scheme=self, name=self.name)
 
 
 def _uniform_conv_init(

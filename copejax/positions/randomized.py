@@ -129,7 +129,7 @@ class Randomized(PositionScheme):
             encoding.check_decode(dims, cache_length)
 
     def embed_module(self, dims: Dims) -> EmbedSite:
-        return RandomizedEmbed(dims=dims, scheme=self)
+        return RandomizedEmbed(dims=dims, scheme=self, name=self.name)
 
     def attention_module(self, dims: Dims) -> AttentionSite | None:
         encoding = self.encoding_scheme(dims)

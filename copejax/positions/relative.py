@@ -120,7 +120,7 @@ class Relative(PositionScheme):
             )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _RelativeSite(dims=dims, scheme=self)
+        return _RelativeSite(dims=dims, scheme=self, name=self.name)
 
 
 @register

@@ -327,7 +327,7 @@ class RoPE(PositionScheme):
             )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _RoPESite(dims=dims, scheme=self)
+        return _RoPESite(dims=dims, scheme=self, name=self.name)
 
 
 class _RoPESite(AttentionSite):

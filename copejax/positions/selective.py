@@ -139,7 +139,7 @@ class Selective(PositionScheme):
         )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _SelectiveSite(dims=dims, scheme=self)
+        return _SelectiveSite(dims=dims, scheme=self, name=self.name)
 
 
 class PenaltyCache(nn.Module):

@@ -101,7 +101,7 @@ class Sinusoidal(PositionScheme):
             )
 
     def embed_module(self, dims: Dims) -> EmbedSite:
-        return SinusoidalEmbed(dims=dims, scheme=self)
+        return SinusoidalEmbed(dims=dims, scheme=self, name=self.name)
 
 
 class SinusoidalEmbed(EmbedSite):

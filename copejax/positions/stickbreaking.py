@@ -158,7 +158,7 @@ class StickBreaking(PositionScheme):
                 raise ValueError(f"{self.name}: {key} must be True or False, got {value!r}")
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _StickBreakingSite(dims=dims, scheme=self)
+        return _StickBreakingSite(dims=dims, scheme=self, name=self.name)
 
 
 class _StickBreakingSite(AttentionSite):

@@ -133,7 +133,7 @@ class T5Bias(PositionScheme):
             )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _T5Site(dims=dims, scheme=self)
+        return _T5Site(dims=dims, scheme=self, name=self.name)
 
 
 class _T5Site(AttentionSite):

@@ -204,10 +204,10 @@ class Tape(PositionScheme):
             )
 
     def embed_module(self, dims: Dims) -> EmbedSite:
-        return _TapeEmbed(dims=dims, scheme=self)
+        return _TapeEmbed(dims=dims, scheme=self, name=self.name)
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _TapeSite(dims=dims, scheme=self)
+        return _TapeSite(dims=dims, scheme=self, name=self.name)
 
 
 class _TapeEmbed(EmbedSite):

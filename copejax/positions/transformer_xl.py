@@ -135,7 +135,7 @@ class TransformerXL(PositionScheme):
             )
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _TransformerXLSite(dims=dims, scheme=self)
+        return _TransformerXLSite(dims=dims, scheme=self, name=self.name)
 
 
 class _TransformerXLSite(AttentionSite):

@@ -116,7 +116,7 @@ class XPos(PositionScheme):
         return float(self.center if self.center is not None else dims.max_len // 2)
 
     def attention_module(self, dims: Dims) -> AttentionSite:
-        return _XPosSite(dims=dims, scheme=self)
+        return _XPosSite(dims=dims, scheme=self, name=self.name)
 
 
 class _XPosSite(AttentionSite):

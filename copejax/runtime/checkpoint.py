@@ -36,6 +36,10 @@ class CorruptCheckpointError(ValueError):
 
 
 CORRUPT_DIR = "corrupt_checkpoints"  # next to checkpoints/: where unreadable steps are moved
+# (saved state's metadata, abstract state) -> (abstract state in the saved layout, function
+# from the restored state to the current layout): how a checkpoint written under older names
+# is read (copejax.model.param_paths.checkpoint_upgrade renames old parameter paths).
+LayoutUpgrade = Callable[[Any, Any], tuple[Any, Callable[[Any], Any]]]
 
 
 class Restored(NamedTuple):
@@ -167,15 +171,20 @@ class Checkpointer:
         step: int,
         abstract_state: Any,
         data_iterator: grain.DatasetIterator | None,
+        upgrade: LayoutUpgrade | None = None,
     ) -> Any:
         """Restores checkpoint ``step`` into ``abstract_state``'s shapes, dtypes and shardings.
 
         ``data_iterator`` is moved to the saved position in place. A checkpoint whose arrays
         have other shapes (written by a different model config) raises CheckpointMismatchError
-        listing the differing arrays, before orbax tries to read them.
+        listing the differing arrays, before orbax tries to read them. ``upgrade`` reads a
+        checkpoint saved under older names (see :data:`LayoutUpgrade`).
         """
         metadata = self.manager.item_metadata(step)
         saved_tree = metadata["state"] if metadata is not None else None
+        to_current: Callable[[Any], Any] = lambda state: state
+        if saved_tree is not None and upgrade is not None:
+            abstract_state, to_current = upgrade(saved_tree, abstract_state)
         if saved_tree is not None:
             diffs = _shape_differences(saved_tree, abstract_state)
             if diffs:
@@ -191,13 +200,14 @@ class Checkpointer:
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return restored["state"]
+        return to_current(restored["state"])
 
     def restore_latest(
         self,
         abstract_state: Any,
         data_iterator: grain.DatasetIterator | None,
         check_config: Callable[[int, dict[str, Any]], bool],
+        upgrade: LayoutUpgrade | None = None,
     ) -> Restored | None:
         """Restores the newest readable checkpoint, or returns None if there is none.
 
@@ -210,7 +220,8 @@ class Checkpointer:
         checkpoint's data-iterator state fits ``data_iterator`` (the same pipeline); when it
         does not (another number of data workers), or the checkpoint has no state for this
         process (another process count), the iterator is left alone and
-        ``Restored.data_restored`` is False: the caller positions it.
+        ``Restored.data_restored`` is False: the caller positions it. ``upgrade`` reads
+        checkpoints saved under older parameter names (:meth:`restore`).
 
         Raises:
           CorruptCheckpointError: checkpoints exist but none of them can be read; or none is
@@ -234,7 +245,7 @@ class Checkpointer:
             fits = check_config(step, saved) and self.data_state_fits(step)
             data = data_iterator if fits else None
             try:
-                state = self.restore(step, abstract_state, data)
+                state = self.restore(step, abstract_state, data, upgrade)
             except CheckpointMismatchError:
                 raise
             except Exception as error:

@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from copejax.model import param_paths
 from copejax.model.config import ModelConfig
 from copejax.runtime import workdir
 
@@ -122,7 +123,8 @@ def _neither(root: Path) -> str:
 
 
 def load(path: str | os.PathLike) -> Pretrained:
-    """A converted checkpoint or a copejax workdir's latest checkpoint.
+    """A converted checkpoint or a copejax workdir's latest checkpoint, with today's parameter
+    paths (``copejax.model.param_paths``) when it was written before 0.2.0.
 
     Raises:
       ValueError: ``path`` is neither (named).
@@ -136,7 +138,11 @@ def load(path: str | os.PathLike) -> Pretrained:
         finally:
             checkpointer.close()
         params = jax.tree.map(np.asarray, params)
-        return Pretrained(record["model"], int(record["vocab_size"]), params, f"{root} (converted)")
+        vocab_size = int(record["vocab_size"])
+        # Converted before 0.2.0: today's parameter paths (the names do not read max_len).
+        cfg = ModelConfig.from_config(record["model"], vocab_size=vocab_size, default_max_len=1)
+        params = param_paths.upgrade(params, cfg)
+        return Pretrained(record["model"], vocab_size, params, f"{root} (converted)")
     if workdir.read_config(root) is not None:
         from copejax.training.trained_run import load_run
 

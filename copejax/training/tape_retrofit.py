@@ -28,8 +28,9 @@ from copejax.model import checks
 from copejax.model.config import ModelConfig
 from copejax.model.transformer import Transformer
 
-# Modules that hold TAPE's parameters: the per-layer attention site and the embed site.
-TAPE_MODULES = ("own_site", "position_embed")
+# Modules that hold TAPE's parameters: the per-layer attention site and the embed site, both
+# named after the scheme (copejax.model.param_paths).
+TAPE_MODULES = ("tape",)
 
 
 def tape_config_from_rope(rope_cfg: ModelConfig, **tape_options: Any) -> ModelConfig:

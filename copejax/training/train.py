@@ -25,6 +25,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from copejax.model import param_paths
 from copejax.model.transformer import Transformer
 from copejax.runtime import workdir
 from copejax.runtime.checkpoint import Checkpointer
@@ -231,7 +232,8 @@ def _train(
         return saved.get("data", {}).get("worker_count") == config.data.worker_count
 
     host = _empty_window()
-    restored = ckpt.restore_latest(steps.abstract_state, data, check_config)
+    upgrade = param_paths.checkpoint_upgrade(plan.model_config)  # runs saved before 0.2.0
+    restored = ckpt.restore_latest(steps.abstract_state, data, check_config, upgrade)
     if restored is None:
         state, start = steps.init(), 0
         if plan.init_source is not None:

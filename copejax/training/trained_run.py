@@ -4,7 +4,8 @@ Used by the tools that look at a trained model (``copejax.evaluation.extrapolate
 ``copejax.evaluation.sample``,
 ``copejax.plots.maps``). The parameters of a checkpoint written by
 ``copejax.runtime.checkpoint.Checkpointer`` are read back as saved, onto this machine's default
-device.
+device, with the parameter paths of runs saved before 0.2.0 renamed to today's
+(``copejax.model.param_paths``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from copejax.data.base import Task, make_task
-from copejax.model import checks
+from copejax.model import checks, param_paths
 from copejax.model.config import ModelConfig
 from copejax.runtime import workdir
 from copejax.runtime.checkpoint import Checkpointer
@@ -93,5 +94,5 @@ def load_run(path: str | os.PathLike, step: int | None = None) -> TrainedRun:
         )
     finally:
         ckpt.close()
-    params = jax.device_get(restored["state"]["params"])
+    params = param_paths.upgrade(jax.device_get(restored["state"]["params"]), cfg)
     return TrainedRun(root, config, task, cfg, params, int(chosen))

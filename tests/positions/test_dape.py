@@ -82,9 +82,9 @@ def _layer(options: dict, **model: object) -> tuple[Attention, dict, dict, np.nd
     params = nn.unbox(variables["params"])
     site = {
         name: jnp.asarray(value + 0.3 * rng.normal(size=value.shape), jnp.float32)
-        for name, value in params["own_site"].items()
+        for name, value in params["dape"].items()
     }
-    params = {**params, "own_site": site}
+    params = {**params, "dape": site}
     flat = {name: np.asarray(params[name]["kernel"], np.float64) for name in ("query", "key")}
     flat.update({name: np.asarray(params[name]["kernel"], np.float64) for name in ("value", "out")})
     flat.update({name: np.asarray(value, np.float64) for name, value in site.items()})
@@ -124,13 +124,14 @@ def _tokens() -> jax.Array:
 def test_zero_mlp_output_is_kerple() -> None:
     """With the MLP's output layer zero, f = 0 and DAPE-Kerple is Kerple (log) exactly."""
     model, params = _model("dape", {})
-    site = dict(params["block_0"]["attention"]["own_site"])
+    site = dict(params["block_0"]["attention"]["dape"])
     kerple_site = {"r1_raw": site["r1_raw"], "r2_raw": site["r2_raw"]}
     site["mlp_w_out"] = jnp.zeros_like(site["mlp_w_out"])
     site["mlp_b_out"] = jnp.zeros_like(site["mlp_b_out"])
-    attention = {**params["block_0"]["attention"], "own_site": site}
+    attention = {**params["block_0"]["attention"], "dape": site}
     dape_params = {**params, "block_0": {**params["block_0"], "attention": attention}}
-    kerple_attention = {**params["block_0"]["attention"], "own_site": kerple_site}
+    shared = {k: v for k, v in params["block_0"]["attention"].items() if k != "dape"}
+    kerple_attention = {**shared, "kerple": kerple_site}
     kerple_params = {**params, "block_0": {**params["block_0"], "attention": kerple_attention}}
     kerple, _ = _model("kerple", {})
     args = (_tokens(), jnp.asarray(PACKED_POSITIONS_BT), jnp.asarray(PACKED_SEGMENTS_BT))
@@ -183,14 +184,14 @@ def test_initialisation_follows_pytorch_linear() -> None:
     raw = nn.unbox(
         model.init(jax.random.key(3), _tokens(), jnp.asarray(PACKED_POSITIONS_BT))["params"]
     )
-    site = raw["block_0"]["attention"]["own_site"]
+    site = raw["block_0"]["attention"]["dape"]
     heads = cfg.num_heads
     for name, fan_in in (("mlp_w_in", 2 * heads), ("mlp_b_in", 2 * heads), ("mlp_w_out", 32)):
         values = np.asarray(site[name])
         assert np.all(np.abs(values) <= 1 / math.sqrt(fan_in)), name
         assert np.std(values) > 0.2 / math.sqrt(fan_in), name
     np.testing.assert_allclose(_softplus(np.asarray(site["r1_raw"], np.float64)), 1.0, rtol=1e-6)
-    assert params["block_0"]["attention"]["own_site"]["mlp_w_in"].shape == (2 * heads, 32)
+    assert params["block_0"]["attention"]["dape"]["mlp_w_in"].shape == (2 * heads, 32)
 
 
 def test_dot_product_attention_is_refused() -> None:

@@ -120,11 +120,11 @@ def _layer(
     variables = attention.init(jax.random.key(seed), x_BTD, _ctx(x_BTD, SEGMENTS_BT))
     params = nn.unbox(variables["params"])
     site = {}
-    for name, value in params.get("own_site", {}).items():
+    for name, value in params.get("fox", {}).items():
         scale = 1.0 if name.endswith("_b") else 0.3
         offset = 1.0 if name.endswith("scale") else 0.0
         site[name] = jnp.asarray(offset + scale * rng.normal(size=value.shape), jnp.float32)
-    params = {**params, "own_site": site} if site else params
+    params = {**params, "fox": site} if site else params
     flat = {name: params[name]["kernel"] for name in ("query", "key", "value", "out")}
     flat.update(site)
     return attention, {"params": params}, flat, np.asarray(x_BTD)

@@ -91,16 +91,16 @@ def test_layer_matches_reference(impl: str, heads: int, kv_heads: int | None) ->
     params = nn.unbox(attention.init(jax.random.key(0), x_BTD, _ctx(x_BTD))["params"])
     # beta far from 1 on some tokens (bias +-2), so reflections and contractions both occur.
     group_heads = cfg.resolved_kv_heads
-    assert params["own_site"]["beta_b"].shape == (group_heads,)
-    assert params["own_site"]["w_up"].shape[1] == group_heads
-    params["own_site"]["beta_b"] = jnp.asarray([2.0, -2.0][:group_heads])
+    assert params["path"]["beta_b"].shape == (group_heads,)
+    assert params["path"]["w_up"].shape[1] == group_heads
+    params["path"]["beta_b"] = jnp.asarray([2.0, -2.0][:group_heads])
     for name in ("query", "key"):  # logits of order 1, not 0.01, so the term is visible
         params[name] = {"kernel": params[name]["kernel"] * 30}
     y_BTD, _ = jax.jit(attention.apply)({"params": params}, x_BTD, _ctx(x_BTD))
 
     x64 = np.asarray(x_BTD, np.float64)
-    p = {k: np.asarray(v["kernel"], np.float64) for k, v in params.items() if k != "own_site"}
-    site = {k: np.asarray(v, np.float64) for k, v in params["own_site"].items()}
+    p = {k: np.asarray(v["kernel"], np.float64) for k, v in params.items() if k != "path"}
+    site = {k: np.asarray(v, np.float64) for k, v in params["path"].items()}
     q = np.einsum("BTD,DNH->BTNH", x64, p["query"])
     k = np.einsum("BTD,DKH->BTKH", x64, p["key"])
     v = np.einsum("BTD,DKH->BTKH", x64, p["value"])

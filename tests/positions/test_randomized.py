@@ -113,7 +113,7 @@ def test_rope_encoding_passes_random_positions_to_rope_in_the_model() -> None:
     positions = jnp.tile(jnp.arange(8), (2, 1))
     rngs = {"params": jax.random.key(0), "positions": jax.random.key(5)}
     emb, params = model.init_with_output(rngs, tokens, positions, False, method=Transformer.embed)
-    assert "position_embed" not in params["params"]  # rope encoding: no parameters
+    assert "randomized" not in params["params"]  # rope encoding: no parameters
     new = np.asarray(emb.positions_BT)  # what forward_embedded hands to the rope site
     assert np.all(np.diff(new, axis=1) > 0) and new.max() < 1000
     np.testing.assert_array_equal(

@@ -276,7 +276,7 @@ def test_cached_penalty_is_the_next_query_s_accumulated_mask() -> None:
             mutable=["cache"],
         )
         cache = variables["cache"]
-    site_cache = cache["block_0"]["attention"]["own_site"]["penalty"]
+    site_cache = cache["block_0"]["attention"]["selective"]["penalty"]
     cached_BS = np.asarray(site_cache["selective_penalty"])
     _, state = model.apply(
         {"params": params},
@@ -285,7 +285,7 @@ def test_cached_penalty_is_the_next_query_s_accumulated_mask() -> None:
         jnp.asarray(segments_BT),
         mutable=["intermediates"],
     )
-    site = state["intermediates"]["block_0"]["attention"]["own_site"]
+    site = state["intermediates"]["block_0"]["attention"]["selective"]
     f_BTS = np.asarray(site["penalty_BTS"][0])
     same_BS = segments_BT[:, :8] == segments_BT[:, 8:9]
     np.testing.assert_allclose(cached_BS[:, :8][same_BS], f_BTS[:, 8, :8][same_BS], atol=1e-5)
@@ -303,7 +303,7 @@ def test_pruned_keys_get_zero_weight_and_stay_pruned() -> None:
         mutable=["intermediates"],
     )
     site = state["intermediates"]["block_0"]["attention"]
-    f_BTS = np.asarray(site["own_site"]["penalty_BTS"][0])
+    f_BTS = np.asarray(site["selective"]["penalty_BTS"][0])
     weights_BNTS = np.asarray(site["attention_weights"][0])
     pruned_BTS = f_BTS > 0.3
     assert pruned_BTS.any()
@@ -346,7 +346,7 @@ def test_bad_options_raise(options: dict, word: str) -> None:
 
 def test_scheme_is_parameter_free() -> None:
     _, params = _model({})
-    assert "own_site" not in params["block_0"]["attention"]
+    assert "selective" not in params["block_0"]["attention"]
     assert make_scheme("selective").paper.endswith("2410.02703")
 
 

@@ -114,7 +114,9 @@ def test_layer_matches_reference_and_sows_leftover(include_self: bool) -> None:
     y = np.einsum("BNTS,BSNH,NHD->BTD", weights, v, p["out"])
     np.testing.assert_allclose(np.asarray(y_BTD), y, rtol=1e-4, atol=1e-5)
     sown = state["intermediates"]
-    np.testing.assert_allclose(np.asarray(sown["own_site"]["leftover"][0]), leftover, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(sown["stickbreaking"]["leftover"][0]), leftover, atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(sown["attention_weights"][0]), weights, atol=1e-5)
 
 
@@ -147,9 +149,9 @@ def test_authors_form_matches_reference_on_both_paths(form: dict, impl: str) -> 
         params[name] = {"kernel": params[name]["kernel"] * 60}
     site = {
         name: jnp.asarray(rng.normal(size=value.shape) + name.endswith("scale"), jnp.float32)
-        for name, value in params["own_site"].items()
+        for name, value in params["stickbreaking"].items()
     }
-    params["own_site"] = site
+    params["stickbreaking"] = site
     y_BTD, _ = jax.jit(attention.apply)({"params": params}, x_BTD, _ctx(x_BTD))
 
     p = {k: np.asarray(params[k]["kernel"], np.float64) for k in ("query", "key", "value", "out")}

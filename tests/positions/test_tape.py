@@ -364,7 +364,7 @@ def test_tape_at_init_equals_rope_model(layout: str, block: str) -> None:
     # The identity is W2 = 0's doing: a non-zero W2 (and psi gates away from psi(0) = 0, as
     # the tiny initial attention outputs give) moves the positions and the logits.
     flat = _flat(tape_params)
-    for key in [k for k in flat if k.endswith(("own_site/w2", "psi_out/bias"))]:
+    for key in [k for k in flat if k.endswith(("tape/w2", "psi_out/bias"))]:
         flat[key] = jax.random.normal(jax.random.key(2), flat[key].shape)
     moved = np.asarray(jax.jit(tape.apply)(_unflat(flat), tokens, positions))
     assert np.abs(moved - want).max() > 1e-3
@@ -388,7 +388,7 @@ def _block_setup(rng: np.random.Generator, **options: object):
     )
     block = Block(cfg)
     params = nn.meta.unbox(block.init(jax.random.key(0), x, ctx))
-    site = params["params"]["attention"]["own_site"]
+    site = params["params"]["attention"]["tape"]
     # Non-zero W2 and psi gates of order one, so that the position update is not ~0.
     site["w2"] = jax.random.normal(jax.random.key(1), site["w2"].shape)
     site["psi_out"]["bias"] = jax.random.normal(jax.random.key(2), site["psi_out"]["bias"].shape)
@@ -496,7 +496,7 @@ def test_retrofit_is_identical_and_the_mask_trains_only_tape() -> None:
     # At W2 = 0 only W2 has a gradient (psi and W1 feed into it), and only in the layers
     # whose output positions are read by a later layer.
     assert not np.array_equal(
-        new["params/block_0/attention/own_site/w2"], old["params/block_0/attention/own_site/w2"]
+        new["params/block_0/attention/tape/w2"], old["params/block_0/attention/tape/w2"]
     )
 
 

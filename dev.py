@@ -5,6 +5,7 @@
     python3 dev.py test        # install into .venv, ruff lint + format check, the test suite
     python3 dev.py test-slow   # the tests marked slow
     python3 dev.py format      # ruff format + fixes
+    python3 dev.py docs        # the API reference (pdoc) into docs/api/ (git-ignored)
 
 Each command first creates ``.venv`` and installs copejax with the versions pinned in
 ``constraints.txt`` (skipped when those files have not changed since the last install).
@@ -59,6 +60,7 @@ def main(argv: list[str]) -> None:
         ],
         "test-slow": [[PY, "-m", "pytest", "-n", "2", "-q", "-m", "slow", *argv[1:]]],
         "format": [[BIN / "ruff", "format", "."], [BIN / "ruff", "check", "--fix", "."]],
+        "docs": [[PY, "docs/build_api.py", *argv[1:]]],
     }
     if not argv or argv[0] not in commands:
         sys.exit(f"usage: python3 dev.py {{{','.join(commands)}}} [args...]")

@@ -30,7 +30,10 @@ from copejax.data import _sequence as seq
 from copejax.data.base import Example, Task, TaskSource, register_task
 
 VOCAB = ("<pad>", *"0123456789", "+", "=", "<eos>")
-DIGIT0, PLUS, EQUALS, EOS = 1, 11, 12, 13
+DIGIT0 = 1
+PLUS = 11
+EQUALS = 12
+EOS = 13
 _PAIR = re.compile(r"^(correct|count)/(\d+)x(\d+)$")
 
 

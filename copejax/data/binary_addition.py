@@ -22,7 +22,9 @@ import numpy as np
 from copejax.data._length_suite import LengthTask
 from copejax.data.base import register_task
 
-PLUS, END = 2, 3  # indices into BinaryAddition.symbols
+# Indices into BinaryAddition.symbols
+PLUS = 2
+END = 3
 
 
 def little_endian_bits(value: int, width: int = 0) -> list[int]:

@@ -34,8 +34,15 @@ from copejax.data import _sequence as seq
 from copejax.data.base import Example, Task, TaskSource, register_task
 
 KEYWORDS = ("<pad>", ";", "pass", "=", "++", "print")
-SEMI, PASS, ASSIGN, INCR, PRINT = 1, 2, 3, 4, 5
-SET, INCREMENT, NOTHING = 0, 1, 2  # operation kinds, in the order of the weights
+SEMI = 1
+PASS = 2
+ASSIGN = 3
+INCR = 4
+PRINT = 5
+# Operation kinds, in the order of the weights
+SET = 0
+INCREMENT = 1
+NOTHING = 2
 
 
 @register_task

@@ -33,7 +33,10 @@ from copejax.data import _sequence as seq
 from copejax.data.base import Example, Task, TaskSource, register_task
 
 VOCAB = ("<pad>", "w", "r", "i", "0", "1")
-WRITE, READ, IGNORE, BIT0 = 1, 2, 3, 4
+WRITE = 1
+READ = 2
+IGNORE = 3
+BIT0 = 4
 
 
 @register_task

@@ -19,7 +19,9 @@ import numpy as np
 from copejax.data._length_suite import LengthTask, random_symbols
 from copejax.data.base import register_task
 
-PLACEHOLDER, EMPTY = 2, 3  # indices into MissingDuplicate.symbols
+# Indices into MissingDuplicate.symbols
+PLACEHOLDER = 2
+EMPTY = 3
 
 
 @register_task

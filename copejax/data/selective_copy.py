@@ -24,7 +24,9 @@ import numpy as np
 from copejax.data import _sequence as seq
 from copejax.data.base import Example, Task, TaskSource, register_task
 
-BLANK, SEPARATOR, FIRST_DATA = 1, 2, 3
+BLANK = 1
+SEPARATOR = 2
+FIRST_DATA = 3
 
 
 @register_task

@@ -25,7 +25,9 @@ SCAN_IMPLS = ("auto", "associative_scan", "cumsum")
 # The blockwise engine's block length when model.attention_block is None: 128 below 4096 keys,
 # 256 from there (side-by-side probes on a 2-core CPU: at T = 1024 blocks of 128 were faster
 # for nope and CoPE, at T = 4096 blocks of 256 for nope and FoX; experiments/results/bench.md).
-SMALL_BLOCK, LARGE_BLOCK, LARGE_BLOCK_FROM = 128, 256, 4096
+SMALL_BLOCK = 128
+LARGE_BLOCK = 256
+LARGE_BLOCK_FROM = 4096
 # Sizes configs saved before ModelConfig.from_config wrote as 0 for "unset" (now None); the
 # same keys as copejax.runtime.workdir.UNSET_AS_ZERO, which lets such a run resume.
 UNSET_AS_ZERO = ("head_dim", "mlp_dim", "max_len", "window", "num_kv_heads")

@@ -170,7 +170,7 @@ def kernel_attention(
             "Triton-shaped, see copejax.ops.kernels.triton_params); use 'auto' or 'blockwise'"
         )
     block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
-    terms = kernel_terms(cfg.scheme, block_terms, cfg.dims)
+    terms, cope = kernel_terms(cfg.scheme, block_terms, cfg.dims)
     q_ids_BT, _ = ctx.ids()
     block = cfg.attention_block or KERNEL_BLOCK
     normalizer = site.block_normalizer(ctx) or engine_blocks.SOFTMAX
@@ -189,4 +189,5 @@ def kernel_attention(
         block_k=block,
         normalizer=normalizer.kind,
         include_self=normalizer.include_self,
+        cope=cope,
     )

@@ -16,7 +16,10 @@ functions, evaluated tile by tile in the kernels:
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
   units one by one), from c, L and the MLP as a row per head;
 - stickbreaking: no term; its normalizer runs in the kernels (:mod:`copejax.ops.kernels.stick`),
-  with or without the query's own key, and with ``remainder_bias``'s extra value channel.
+  with or without the query's own key, and with ``remainder_bias``'s extra value channel;
+- cope: its count carried across key tiles and its interpolated ``q . e[p]``
+  (:mod:`copejax.ops.kernels.cope`), for gates on the content logits (the default) and the
+  interpolated term, with the softmax; other gates and position terms are refused by name.
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.terms import KernelTerm, TermTile, param_scalars, table_lookup
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
@@ -46,8 +50,6 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
-    "cope": "its gate count is carried from the newest key tile to the oldest (a carried "
-    "term; the kernels have per-pair terms only so far)",
     "selective": "its accumulated penalties are a (B, S, T/Q) prefix per query block",
     "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
@@ -168,27 +170,40 @@ def _has_term(part: PositionScheme) -> bool:
 
 def _runs(part: PositionScheme) -> bool:
     """Whether the kernels run the part: content sites, a normalizer they implement, and a
-    bias with a kernel term."""
+    bias with a kernel term (or CoPE's carried count)."""
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
-    return not other and (not _has_term(part) or part.name in TERM_BUILDERS)
+    known = part.name in TERM_BUILDERS or part.name == "cope"
+    return not other and (not _has_term(part) or known)
 
 
-def covered() -> tuple[str, ...]:
-    """The schemes with a kernel term, by name (besides the content-only ones)."""
-    return tuple(TERM_BUILDERS)
+def _cope_refusal(part: PositionScheme) -> str | None:
+    """Why the kernels cannot run this CoPE variant (its options), or None."""
+    if part.gates != "keys":
+        return f"gates={part.gates!r} (the kernels gate on the content logits, 'keys')"
+    if part.position_term != "interpolate":
+        return f"position_term={part.position_term!r} (the kernels interpolate q . e[p])"
+    return None
 
 
 def kernel_refusal(scheme: PositionScheme) -> str | None:
     """Why ``scheme`` cannot run on the fused kernels (naming the part), or None."""
+    names = [part.name for part in parts(scheme)]
     for part in parts(scheme):
+        reason = None
         if not _runs(part):
             reason = NOT_YET.get(part.name, f"it acts at sites {part.sites}")
+        elif part.name == "cope":
+            reason = _cope_refusal(part)
+            if reason is None and NORMALIZERS & set(names):
+                reason = "its count with another normalizer than the softmax"
+        if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
-                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)} and {list(TERM_BUILDERS)}; "
+                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope and "
+                f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
             )
@@ -197,9 +212,9 @@ def kernel_refusal(scheme: PositionScheme) -> str | None:
 
 def kernel_terms(
     scheme: PositionScheme, block_terms: tuple[BlockTerm, ...], dims: Dims
-) -> tuple[KernelTerm, ...]:
+) -> tuple[tuple[KernelTerm, ...], CopeTerm | None]:
     """The kernel terms of a covered scheme from its block terms (one per part that adds a
-    term, in the parts' order, as composites return them)."""
+    term, in the parts' order, as composites return them), and CoPE's carried term."""
     refusal = kernel_refusal(scheme)
     if refusal is not None:
         raise ValueError(refusal)
@@ -209,7 +224,13 @@ def kernel_terms(
             f"kernel: scheme {scheme.name!r} gave {len(block_terms)} block terms for the "
             f"{len(with_terms)} parts with a term ({[p.name for p in with_terms]})"
         )
-    return tuple(
-        TERM_BUILDERS[part.name](part, term, dims)
-        for part, term in zip(with_terms, block_terms, strict=True)
-    )
+    terms, cope = [], None
+    for part, term in zip(with_terms, block_terms, strict=True):
+        if part.name == "cope":  # its table e, (P, H) or (N, P, H)
+            static = CopeStatic(
+                part.num_positions(dims), part.scale_position_term, part.force_unit_gates
+            )
+            cope = CopeTerm(term.params, static)
+        else:
+            terms.append(TERM_BUILDERS[part.name](part, term, dims))
+    return tuple(terms), cope

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.backward import backward_calls
+from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
@@ -84,6 +85,7 @@ def fused_attention(
     interpret: bool | None = None,
     normalizer: str = "softmax",
     include_self: bool = True,
+    cope: CopeTerm | None = None,
 ) -> jax.Array:
     """Causal self-attention through the fused kernels.
 
@@ -101,6 +103,8 @@ def fused_attention(
       interpret: Pallas interpret mode; None: everywhere but on a GPU.
       normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (False: stick-breaking's default).
+      cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
+        with the softmax only.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -120,6 +124,8 @@ def fused_attention(
         raise ValueError(f"kernel: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
     if normalizer == "softmax" and not include_self:
         raise ValueError("kernel: a softmax row always includes its own key (include_self)")
+    if cope is not None and normalizer != "softmax":
+        raise ValueError("kernel: CoPE's term runs with the softmax only")
     sinks = sink_tokens if window is not None else 0
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
@@ -146,6 +152,7 @@ def fused_attention(
         interpret=bool(interpret),
         stick=normalizer == "stickbreaking",
         include_self=include_self,
+        cope=None if cope is None else cope.static,
     )
     segments_BT = segment_ids_BT.astype(jnp.int32)
     lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
@@ -162,6 +169,7 @@ def fused_attention(
         "k": _pad(k_BTGH, padded, 0),
         "v": _pad(v_BTGW, padded, 0),
         "terms": [_term_arrays(t, padded) for t in terms],
+        "cope": None if cope is None else _cope_table(cope.table, heads),
     }
     y_BTNW = _attention(plan, arrays, ints)
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
@@ -181,6 +189,14 @@ def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
     return out
 
 
+def _cope_table(table: jax.Array, heads: int) -> jax.Array:
+    """CoPE's table as (N, P, H) float32, rows padded to a power of two (zeros: the capped
+    positions never reach them)."""
+    table = jnp.broadcast_to(table.astype(jnp.float32), (heads, *table.shape[-2:]))
+    rows = table.shape[1]
+    return jnp.pad(table, ((0, 0), (0, _power_of_two(rows) - rows), (0, 0)))
+
+
 def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
     """The kernels as one differentiable function of ``arrays`` (the integer ``ints`` get
     no gradient)."""
@@ -190,19 +206,25 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
         return forward(arrays, ints)[0]
 
     def forward(arrays: dict, ints: dict) -> tuple[jax.Array, tuple]:
-        o_BTNW, lse_BNT = forward_call(
-            plan, arrays["q"], arrays["k"], arrays["v"], ints=ints, terms=arrays["terms"]
+        o_BTNW, lse_BNT, carries = forward_call(
+            plan,
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            ints=ints,
+            terms=arrays["terms"],
+            cope_NPH=arrays["cope"],
         )
-        return o_BTNW, (arrays, ints, o_BTNW, lse_BNT)
+        return o_BTNW, (arrays, ints, o_BTNW, lse_BNT, carries)
 
     def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[dict, None]:
-        arrays, ints, o_BTNW, lse_BNT = residuals
+        arrays, ints, o_BTNW, lse_BNT, carries = residuals
         q_BTNH, k_BTGH, v_BTGW = arrays["q"], arrays["k"], arrays["v"]
         # The matmuls take the inputs' dtype; D from the same rounded cotangent, so that
         # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
         do_BTNW = do_BTNW.astype(v_BTGW.dtype)
         delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
-        dq_BTNH, dk_BTNH, dv_BTNW, term_grads = backward_calls(
+        dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_calls(
             plan,
             q_BTNH,
             k_BTGH,
@@ -212,6 +234,8 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
             delta_BNT=jnp.moveaxis(delta_BTN, 2, 1),
             ints=ints,
             terms=arrays["terms"],
+            cope_NPH=arrays["cope"],
+            cope_counts=carries[0] if carries else None,
         )
         batch, length, heads = q_BTNH.shape[:3]
         kv_heads = k_BTGH.shape[2]
@@ -232,6 +256,7 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
                 }
                 for g in term_grads
             ],
+            "cope": d_cope_NPH,
         }
         return grads, None
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
 from copejax.ops.kernels.operands import term_operands, term_refs
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
 from copejax.ops.kernels.terms import tile_bias_QK
@@ -180,12 +181,16 @@ def backward_calls(
     delta_BNT: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
-) -> tuple[jax.Array, jax.Array, jax.Array, list[dict]]:
-    """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments).
+    cope_NPH: jax.Array | None = None,
+    cope_counts: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], jax.Array | None]:
+    """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments;
+    ``cope_counts``: the forward's counts entering each key tile).
 
     Returns:
       (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW float32 per query head, the terms'
-      gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)}).
+      gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)},
+      CoPE's table gradient (N, P, H) or None).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -210,13 +215,26 @@ def backward_calls(
     out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
     out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
-    # Stick-breaking: the carries entering each key tile, rows padded to a power of two.
-    carry_rows = 1 << max(plan.count_k - 1, 0).bit_length()
+    # Per key tile (rows padded to a power of two): stick-breaking's carries entering it,
+    # CoPE's count entering it (in) and its cotangent leaving it (out).
+    rows = plan.carry_rows
+    carry_spec = pl.BlockSpec((None, None, rows, sq), lambda b, n, i: (b, n, 0, i))
+    carry_shape = jax.ShapeDtypeStruct((batch, heads, rows, length_q), f32)
+    dq_body, extra_in = _dq_kernel, []
     if plan.stick:
-        carry_spec = pl.BlockSpec((None, None, carry_rows, sq), lambda b, n, i: (b, n, 0, i))
+        dq_body = stick_dq_kernel
         out_specs += [carry_spec, carry_spec]
-        out_shape += [jax.ShapeDtypeStruct((batch, heads, carry_rows, length_q), f32)] * 2
-    dq_body = stick_dq_kernel if plan.stick else _dq_kernel
+        out_shape += [carry_shape] * 2
+    if plan.cope is not None:
+        dq_body, extra_in = cope_dq_kernel, [cope_NPH, cope_counts]
+        table_spec = pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i: (n, 0, 0))
+        term_specs = [*term_specs, table_spec, carry_spec]
+        out_specs += [carry_spec]
+        out_specs += [
+            pl.BlockSpec((None, None, None, *cope_NPH.shape[1:]), lambda b, n, i: (b, n, i, 0, 0))
+        ]
+        out_shape += [carry_shape]
+        out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_q, *cope_NPH.shape[1:]), f32)]
     dq_BTNH, *dqv = pl.pallas_call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q),
@@ -226,9 +244,13 @@ def backward_calls(
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dq",
-    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in)
+    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in)
     carries = dqv[len(q_terms) :]
     dqv = dqv[: len(q_terms)]
+    d_cope_NPH = None
+    if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
+        d_cope_NPH = jnp.sum(carries[1], axis=(0, 2))
+        carries = [cope_counts, carries[0]]
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
@@ -261,16 +283,20 @@ def backward_calls(
     out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
     carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
     dkdv_body = stick_dkdv_kernel if plan.stick else _dkdv_kernel
+    extra_in, extra_specs = [], []
+    if plan.cope is not None:
+        dkdv_body, extra_in = cope_dkdv_kernel, [cope_NPH]
+        extra_specs = [pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, j: (n, 0, 0))]
     dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
         functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k),
-        in_specs=specs + term_specs + carry_specs * len(carries),
+        in_specs=specs + term_specs + extra_specs + carry_specs * len(carries),
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dkdv",
-    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *carries)
+    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in, *carries)
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
@@ -279,4 +305,4 @@ def backward_calls(
         grads[i]["k"] = g
     for i, g in zip(p_terms, dparams, strict=True):
         grads[i]["params"] = g
-    return dq_BTNH, dk_BSNH, dv_BSNW, grads
+    return dq_BTNH, dk_BSNH, dv_BSNW, grads, d_cope_NPH

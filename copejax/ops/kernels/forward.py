@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.cope import cope_forward_kernel
 from copejax.ops.kernels.operands import term_operands, term_refs
 from copejax.ops.kernels.stick import stick_forward_kernel
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
@@ -81,18 +82,21 @@ def forward_call(
     *,
     ints: dict[str, jax.Array],
     terms: list[dict],
-) -> tuple[jax.Array, jax.Array]:
+    cope_NPH: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """Runs the forward kernel on padded inputs.
 
     Args:
       q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles).
       ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank".
       terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
+      cope_NPH: CoPE's table per head, with ``plan.cope``.
 
     Returns:
-      (o_BTNW float32, lse_BNT float32; with stick-breaking minus the log remainder). The
-      output stays float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's
-      gradient subtracts from D, where a bfloat16 output's rounding would show).
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
+      with CoPE [the count entering each key tile (B, N, carry_rows, T)]). The output stays
+      float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's gradient subtracts
+      from D, where a bfloat16 output's rounding would show).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -112,20 +116,35 @@ def forward_call(
     inputs += [ints["k_pos"], ints["k_seg"], ints["k_rank"]]
     has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
     body = stick_forward_kernel if plan.stick else _forward_kernel
+    out_specs = [
+        pl.BlockSpec((None, plan.size_q, None, width), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, None, plan.size_q), lambda b, n, i: (b, n, i)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, length_q, heads, width), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, length_q), jnp.float32),
+    ]
+    extra = []
+    if plan.cope is not None:
+        body, rows = cope_forward_kernel, plan.carry_rows
+        extra = [cope_NPH]
+        term_specs = [
+            *term_specs,
+            pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i: (n, 0, 0)),
+        ]
+        out_specs.append(
+            pl.BlockSpec((None, None, rows, plan.size_q), lambda b, n, i: (b, n, 0, i))
+        )
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, rows, length_q), jnp.float32))
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_inputs))
-    return pl.pallas_call(
+    o_BTNW, lse_BNT, *carries = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs + term_specs,
-        out_specs=[
-            pl.BlockSpec((None, plan.size_q, None, width), lambda b, n, i: (b, i, n, 0)),
-            pl.BlockSpec((None, None, plan.size_q), lambda b, n, i: (b, n, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, length_q, heads, width), jnp.float32),
-            jax.ShapeDtypeStruct((batch, heads, length_q), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_forward",
-    )(*inputs, *term_inputs)
+    )(*inputs, *term_inputs, *extra)
+    return o_BTNW, lse_BNT, carries

@@ -34,7 +34,7 @@ from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 
 
-def _newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
+def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
     """M[k, j] = 1 where key k is newer than key j (or is j, ``inclusive``): ``x @ M`` sums
     each row's entries over the newer keys of the tile."""
     k_K1 = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
@@ -43,7 +43,7 @@ def _newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
     return newer.astype(jnp.float32)
 
 
-def _tile_sum(x_QK: jax.Array, ones_KK: jax.Array) -> jax.Array:
+def tile_sum(x_QK: jax.Array, ones_KK: jax.Array) -> jax.Array:
     return jax.lax.dot_general(
         x_QK,
         ones_KK,
@@ -70,7 +70,7 @@ def stick_weights_QK(z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array) -> 
     log1p_QK = jnp.log1p(e_QK)
     softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
-    after_QK = _tile_sum(softplus_QK, _newer_ones_KK(z_QK.shape[1], inclusive=False))
+    after_QK = tile_sum(softplus_QK, newer_ones_KK(z_QK.shape[1], inclusive=False))
     a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - r_Q[:, None]), 0.0)
     return a_QK, softplus_QK, e_QK
 
@@ -80,7 +80,7 @@ def stick_dz_QK(
 ) -> jax.Array:
     """The score gradient of one pair (module docstring), from exp(-|z|) and G."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
-    within_QK = _tile_sum(g_QK, _newer_ones_KK(z_QK.shape[1], inclusive=True))
+    within_QK = tile_sum(g_QK, newer_ones_KK(z_QK.shape[1], inclusive=True))
     older_QK = delta_Q[:, None] - u_Q[:, None] - within_QK
     sigmoid_QK = jnp.where(z_QK >= 0, 1.0, e_QK) / (1.0 + e_QK)
     sigmoid_neg_QK = jnp.where(z_QK >= 0, e_QK, 1.0) / (1.0 + e_QK)

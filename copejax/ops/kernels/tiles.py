@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,8 @@ class Plan:
       interpret: run in Pallas interpret mode (any backend; the CPU's only mode).
       stick: stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (stick-breaking's default does not).
+      cope: CoPE's static options when its carried count is in the kernels
+        (:class:`copejax.ops.kernels.cope.CopeStatic`), else None.
     """
 
     size_q: int
@@ -50,6 +53,13 @@ class Plan:
     interpret: bool
     stick: bool = False
     include_self: bool = True
+    cope: Any = None
+
+    @property
+    def carry_rows(self) -> int:
+        """Rows of the per-key-tile carries (stick-breaking's, CoPE's): count_k padded to a
+        power of two (Triton's block shapes)."""
+        return 1 << max(self.count_k - 1, 0).bit_length()
 
     @property
     def sinks(self) -> int:

@@ -65,3 +65,21 @@ def stick_attention(q, k, v, bias_BNTS, allowed_BTS, *, xp=jnp):
     k, v = xp.repeat(k, groups, axis=2), xp.repeat(v, groups, axis=2)
     z = xp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1]) + bias_BNTS
     return xp.einsum("bnts,bsnh->btnh", stick_weights_jnp(z, allowed_BTS, xp=xp), v)
+
+
+def cope_term(q, k, table_PH, allowed_BTS, p_max: int, *, xp=jnp):
+    """CoPE's position term z_i[p_ij] (arXiv 2405.18719 eq. 4-8) for every pair: gates on the
+    scaled content logits, suffix sums over allowed keys capped at p_max - 1, z = q . e read
+    by linear interpolation; k with G <= N heads."""
+    groups = q.shape[2] // k.shape[2]
+    k = xp.repeat(k, groups, axis=2)
+    logits = xp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    gates = xp.where(allowed_BTS[:, None], 1.0 / (1.0 + xp.exp(-logits)), 0.0)
+    suffix = xp.cumsum(gates[..., ::-1], axis=-1)[..., ::-1]
+    p = xp.minimum(suffix, p_max - 1.0)
+    z = xp.einsum("btnh,ph->bntp", q, table_PH)
+    lo = xp.floor(p).astype(np.int32)
+    hi = xp.minimum(lo + 1, p_max - 1)
+    w = p - xp.floor(p)
+    read = lambda index: xp.take_along_axis(z, index, axis=-1)
+    return (1.0 - w) * read(lo) + w * read(hi)

@@ -115,11 +115,24 @@ def test_kernel_equals_naive_bfloat16_window_sinks(position: str) -> None:
     _compare(position, "bfloat16", window=12, sinks=2)
 
 
-@pytest.mark.parametrize("position", [*REFUSED, "cope+rope", "rope+path"])
+@pytest.mark.parametrize("position", [*REFUSED, "dape+rope", "rope+path"])
 def test_refused_by_name(position: str) -> None:
     part = next(p for p in position.split("+") if p in REFUSED)
     with pytest.raises(ValueError, match=f"no kernel for scheme '{part}'"):
         tiny_config(position, attention_impl="kernel")
+
+
+@pytest.mark.parametrize(
+    ("position", "options", "named"),
+    [
+        ("cope", {"gates": "values"}, "gates='values'"),
+        ("cope", {"position_term": "mlp"}, "position_term='mlp'"),
+        ("cope+stickbreaking", {}, "another normalizer"),
+    ],
+)
+def test_refuses_cope_variants_by_name(position: str, options: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"no kernel for scheme 'cope': .*{named}"):
+        tiny_config(position, attention_impl="kernel", position_options=options)
 
 
 def test_refuses_the_attention_sink() -> None:

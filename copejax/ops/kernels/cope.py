@@ -1,0 +1,282 @@
+"""CoPE in the fused kernels (Golovneva et al. 2024, arXiv 2405.18719): the carried count.
+
+Gates ``g_ij = sigmoid(q_i . k_j / sqrt(H))`` on allowed keys, positions ``p_ij = min(sum_{k
+>= j} g_ik, p_max - 1)`` (eq. 4) and the term ``z_i[p_ij]``, ``z_i[p] = q_i . e[p]`` read by
+linear interpolation (eq. 7-8), added to the content logits. A query tile walks its key tiles
+newest first with the count of the newer tiles' gates as carry ``c_i``; within a tile the
+suffix sum is a matmul with a triangular ones matrix (tensor cores), and the interpolation is
+a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value and
+derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
+gather. ``z`` for the tile (Q, P) is one more matmul per pair.
+
+The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, e, c);
+the kernels differentiate it with ``jax.vjp``. The forward writes the carry entering each key
+tile (B, N, count_k, T). The dq kernel walks the key tiles oldest first: the cotangent of the
+carry leaving tile t is the sum of the older tiles' pulls on their entering carries, so it is
+known when tile t is reached; it writes that cotangent per tile for the dk / dv kernel, whose
+programs own a key tile. Both carries are O(T^2 / K) floats per head. Supported: the
+paper's default gates on the content logits ("keys") and the interpolated term, with a table
+shared by the heads or one per head, ``scale_position_term`` and ``force_unit_gates``.
+Shape letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.stick import newer_ones_KK, tile_sum
+from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+
+
+@dataclasses.dataclass(frozen=True)
+class CopeStatic:
+    """CoPE's static options in the kernels: ``p_max``, the position term divided by sqrt(H)
+    (``scale_term``), every allowed gate 1 (``unit_gates``)."""
+
+    p_max: int
+    scale_term: bool = False
+    unit_gates: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CopeTerm:
+    """CoPE in the kernels: its table ``e``, (P, H) shared by the heads or (N, P, H) one per
+    head, and its static options."""
+
+    table: jax.Array
+    static: CopeStatic
+
+
+def interpolate_QK(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
+    """``z_i`` read at the fractional ``p_ij`` in [0, P - 1] by linear interpolation."""
+    rows_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
+    out_QK = jnp.zeros(p_QK.shape, jnp.float32)
+    for row in range(z_QP.shape[1]):
+        z_Q = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1)
+        out_QK = out_QK + z_Q[:, None] * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
+    return out_QK
+
+
+def cope_scores_QK(
+    static: CopeStatic,
+    logits_QK: jax.Array,
+    q_QH: jax.Array,
+    e_PH: jax.Array,
+    *,
+    c_Q: jax.Array,
+    allowed_QK: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
+    given its content logits and the newer tiles' count ``c_Q``; float32. The kernels take
+    the logits' cotangent through the content matmul themselves, in the inputs' dtype."""
+    if static.unit_gates:
+        gates_QK = allowed_QK.astype(jnp.float32)
+    else:
+        gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(logits_QK), 0.0)
+    within_QK = tile_sum(gates_QK, newer_ones_KK(gates_QK.shape[1], inclusive=True))
+    p_QK = jnp.minimum(within_QK + c_Q[:, None], static.p_max - 1.0)
+    z_QP = jax.lax.dot_general(
+        q_QH.astype(jnp.float32),
+        e_PH,
+        (((1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    term_QK = interpolate_QK(z_QP, p_QK)
+    if static.scale_term:
+        term_QK = term_QK / math.sqrt(q_QH.shape[-1])
+    return logits_QK + term_QK, jnp.sum(gates_QK, axis=1)
+
+
+def _scores(plan: Plan, logits_QK, q_QH, e_PH, *, c_Q, allowed_QK, inputs) -> tuple:
+    """The pair's masked scores (CoPE's and the other terms') and gate total."""
+    s_QK, total_Q = cope_scores_QK(plan.cope, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK)
+    if plan.biases:
+        s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])
+    return jnp.where(allowed_QK, s_QK, MASKED_LOGIT), total_Q
+
+
+def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """The forward program of one query tile; also writes the carry entering each key tile."""
+    q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
+    e_ref, o_ref, lse_ref, c_out_ref = refs[8 + num_term_refs :]
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH, q_pos_Q, q_seg_Q, e_PH = q_ref[...], qpos_ref[...], qseg_ref[...], e_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    first, end = plan.key_tiles(qi)
+
+    def pair(step: jax.Array, state: tuple) -> tuple:
+        kj = end - 1 - step
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            max_Q, sum_Q, acc_QW, c_Q = state
+            c_out_ref[pl.ds(kj, 1), :] = c_Q[None, :]
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
+            logits_QK = content_logits_QK(q_QH, k_ref[keys, :])
+            s_QK, total_Q = _scores(
+                plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+            )
+            new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
+            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
+            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            v_KW = v_ref[keys, :]
+            acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
+            sum_Q = sum_Q * rescale_Q + jnp.sum(p_QK, axis=1)
+            return new_max_Q, sum_Q, acc_QW, c_Q + total_Q
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
+    init = (zeros_Q - 1e30, zeros_Q, jnp.zeros((plan.size_q, v_ref.shape[-1]), jnp.float32))
+    max_Q, sum_Q, acc_QW, _ = jax.lax.fori_loop(0, end - first, pair, (*init, zeros_Q))
+    seen_Q = sum_Q > 0
+    safe_sum_Q = jnp.where(seen_Q, sum_Q, 1.0)
+    o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), 0.0)
+
+
+def _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax.Array]:
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
+    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
+
+
+def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """dq, the table's partial gradient, the terms' per-query gradients, and the carry
+    cotangent leaving each key tile; key tiles oldest first."""
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    e_ref, c_in_ref, dq_ref, *rest = refs[11 + num_term_refs :]
+    dqv_refs, dc_out_ref, de_ref = rest[:-2], rest[-2], rest[-1]
+    qi = pl.program_id(2)
+    q_first = qi * plan.size_q
+    q_QH, do_QW, lse_Q, delta_Q = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_pos_Q, q_seg_Q, e_PH = qpos_ref[...], qseg_ref[...], e_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
+    scale = 1.0 / math.sqrt(q_QH.shape[-1])
+    first, end = plan.key_tiles(qi)
+
+    def pair(kj: jax.Array, state: tuple) -> tuple:
+        k_first = kj * plan.size_k
+        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+
+        def compute(state: tuple) -> tuple:
+            dq_QH, de_PH, dqv, dc_Q = state
+            dc_out_ref[pl.ds(kj, 1), :] = dc_Q[None, :]
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            k_KH, k_pos_K, v_KW = k_ref[keys, :], kpos_ref[keys], v_ref[keys, :]
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+
+            def scores(logits_QK, q_QH, e_PH, c_Q, qv):
+                inputs = (params, qv, k_values, q_pos_Q, k_pos_K)
+                return _scores(
+                    plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+                )
+
+            c_Q = c_in_ref[pl.ds(kj, 1), :][0]
+            primals = (content_logits_QK(q_QH, k_KH), q_QH, e_PH, c_Q, q_values)
+            (s_QK, _), pull = jax.vjp(scores, *primals)
+            _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
+            d_logits, d_q, d_e, d_c, d_qv = pull((ds_QK, dc_Q))
+            d_logits = (d_logits * scale).astype(k_KH.dtype)
+            d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
+            dqv = [d + g for d, g in zip(dqv, [g for g in d_qv if g is not None], strict=True)]
+            # the carry entering this tile left the newer one: its cotangent, d c, passes on
+            return dq_QH + d_q, de_PH + d_e, dqv, dc_Q + d_c
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
+    init = (jnp.zeros(q_QH.shape, jnp.float32), jnp.zeros(e_PH.shape, jnp.float32))
+    init = (*init, [zeros_Q for _ in dqv_refs], zeros_Q)
+    dq_QH, de_PH, dqv, _ = jax.lax.fori_loop(first, end, pair, init)
+    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
+    de_ref[...] = de_PH
+    for ref, value in zip(dqv_refs, dqv, strict=True):
+        ref[...] = value
+
+
+def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """dk, dv, the terms' per-key gradients and parameters, from the saved carries."""
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    e_ref, c_in_ref, dc_in_ref = refs[11 + num_term_refs : 14 + num_term_refs]
+    dk_ref, dv_ref, *grad_refs = refs[14 + num_term_refs :]
+    num_dkv = sum(h[2] for h in has)
+    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
+    kj = pl.program_id(2)
+    k_first = kj * plan.size_k
+    k_KH, v_KW, e_PH = k_ref[...], v_ref[...], e_ref[...]
+    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    k_values = [None if r is None else r[...] for r in kv_refs]
+    scale = 1.0 / math.sqrt(k_KH.shape[-1])
+
+    def pair(qi: jax.Array, state: tuple) -> tuple:
+        q_first = qi * plan.size_q
+        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
+        q_seg_Q = qseg_ref[queries]
+
+        def compute(state: tuple) -> tuple:
+            dk_KH, dv_KW, dkv, dparams = state
+            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
+            q_values = [None if r is None else r[queries] for r in qv_refs]
+
+            def scores(logits_QK, p, kv):
+                inputs = (p, q_values, kv, q_pos_Q, k_pos_K)
+                c_Q = c_in_ref[queries]
+                return _scores(
+                    plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+                )
+
+            logits_QK = content_logits_QK(q_QH, k_KH)
+            (s_QK, _), pull = jax.vjp(scores, logits_QK, params, k_values)
+            dp_QK = dot_f32(do_QW, v_KW, (1, 1))
+            lse_Q, delta_Q = lse_ref[queries], delta_ref[queries]
+            p_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+            d_logits, d_p, d_kv = pull((ds_QK, dc_in_ref[queries]))
+            d_logits = (d_logits * scale).astype(q_QH.dtype)
+            d_k = dot_f32(d_logits, q_QH, (0, 0))
+            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
+            dkv = [d + g for d, g in zip(dkv, [g for g in d_kv if g is not None], strict=True)]
+            dparams = [
+                d + g for d, g in zip(dparams, [g for g in d_p if g is not None], strict=True)
+            ]
+            return dk_KH + d_k, dv_KW, dkv, dparams
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return jax.lax.cond(live, compute, lambda s: s, state)
+
+    first, end = plan.query_tiles(kj)
+    init = (
+        jnp.zeros(k_KH.shape, jnp.float32),
+        jnp.zeros(v_KW.shape, jnp.float32),
+        [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
+        [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
+    )
+    dk_KH, dv_KW, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
+    dk_ref[...] = dk_KH
+    dv_ref[...] = dv_KW
+    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
+        ref[...] = value

@@ -29,7 +29,7 @@ from tests.ops.kernels.test_fused_attention import (
 )
 from tests.ops.kernels.tolerances import assert_close
 
-P_MAX = 16  # below the longest segment (72 keys): the cap is reached
+P_MAX = 8  # far below the longest segment (72 keys): the cap is reached
 
 
 def _with_table(x: dict, seed: int = 3) -> dict:
@@ -62,7 +62,8 @@ def _bias(x: dict, allowed, xp):
 
 
 @pytest.mark.parametrize(
-    ("window", "sinks"), [(None, 0), pytest.param(20, 3, marks=pytest.mark.slow)]
+    ("window", "sinks"),
+    [pytest.param(None, 0, marks=pytest.mark.slow), pytest.param(20, 3, marks=pytest.mark.slow)],
 )
 def test_values_equal_numpy(window: int | None, sinks: int) -> None:
     x = _with_table(_inputs(jnp.float32))

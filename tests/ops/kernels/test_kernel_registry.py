@@ -96,9 +96,7 @@ def test_kernel_equals_naive_float32_window_sinks_gqa_packed(position: str) -> N
     _compare(position, "float32", window=12, sinks=2)
 
 
-@pytest.mark.parametrize(
-    "position", [p if p == "alibi" else pytest.param(p, marks=SLOW) for p in COVERED]
-)
+@pytest.mark.parametrize("position", [pytest.param(p, marks=SLOW) for p in COVERED])
 def test_kernel_equals_naive_bfloat16_full_causal(position: str) -> None:
     _compare(position, "bfloat16", window=None, sinks=0)
 

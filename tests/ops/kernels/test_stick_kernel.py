@@ -66,7 +66,10 @@ def _kernel(x: dict, *, window: int | None, sinks: int, include_self: bool) -> j
 
 @pytest.mark.parametrize(
     ("window", "sinks", "include_self"),
-    [pytest.param(None, 0, False, marks=pytest.mark.slow), (20, 3, True)],
+    [
+        pytest.param(None, 0, False, marks=pytest.mark.slow),
+        pytest.param(20, 3, True, marks=pytest.mark.slow),
+    ],
 )
 def test_values_equal_numpy(window: int | None, sinks: int, include_self: bool) -> None:
     x = _inputs(jnp.float32)

@@ -141,9 +141,15 @@ def check_scheme(cfg: ModelConfig) -> None:
 
 def check_kernel(cfg: ModelConfig) -> None:
     """``attention_impl="kernel"``: a scheme the fused kernels cover, and no attention sink."""
-    refusal = kernel_refusal(cfg.scheme)
+    refusal = kernel_refusal(cfg.scheme, cfg.dims)
     if refusal is not None:
         raise ValueError(refusal)
+    block = cfg.attention_block
+    if block is not None and (block < 16 or block & (block - 1)):
+        raise ValueError(
+            f"model.attention_block={block}: the fused kernels' tiles are powers of two of at "
+            "least 16 (attention_impl='kernel'); use one, or None for their default"
+        )
     if cfg.attention_sink:
         raise ValueError(
             "model.attention_sink adds a learned logit to every softmax denominator, which "

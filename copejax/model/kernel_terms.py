@@ -47,6 +47,8 @@ from copejax.positions.t5 import T5Bias, t5_bucket
 CONTENT_SITES = frozenset({"embed", "qk", "output"})
 # Schemes whose normalizer site the kernels implement (copejax.ops.kernels.stick).
 NORMALIZERS = frozenset({"stickbreaking"})
+# CoPE's table rows the kernels take: they interpolate by an unrolled loop over the rows.
+MAX_COPE_ROWS = 256
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
@@ -178,8 +180,14 @@ def _runs(part: PositionScheme) -> bool:
     return not other and (not _has_term(part) or known)
 
 
-def _cope_refusal(part: PositionScheme) -> str | None:
+def _cope_refusal(part: PositionScheme, dims: Dims | None) -> str | None:
     """Why the kernels cannot run this CoPE variant (its options), or None."""
+    rows = part.p_max if dims is None else part.num_positions(dims)
+    if rows is not None and rows > MAX_COPE_ROWS:
+        return (
+            f"p_max={rows} table rows (the kernels read the table by a loop over its rows, "
+            f"unrolled: at most {MAX_COPE_ROWS})"
+        )
     if part.gates != "keys":
         return f"gates={part.gates!r} (the kernels gate on the content logits, 'keys')"
     if part.position_term != "interpolate":
@@ -187,15 +195,16 @@ def _cope_refusal(part: PositionScheme) -> str | None:
     return None
 
 
-def kernel_refusal(scheme: PositionScheme) -> str | None:
-    """Why ``scheme`` cannot run on the fused kernels (naming the part), or None."""
+def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
+    """Why ``scheme`` cannot run on the fused kernels (naming the part), or None; ``dims``
+    resolves sizes that default to the model's (CoPE's p_max = None)."""
     names = [part.name for part in parts(scheme)]
     for part in parts(scheme):
         reason = None
         if not _runs(part):
             reason = NOT_YET.get(part.name, f"it acts at sites {part.sites}")
         elif part.name == "cope":
-            reason = _cope_refusal(part)
+            reason = _cope_refusal(part, dims)
             if reason is None and NORMALIZERS & set(names):
                 reason = "its count with another normalizer than the softmax"
         if reason is not None:
@@ -215,7 +224,7 @@ def kernel_terms(
 ) -> tuple[tuple[KernelTerm, ...], CopeTerm | None]:
     """The kernel terms of a covered scheme from its block terms (one per part that adds a
     term, in the parts' order, as composites return them), and CoPE's carried term."""
-    refusal = kernel_refusal(scheme)
+    refusal = kernel_refusal(scheme, dims)
     if refusal is not None:
         raise ValueError(refusal)
     with_terms = [part for part in parts(scheme) if _has_term(part)]

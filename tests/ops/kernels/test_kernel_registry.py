@@ -126,11 +126,17 @@ def test_refused_by_name(position: str) -> None:
         ("cope", {"gates": "values"}, "gates='values'"),
         ("cope", {"position_term": "mlp"}, "position_term='mlp'"),
         ("cope+stickbreaking", {}, "another normalizer"),
+        ("cope", {"p_max": None}, "p_max=512 table rows"),
     ],
 )
 def test_refuses_cope_variants_by_name(position: str, options: dict, named: str) -> None:
     with pytest.raises(ValueError, match=f"no kernel for scheme 'cope': .*{named}"):
-        tiny_config(position, attention_impl="kernel", position_options=options)
+        tiny_config(position, attention_impl="kernel", position_options=options, max_len=512)
+
+
+def test_refuses_a_tile_that_is_no_power_of_two() -> None:
+    with pytest.raises(ValueError, match="attention_block=48: the fused kernels' tiles"):
+        tiny_config("rope", attention_impl="kernel", attention_block=48)
 
 
 def test_refuses_the_attention_sink() -> None:

@@ -74,7 +74,7 @@ def layer_config(
     head_dim: int,
     d_model: int | None = None,
     num_kv_heads: int | None = None,
-    max_len: int | None = None,
+    train_len: int | None = None,
     impl: str = "auto",
     window: int | None = None,
     dtype: str = "float32",
@@ -83,9 +83,9 @@ def layer_config(
     """The one-layer model configuration a :class:`PositionAttention` runs, validated.
 
     ``d_model`` is needed only by schemes that read the layer input (:func:`reads_layer_input`);
-    ``max_len`` only by options whose None means "the training length" (e.g. learned's
-    ``table_size``, relative's ``max_distance``, FIRE's ``threshold_init``); leaving it None
-    then raises, naming the option.
+    ``train_len`` (the model's ``max_len``) only by options whose None means "the training
+    length" (e.g. learned's ``table_size``, relative's ``max_distance``, FIRE's
+    ``threshold_init``); leaving it None then raises, naming the option.
 
     Raises:
       ValueError: an unknown scheme (naming the allowed ones), an option the scheme does not
@@ -101,7 +101,7 @@ def layer_config(
             f"{scheme!r} reads the attention layer's input x (B, T, D): pass d_model=D "
             "(and x=x_BTD to attention / decode)"
         )
-    if max_len is None:
+    if train_len is None:
         _check_length_free(scheme, options)
     cfg = ModelConfig(
         vocab_size=1,
@@ -112,7 +112,7 @@ def layer_config(
         dtype=dtype,
         position=scheme,
         position_options=options,
-        max_len=1 if max_len is None else max_len,
+        max_len=1 if train_len is None else train_len,
         attention_impl=impl,
         window=window,
         num_kv_heads=num_kv_heads,
@@ -136,7 +136,7 @@ _ROPE_LENGTH_SCALINGS = ("dynamic", "yarn", "llama3", "longrope")
 
 
 def _check_length_free(scheme: str, options: Mapping[str, Any]) -> None:
-    """Refuses, naming the option, a scheme whose options leave a size to ``max_len`` when
+    """Refuses, naming the option, a scheme whose options leave a size to the training length when
     none was given."""
     for part in scheme.split("+"):
         option = _LENGTH_OPTIONS.get(part)
@@ -149,7 +149,7 @@ def _check_length_free(scheme: str, options: Mapping[str, Any]) -> None:
             continue
         raise ValueError(
             f"{part}: option {option}=None means the training length max_len, which was not "
-            f"given: pass max_len=T or set {option}"
+            f"given: pass train_len=T or set {option}"
         )
 
 
@@ -163,7 +163,7 @@ class PositionAttention(nn.Module):
       d_model: D, the width of the layer input x (schemes that read it: FoX, PaTH, CoPE
         with ``gates="sep_keys"``); None otherwise.
       num_kv_heads: K key/value heads (grouped-query attention; None: N).
-      max_len: the training length, for options whose None means it (see
+      train_len: the training length (``ModelConfig.max_len``), for options whose None means it (see
         :func:`layer_config`); None: no such option may be None.
       impl: the attention path, one of ``model.attention_impl``'s values.
       window: a sliding window W (query i sees keys i - W < j <= i); None: full causal.
@@ -178,7 +178,7 @@ class PositionAttention(nn.Module):
     head_dim: int
     d_model: int | None = None
     num_kv_heads: int | None = None
-    max_len: int | None = None
+    train_len: int | None = None
     impl: str = "auto"
     window: int | None = None
     dtype: str = "float32"
@@ -193,7 +193,7 @@ class PositionAttention(nn.Module):
             head_dim=self.head_dim,
             d_model=self.d_model,
             num_kv_heads=self.num_kv_heads,
-            max_len=self.max_len,
+            train_len=self.train_len,
             impl=self.impl,
             window=self.window,
             dtype=self.dtype,

@@ -108,7 +108,7 @@ def _setup(name: str, options: dict, kv: int | None, impl: str) -> tuple:
         head_dim=HEAD_DIM,
         d_model=D,
         num_kv_heads=kv,
-        max_len=TRAIN_LEN,
+        train_len=TRAIN_LEN,
         impl=impl,
         options=options,
     )

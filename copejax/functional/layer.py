@@ -44,7 +44,7 @@ def module(
         head_dim=head_dim,
         d_model=d_model,
         num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
-        max_len=train_len,
+        train_len=train_len,
         impl=impl,
         window=window,
         dtype=jnp.dtype(dtype).name,

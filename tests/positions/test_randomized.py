@@ -93,7 +93,7 @@ def test_learned_encoding_has_a_table_of_max_position_rows(rng: np.random.Genera
     x = rng.normal(size=(1, 6, 8)).astype(np.float32)
     pos = np.arange(6)[None]
     out, params = embed({"encoding": "learned"}, x, pos, deterministic=False)
-    table = np.asarray(params["params"]["encoding_embed"]["table"].unbox())
+    table = np.asarray(params["params"]["learned"]["table"].unbox())
     assert table.shape == (4 * 6, 8)
     new = np.asarray(out.positions_BT)[0]
     np.testing.assert_allclose(np.asarray(out.x_BTD)[0], x[0] + table[new], rtol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 
 from copejax.model import checks, decode
 from copejax.model.transformer import Transformer
+from tests import sweeps
 from tests.conftest import tiny_config
 
 KERNEL_SCHEMES = [
@@ -47,7 +48,9 @@ def _models(position: str) -> tuple[Transformer, Transformer, object]:
     return Transformer(einsum_cfg), Transformer(kernel_cfg), params
 
 
-@pytest.mark.parametrize("position", KERNEL_SCHEMES)
+@pytest.mark.parametrize(
+    "position", sweeps.schemes(KERNEL_SCHEMES, fast=("rope", "alibi", "learned"))
+)
 def test_kernel_equals_einsum_values_and_gradients(position: str) -> None:
     einsum_model, kernel_model, params = _models(position)
     args = (jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT))

@@ -157,9 +157,9 @@ def _repeat_kv_params(boxed: dict, group: int) -> dict:
         ("rope", {}),
         ("cope", {"gates": "sep_keys"}),
         ("fox", PRO_OPTIONS),
-        ("tape", {}),
+        pytest.param("tape", {}, marks=pytest.mark.slow),
         ("stickbreaking", {}),
-        ("path", {}),  # w, beta per key/value head (fla's layer)
+        pytest.param("path", {}, marks=pytest.mark.slow),  # w, beta per key/value head (fla's)
         pytest.param("cope+rope", {}, marks=pytest.mark.slow),
         pytest.param("xpos", {}, marks=pytest.mark.slow),
         pytest.param("fox", {"key_shift": True, "value_shift": True}, marks=pytest.mark.slow),

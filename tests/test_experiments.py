@@ -82,6 +82,7 @@ def test_flipflop(dirs: tuple[Path, Path]) -> None:
     assert "| cope |" in page and "4.9 (4.4)" in page  # the paper's OOD column
 
 
+@pytest.mark.slow  # test_flipflop runs the shared study driver in the default suite
 def test_selective_copy(dirs: tuple[Path, Path]) -> None:
     page, data = run_study(selective_copy, dirs)
     record = last_eval_of(workdir(dirs, "selective_copy", "cope"))
@@ -91,6 +92,7 @@ def test_selective_copy(dirs: tuple[Path, Path]) -> None:
     assert f"{100 * record['eval/ood_dense/error']:.1f} ± 0.0" in page
 
 
+@pytest.mark.slow  # test_flipflop runs the shared study driver in the default suite
 def test_counting(dirs: tuple[Path, Path]) -> None:
     page, data = run_study(counting, dirs)
     record = last_eval_of(workdir(dirs, "counting", "cope__1_var"))

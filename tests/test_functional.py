@@ -305,6 +305,7 @@ def test_errors_name_what_is_missing() -> None:
     assert reads_layer_input("cope+fox") and not reads_layer_input("cope")
 
 
+@pytest.mark.slow  # about 20 s; ring decoding: tests/test_ring_decode.py
 def test_window_decodes_from_a_ring_past_max_len() -> None:
     """A window layer's cache is a ring of its window: seven tokens through four slots."""
     q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 7, 2, 8))

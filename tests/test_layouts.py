@@ -138,6 +138,7 @@ def test_each_patterned_layer_equals_a_uniform_layer_of_its_kind(impl: str) -> N
         x_BTD = patterned_BTD
 
 
+@pytest.mark.slow  # about 20 s; window decoding per scheme: tests/test_window.py
 def test_patterned_model_with_windows_decodes_like_its_full_forward() -> None:
     cfg = tiny_config(
         "rope",

@@ -25,6 +25,7 @@ from copejax.model import decode, ring_decode
 from copejax.model.transformer import Transformer
 from copejax.ops import engine_blocks, engine_layout, segments
 from copejax.positions import registry
+from tests import sweeps
 from tests.conftest import decode_in_chunks, perturbed, tiny_config
 
 LENGTH = 14
@@ -86,7 +87,7 @@ def _tokens() -> jax.Array:
     return jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
 
 
-@pytest.mark.parametrize("position", registry.names())
+@pytest.mark.parametrize("position", sweeps.schemes())
 def test_blockwise_with_window_and_sinks_equals_naive(position: str) -> None:
     tokens_BT, positions_BT, ids_BT = _tokens(), jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     sinks = 1 if registry.make_scheme(position).window_sinks else 0  # PaTH refuses sinks
@@ -114,7 +115,7 @@ def _decoded(model: Transformer, params: object, chunks: tuple[int, ...]) -> np.
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("position", registry.names())
+@pytest.mark.parametrize("position", sweeps.schemes())
 def test_decoding_far_beyond_the_window_equals_the_full_forward(position: str, sinks: int) -> None:
     if sinks and not registry.make_scheme(position).window_sinks:
         pytest.skip("refused with the reason (test_path.py)")

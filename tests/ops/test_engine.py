@@ -211,8 +211,10 @@ def test_auto_backward_is_flash_wherever_it_applies_and_remat_for_carries() -> N
     assert jaxpr(backward="flash", terms=[counted]) != jaxpr(backward="remat", terms=[counted])
 
 
-@pytest.mark.parametrize("backward", ["flash", "remat"])
-@pytest.mark.parametrize("position_term", ["interpolate", "mlp"])
+@pytest.mark.parametrize("backward", ["flash", pytest.param("remat", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "position_term", ["interpolate", pytest.param("mlp", marks=pytest.mark.slow)]
+)
 def test_settled_cope_pairs_give_the_values_and_gradients_of_counting_them(
     backward: str, position_term: str
 ) -> None:

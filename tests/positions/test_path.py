@@ -81,7 +81,14 @@ def _ctx(x_BTD: jax.Array) -> AttentionContext:
 
 
 @pytest.mark.parametrize("impl", ["naive", "blockwise"])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(2, None), (4, 2), (4, 1)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"),
+    [
+        pytest.param(2, None, marks=pytest.mark.slow),
+        (4, 2),
+        pytest.param(4, 1, marks=pytest.mark.slow),
+    ],
+)
 def test_layer_matches_reference(impl: str, heads: int, kv_heads: int | None) -> None:
     cfg = tiny_config(
         "path", attention_impl=impl, attention_block=3, num_heads=heads, num_kv_heads=kv_heads
@@ -231,7 +238,7 @@ def test_wy_form_equals_the_explicit_products() -> None:
             np.testing.assert_allclose(np.asarray(suffix[0, j, 0]), expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("size", [1, 3, 8, 13])
+@pytest.mark.parametrize("size", [1, 3, 8, pytest.param(13, marks=pytest.mark.slow)])
 def test_unit_upper_inverse_equals_numpy(size: int) -> None:
     """Block doubling against numpy.linalg.inv in float64, sizes padded and not; and the UT
     matrix of equal reflections (w all equal, beta = 2), whose inverse is moderate although
@@ -292,13 +299,15 @@ def test_block_logits_equal_the_explicit_products(q_start: int, k_start: int) ->
             np.testing.assert_allclose(np.asarray(r_after[0, i, n]), carried, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_heads", [2, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # test_layer_matches_reference[4-2-blockwise] keeps K < N on the engine
+@pytest.mark.parametrize("kv_heads", [2, 1])
 def test_grouped_heads_blockwise_values_and_gradients_equal_naive(kv_heads: int) -> None:
     """K < N on the engine (the WY form and the in-block part both read the repeated w, beta)
     against the naive path: logits and every parameter's gradient."""
     _check_blockwise_equals_naive("path", {}, num_heads=4, num_kv_heads=kv_heads)
 
 
+@pytest.mark.slow  # about 15 s; PaTH's decode is covered by tests/test_decode.py
 def test_grouped_heads_decode_equals_full_forward() -> None:
     """Prefill then single steps with K = 2 of N = 4 heads: the cache's K-head keys take the
     K-head rank-1 updates; naive and engine decoding."""

@@ -231,7 +231,7 @@ def _decoded(model: Transformer, params: dict, chunks: list[int]) -> tuple[np.nd
     ("options", "impl", "chunks"),
     [
         ({}, "blockwise", [5, 1, 1, 1]),
-        ({"prune_threshold": 0.3}, "naive", [4, 1, 1, 1, 1]),
+        pytest.param({"prune_threshold": 0.3}, "naive", [4, 1, 1, 1, 1], marks=pytest.mark.slow),
         ({"prune_budget": 2}, "naive", [3, 1, 2, 1, 1]),
         pytest.param({"prune_budget": 3}, "blockwise", [5, 1, 1, 1], marks=pytest.mark.slow),
         pytest.param(

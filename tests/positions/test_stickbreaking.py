@@ -286,8 +286,8 @@ def test_bad_options_raise(options: dict, word: str) -> None:
         tiny_config("stickbreaking", position_options=options)
 
 
-@pytest.mark.parametrize("backward", ["flash", "remat"])
-@pytest.mark.parametrize("include_self", [False, True])
+@pytest.mark.parametrize("backward", ["flash", pytest.param("remat", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("include_self", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_used_up_sticks_skip_older_blocks_with_the_same_values_and_gradients(
     include_self: bool, backward: str
 ) -> None:

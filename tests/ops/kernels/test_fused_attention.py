@@ -106,7 +106,7 @@ def test_values_equal_numpy(window: int | None, sinks: int) -> None:
     ("dtype", "window", "sinks"),
     [
         ("float32", 20, 3),
-        ("bfloat16", None, 0),
+        pytest.param("bfloat16", None, 0, marks=SLOW),
         pytest.param("float32", None, 0, marks=SLOW),
         pytest.param("bfloat16", 20, 3, marks=SLOW),
     ],

@@ -48,9 +48,7 @@ def _models(position: str) -> tuple[Transformer, Transformer, object]:
     return Transformer(einsum_cfg), Transformer(kernel_cfg), params
 
 
-@pytest.mark.parametrize(
-    "position", sweeps.schemes(KERNEL_SCHEMES, fast=("rope", "alibi", "learned"))
-)
+@pytest.mark.parametrize("position", sweeps.schemes(KERNEL_SCHEMES, fast=("rope", "alibi")))
 def test_kernel_equals_einsum_values_and_gradients(position: str) -> None:
     einsum_model, kernel_model, params = _models(position)
     args = (jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT))

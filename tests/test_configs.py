@@ -138,6 +138,7 @@ def test_length_generalization_task_word_and_shortcuts() -> None:
         module.get_config("smoke,nonsense=1")
 
 
+@pytest.mark.slow  # about 13 s; the config's smoke arms train in tests/test_experiments.py
 def test_length_generalization_smoke_trains(tmp_path: Path) -> None:
     """End to end: a few steps of the smoke config train, evaluate both splits per length;
     with the randomized arm sampling positions at evaluation too, as Ruoss et al. do (the

@@ -143,7 +143,10 @@ def test_schemes_without_a_ring_say_why(position: str, overrides: dict, reason: 
 
 @pytest.mark.parametrize(
     ("position", "overrides"),
-    [("selective", BUDGET), pytest.param("path", {"window": 1}, marks=pytest.mark.slow)],
+    [
+        pytest.param(p, o, marks=pytest.mark.slow)
+        for p, o in (("selective", BUDGET), ("path", {"window": 1}))
+    ],
 )
 def test_the_full_cache_option_decodes_refused_schemes_exactly(
     position: str, overrides: dict

@@ -14,6 +14,7 @@ import pytest
 
 from copejax.model.transformer import Transformer
 from copejax.positions import registry
+from tests import sweeps
 from tests.conftest import tiny_config, tokens_and_positions
 from tests.test_decode import LAYOUTS, ROPE_VARIANTS, layout_params
 
@@ -32,7 +33,10 @@ def test_gradient_of_output_wrt_future_inputs_is_exactly_zero(position: str) -> 
     _check_causal(position)
 
 
-@pytest.mark.parametrize(("position", "layout"), layout_params(fast_layouts=("mqa",)))
+@pytest.mark.parametrize(
+    ("position", "layout"),
+    layout_params(fast=("cope", "fox", "stickbreaking"), fast_layouts=("mqa",)),
+)
 def test_attention_layouts_are_causal_and_jit_equals_eager(position: str, layout: str) -> None:
     """Grouped KV heads, the sink, length scaling and a window keep every scheme causal;
     jit equals eager, and bfloat16 stays close to float32."""
@@ -89,7 +93,7 @@ def test_bfloat16_close_to_float32(position: str) -> None:
     np.testing.assert_allclose(np.asarray(out16), out32, atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("position", SCHEMES)
+@pytest.mark.parametrize("position", sweeps.schemes(fast=(*sweeps.REPRESENTATIVE, "randomized")))
 def test_training_mode_runs_with_dropout_and_position_rngs(position: str) -> None:
     model, params = _init(position, dropout=0.1)
     tokens_BT, positions_BT = tokens_and_positions()

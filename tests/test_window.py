@@ -87,7 +87,7 @@ def _tokens() -> jax.Array:
     return jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
 
 
-@pytest.mark.parametrize("position", sweeps.schemes())
+@pytest.mark.parametrize("position", sweeps.schemes(fast=set(sweeps.REPRESENTATIVE) - {"tape"}))
 def test_blockwise_with_window_and_sinks_equals_naive(position: str) -> None:
     tokens_BT, positions_BT, ids_BT = _tokens(), jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
     sinks = 1 if registry.make_scheme(position).window_sinks else 0  # PaTH refuses sinks
@@ -115,7 +115,9 @@ def _decoded(model: Transformer, params: object, chunks: tuple[int, ...]) -> np.
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
-@pytest.mark.parametrize("position", sweeps.schemes())
+@pytest.mark.parametrize(
+    "position", sweeps.schemes(fast=set(sweeps.REPRESENTATIVE) - {"tape"})
+)  # TAPE: about 12 s a case, in the slow set with every other scheme
 def test_decoding_far_beyond_the_window_equals_the_full_forward(position: str, sinks: int) -> None:
     if sinks and not registry.make_scheme(position).window_sinks:
         pytest.skip("refused with the reason (test_path.py)")

@@ -110,15 +110,16 @@ def _ctx(x_BTD: jax.Array) -> AttentionContext:
     return AttentionContext.create(x_BTD, positions_BT, jnp.asarray(SEGMENTS_BT))
 
 
+SLOW = pytest.mark.slow
 LAYER_CASES = [
     ({}, "naive"),
     ({}, "blockwise"),
-    ({"nonlinearity": "sigmoid"}, "naive"),
+    pytest.param({"nonlinearity": "sigmoid"}, "naive", marks=SLOW),
     ({"nonlinearity": "sigmoid", "head": 1}, "blockwise"),
     ({"prune_threshold": 0.5}, "naive"),
-    ({"prune_threshold": 0.5, "head": 1}, "blockwise"),
+    pytest.param({"prune_threshold": 0.5, "head": 1}, "blockwise", marks=SLOW),
     ({"prune_budget": 3}, "naive"),
-    ({"prune_budget": 2, "nonlinearity": "sigmoid"}, "blockwise"),
+    pytest.param({"prune_budget": 2, "nonlinearity": "sigmoid"}, "blockwise", marks=SLOW),
 ]
 
 
@@ -232,7 +233,7 @@ def _decoded(model: Transformer, params: dict, chunks: list[int]) -> tuple[np.nd
     [
         ({}, "blockwise", [5, 1, 1, 1]),
         pytest.param({"prune_threshold": 0.3}, "naive", [4, 1, 1, 1, 1], marks=pytest.mark.slow),
-        ({"prune_budget": 2}, "naive", [3, 1, 2, 1, 1]),
+        pytest.param({"prune_budget": 2}, "naive", [3, 1, 2, 1, 1], marks=pytest.mark.slow),
         pytest.param({"prune_budget": 3}, "blockwise", [5, 1, 1, 1], marks=pytest.mark.slow),
         pytest.param(
             {"prune_threshold": 0.3, "nonlinearity": "sigmoid"},

@@ -89,7 +89,7 @@ def _compare(position: str, dtype: str, window: int | None, sinks: int) -> None:
 
 @pytest.mark.parametrize(
     "position",
-    [p if p == "fox" else pytest.param(p, marks=SLOW) for p in COVERED]
+    [pytest.param(p, marks=SLOW) for p in COVERED]
     + [pytest.param(p, marks=SLOW) for p in COMPOSITES],
 )
 def test_kernel_equals_naive_float32_window_sinks_gqa_packed(position: str) -> None:

@@ -48,7 +48,11 @@ EXTRA_VARIANTS = [
 ]
 FAST_EXTRAS = {"cope+rope", "stickbreaking+alibi"}
 VARIANTS = [(name, {}) for name in registry.names()] + EXTRA_VARIANTS
-PARAMS = [(name, {}) for name in registry.names()] + [
+# PaTH (about 13 s): its blockwise layer is checked against the reference in test_path.py.
+PARAMS = [
+    (name, {}) if name != "path" else pytest.param((name, {}), marks=pytest.mark.slow)
+    for name in registry.names()
+] + [
     v if v[0] in FAST_EXTRAS and not v[1] else pytest.param(v, marks=pytest.mark.slow)
     for v in EXTRA_VARIANTS
 ]
@@ -135,7 +139,13 @@ def test_decoding_through_the_engine_equals_the_full_forward(variant: tuple[str,
     _check_engine_decoding(position, options)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        name if name == "window_gqa" else pytest.param(name, marks=pytest.mark.slow)
+        for name in LAYOUTS
+    ],
+)
 @pytest.mark.parametrize("position", ["fox", pytest.param("cope", marks=pytest.mark.slow)])
 def test_attention_layouts_decode_through_the_engine(position: str, layout: str) -> None:
     _check_engine_decoding(position, {}, **LAYOUTS[layout])
@@ -154,7 +164,9 @@ def _check_engine_decoding(position: str, options: dict, **overrides: object) ->
     np.testing.assert_allclose(decoded, full, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize(("position", "layout"), layout_params(fast=("fox",)))
+@pytest.mark.parametrize(
+    ("position", "layout"), layout_params(fast=("fox",), fast_layouts=("window_gqa",))
+)
 def test_attention_layouts_blockwise_values_and_gradients_equal_naive(
     position: str, layout: str
 ) -> None:

@@ -166,7 +166,7 @@ def test_more_variants_prefill_then_steps_equal_full_pass(position: str, options
 @pytest.mark.parametrize(
     ("position", "options"),
     [
-        ("cope", {"gates": "sep_keys"}),
+        pytest.param("cope", {"gates": "sep_keys"}, marks=pytest.mark.slow),
         ("fox", {"key_shift": True, "value_shift": True}),
         ("stickbreaking", {}),
         pytest.param("tape", {}, marks=pytest.mark.slow),
@@ -221,7 +221,10 @@ def layout_params(fast: tuple[str, ...] = CORE_SCHEMES, fast_layouts: tuple[str,
     return params
 
 
-@pytest.mark.parametrize(("position", "layout"), layout_params(fast=("rope", "cope", "fox")))
+@pytest.mark.parametrize(
+    ("position", "layout"),
+    layout_params(fast=("rope", "cope", "fox"), fast_layouts=("gqa2", "window_gqa")),
+)
 def test_attention_layouts_prefill_then_steps_equal_full_pass(position: str, layout: str) -> None:
     overrides = dict(LAYOUTS[layout])
     if ring_decode.ring_refusal(tiny_config(position, **overrides)):

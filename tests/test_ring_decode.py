@@ -35,7 +35,7 @@ SEGMENTS_BT = np.array([[1] * LENGTH, [1] * 9 + [2] * (LENGTH - 9)], np.int32)
 POSITIONS_BT = np.array([list(range(LENGTH)), list(range(9)) + list(range(LENGTH - 9))], np.int32)
 # A prefill as wide as the ring, steps, a chunk wider than it (one call wraps the ring).
 STEPS = (3, 1, 1, 4, 1, 1, 1, 1, 1)
-FAST = ("cope", "fox", "stickbreaking")  # the rest: test_window.py and -m slow
+FAST = ("fox", "stickbreaking")  # the rest (CoPE: about 20 s): test_window.py and -m slow
 
 
 def _config(position: str, impl: str = "naive", **overrides: object) -> object:

@@ -44,6 +44,8 @@ from experiments.bench import ROOT
 from experiments.bench_gpu import fastest_nope, ratios
 
 KERNEL = {"attention_impl": "kernel"}
+# Each scheme's kernel arm; beside it runs the path auto's rules take for the scheme at the
+# group's shape (``rule_arms``), so that the page names the fastest path per scheme.
 LAYER_ARMS = (
     ("dpa", "dpa", {}),
     ("nope kernel", "nope", KERNEL),
@@ -51,11 +53,15 @@ LAYER_ARMS = (
     ("t5 kernel", "t5", KERNEL),
     ("fox kernel", "fox", KERNEL),
     ("stickbreaking kernel", "stickbreaking", KERNEL),
-    ("fox blockwise", "fox", {"attention_impl": "blockwise"}),
 )
 # CoPE's kernels (an unrolled loop over its 64 table rows) may compile longest: a group of
 # their own beside cuDNN's nope, after the others, so that a slow compile delays no other arm.
 COPE_ARMS = (("dpa", "dpa", {}), ("cope kernel", "cope", KERNEL))
+# Issue 45's cheaper lever "larger engine blocks on accelerators": the contextual schemes'
+# blockwise engine with blocks of 512 and 1024 keys (fewer trips of the latency-bound walk;
+# auto's rules take 256 from T = 4096), beside their kernels, on the first shape.
+LEVER_BLOCKS = (512, 1024)
+LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
 LENGTHS = (4096, 16384)
@@ -75,11 +81,51 @@ def layer_shape(batch: int, heads: int, head_dim: int) -> Iterator[None]:
         bench_measure.BATCH, bench_measure.HEADS, bench_measure.HEAD_DIM = saved
 
 
+def rule_path(scheme: str, shape: tuple[int, int, int], length: int) -> str:
+    """The path ``auto``'s rules take for ``scheme``'s bfloat16 layer on a GPU at this
+    shape (``copejax.model.attention_paths.rule_impl``)."""
+    from copejax.model.attention_paths import rule_impl
+
+    batch, heads, _ = shape
+    with layer_shape(*shape):
+        cfg = bench_measure.layer_config(scheme, length, {"dtype": "bfloat16"})
+    return rule_impl(cfg, length, "gpu", batch * heads * length * length)
+
+
+def rule_arms(arms: tuple, shape: tuple[int, int, int], length: int) -> tuple:
+    """For each kernel arm, an arm on the path ``auto``'s rules take for its scheme here
+    (skipped where that is cuDNN's nope itself, the ``dpa`` arm)."""
+    out = []
+    for _, scheme, opts in arms:
+        impl = rule_path(scheme, shape, length)
+        if opts == KERNEL and (scheme != "nope" or impl != "dot_product_attention"):
+            out.append((f"{scheme} {impl}", scheme, {"attention_impl": impl}))
+    return tuple(out)
+
+
+def lever_arms() -> tuple:
+    """The blockwise engine with larger blocks, and each scheme's kernel beside it."""
+    arms = [("dpa", "dpa", {})]
+    for scheme in LEVER_SCHEMES:
+        arms.append((f"{scheme} kernel", scheme, KERNEL))
+        for block in LEVER_BLOCKS:
+            opts = {"attention_impl": "blockwise", "attention_block": block}
+            arms.append((f"{scheme} blockwise {block}", scheme, opts))
+    return tuple(arms)
+
+
 def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: int) -> dict:
-    """One (shape, T) group of side-by-side rounds with its ratios to the fastest nope."""
+    """One (shape, T) group of side-by-side rounds with its ratios to the fastest nope; the
+    group records each arm's scheme and explicit path (``dispatch_entries`` reads them)."""
     arms = [(label, scheme, {**opts, "dtype": "bfloat16"}) for label, scheme, opts in arms]
     batch, heads, head_dim = shape
     group = {"B": batch, "N": heads, "H": head_dim, "T": length}
+    group["arms"] = {
+        label: {"scheme": scheme, "impl": opts.get("attention_impl", "auto"), "options": opts}
+        for label, scheme, opts in arms
+    }
+    schemes = {scheme for _, scheme, _ in arms if scheme != "dpa"}
+    group["rules"] = {scheme: rule_path(scheme, shape, length) for scheme in sorted(schemes)}
     with layer_shape(*shape):
         try:
             rows = bench_measure.side_by_side(length, arms, rounds)
@@ -89,6 +135,38 @@ def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: i
             rows = bench_measure.side_by_side(length, others, rounds)
     ratios(rows)
     return {**group, "rows": rows}
+
+
+def dispatch_entries(result: dict, source: str) -> list:
+    """The measurements for ``copejax.model.measured_paths.MEASURED``: per scheme and T, the
+    path of its fastest arm (default blocks only: the table names a path, not its options),
+    where the same path won at every measured shape of that T and it is not what ``auto``'s
+    rules take there already. Its ratio is the worst over the shapes."""
+    from copejax.model.measured_paths import Measurement
+
+    wins: dict[tuple[str, int], list] = {}
+    for group in result["layer"]:
+        best: dict[str, dict] = {}
+        for row in group["rows"]:
+            arm = group.get("arms", {}).get(row["scheme"])
+            if arm is None or "ratio_to_fastest_nope" not in row or arm["scheme"] == "dpa":
+                continue
+            if "attention_block" in arm["options"]:
+                continue
+            if arm["scheme"] not in best or row["time_s"] < best[arm["scheme"]]["time_s"]:
+                best[arm["scheme"]] = {**row, "impl": arm["impl"]}
+        for scheme, row in best.items():
+            row["rule"] = group["rules"][scheme]
+            wins.setdefault((scheme, group["T"]), []).append(row)
+    entries = []
+    for (scheme, length), rows in sorted(wins.items()):
+        impls = {row["impl"] for row in rows}
+        if len(impls) == 1 and impls != {rows[0]["rule"]}:
+            ratio = max(row["ratio_to_fastest_nope"] for row in rows)
+            entries.append(
+                Measurement("gpu", "bfloat16", scheme, length, impls.pop(), ratio, source)
+            )
+    return entries
 
 
 def refusal(scheme: str) -> str | None:
@@ -190,6 +268,19 @@ def page(result: dict) -> str:
         )
     if result["skipped"]:
         lines += ["", "Skipped (time budget): " + "; ".join(result["skipped"]) + "."]
+    lines += ["", "## What auto should take", ""]
+    entries = dispatch_entries(result, f"experiments/results/bench_kernels_gpu.md {result['date']}")
+    if entries:
+        lines += [
+            "Where one path beat auto's rules at every measured shape of a length, the entry "
+            "for `MEASURED` in `copejax/model/measured_paths.py` (commit them with this page):",
+            "",
+            "```python",
+            *[f"    {entry!r}," for entry in entries],
+            "```",
+        ]
+    else:
+        lines.append("No path beat auto's rules at every measured shape of a length.")
     return "\n".join(lines) + "\n"
 
 
@@ -243,25 +334,46 @@ def main(argv: list[str] | None = None) -> None:
 
 def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:
     """The tasks in priority order (the first shape's layer group, the CLI arms but CoPE's,
-    CoPE's layer group and CLI arm, then the other shapes' groups), so that a time budget
-    cuts the least informative ones; and the rounds (None: the command line's)."""
+    CoPE's layer group and CLI arm, the cheaper lever's group, then the other shapes'
+    groups), so that a time budget cuts the least informative ones; and the rounds (None:
+    the command line's). Each kernel group also runs the path ``auto``'s rules take."""
     if smoke:
         arms = tuple(a for a in LAYER_ARMS if a[0] in ("dpa", "fox kernel"))
-        layer = [("layer", ((1, 2, 16), 128, arms))]
+        shape, length = (1, 2, 16), 128
+        layer = [("layer", (shape, length, arms + rule_arms(arms, shape, length)))]
+        lever = [
+            (
+                "layer",
+                (
+                    shape,
+                    length,
+                    (
+                        ("dpa", "dpa", {}),
+                        (
+                            "fox blockwise 32",
+                            "fox",
+                            {"attention_impl": "blockwise", "attention_block": 32},
+                        ),
+                    ),
+                ),
+            )
+        ]
         cli = [("cli", arm) for arm in (("rope", "auto"), ("path", "kernel"))]
         rounds = 1
     else:
         layer = [
-            ("layer", (shape, t, arms))
+            ("layer", (shape, t, arms + rule_arms(arms, shape, t)))
             for t in LENGTHS
             for shape in SHAPES
             for arms in (LAYER_ARMS, COPE_ARMS)
         ]
+        lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
         cli = [("cli", arm) for arm in CLI_ARMS]
         rounds = None
     layer = layer if "layer" in parts else []
+    lever = lever if "layer" in parts else []
     cli = cli if "cli" in parts else []
-    return layer[:1] + cli[:-1] + layer[1:2] + cli[-1:] + layer[2:], rounds
+    return layer[:1] + cli[:-1] + layer[1:2] + cli[-1:] + lever + layer[2:], rounds
 
 
 if __name__ == "__main__":

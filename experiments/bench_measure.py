@@ -35,7 +35,7 @@ def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
     return {"position": scheme, "position_options": own, **model}
 
 
-def _layer_config(scheme: str, length: int, options: dict[str, Any]) -> Any:
+def layer_config(scheme: str, length: int, options: dict[str, Any]) -> Any:
     """The ModelConfig of the benchmarked layer."""
     from copejax.model import checks
     from copejax.model.config import ModelConfig
@@ -59,8 +59,9 @@ def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:
 
     from copejax.model.attention_paths import choose_impl
 
-    cfg = _layer_config(scheme, length, options)
-    return choose_impl(cfg, length, sowing=False, backend=jax.default_backend())
+    cfg = layer_config(scheme, length, options)
+    pairs = BATCH * HEADS * length * length  # what the layer passes: B N T S
+    return choose_impl(cfg, length, sowing=False, backend=jax.default_backend(), pairs=pairs)
 
 
 def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
@@ -78,7 +79,7 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     cot_BTD = jax.random.normal(key_c, (BATCH, length, d_model), jnp.float32)
     positions_BT = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (BATCH, length))
 
-    cfg = _layer_config(scheme, length, options)
+    cfg = layer_config(scheme, length, options)
     scheme_spec = cfg.scheme
 
     class Layer(nn.Module):

@@ -190,6 +190,7 @@ class Attention(nn.Module):
             k_BSNH.shape[1],
             self.is_mutable_collection("intermediates"),
             pairs=batch * heads * length_q * k_BSNH.shape[1],
+            decoding=ctx.decode,
         )
         block = cfg.attention_block_for(k_BSNH.shape[1])
         ctx = ctx.replace(impl=impl, block=block, scan_impl=cfg.scan_impl)

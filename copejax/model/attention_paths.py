@@ -1,7 +1,8 @@
 """Which attention path one call takes, the ``jax.nn.dot_product_attention`` path and the
 fused kernels' path.
 
-``choose_impl`` reads ``model.attention_impl`` ("auto": naive, the blockwise engine of
+``choose_impl`` reads ``model.attention_impl`` ("auto": a measured fastest path
+(:mod:`copejax.model.measured_paths`), else ``rule_impl``'s naive path, blockwise engine of
 :mod:`copejax.ops.engine`, or cuDNN's fused kernel on a GPU in bfloat16);
 ``ring_cache_applies`` says whether a window layer decodes from a ring buffer
 (:class:`copejax.ops.kv_cache.RingCache`); ``dot_product_attention`` runs the schemes it can
@@ -14,10 +15,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from copejax.model.checks import kernel_config_refusal
 from copejax.model.config import ModelConfig
 from copejax.model.kernel_terms import kernel_terms
+from copejax.model.measured_paths import measured_impl
 from copejax.ops import engine_blocks
-from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.attention import MIN_BLOCK, fused_attention
 from copejax.positions.base import AttentionContext, AttentionSite, PositionScheme
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
@@ -43,23 +46,16 @@ def choose_impl(
     sowing: bool,
     backend: str | None = None,
     pairs: int | None = None,
+    *,
+    decoding: bool = False,
 ) -> str:
     """The attention path of one call from ``model.attention_impl``.
 
-    "auto": the naive path while intermediates (attention maps, gates) are being sown. On a
-    GPU, with ``pairs`` = B N T S of the call, for the schemes cuDNN's kernel can express
-    (``ModelConfig.dot_product_attention_allowed``): in bfloat16,
-    ``jax.nn.dot_product_attention`` (cuDNN), for a scheme with a position bias only while
-    that (B, N, T, S) bias takes at most ``GPU_NAIVE_MAX_BYTES``; otherwise the naive path
-    while its float32 logits take at most ``GPU_NAIVE_MAX_BYTES``, and the blockwise engine
-    beyond. Other schemes, other backends, or ``pairs`` unknown: the naive path below
-    ``AUTO_BLOCKWISE_FROM`` keys, or the scheme's ``auto_blockwise_from`` (faster there on
-    CPU, measured by ``experiments/bench.py``)
-    and the blockwise engine from it on, decoding steps included (a step then reads the
-    cache block by block).
-
-    "auto" never takes the fused kernels ("kernel"): no GPU or TPU measurement of them exists
-    yet (``python -m experiments.bench_kernels_gpu`` makes one); they run when chosen.
+    "auto": the naive path while intermediates (attention maps, gates) are being sown; the
+    fastest path a benchmark measured for this backend, dtype and scheme at this length
+    (:mod:`copejax.model.measured_paths`), where that path can run the call (the fused
+    kernels: not for decoding, nor for a configuration they refuse); otherwise
+    :func:`rule_impl`. ``decoding``: the call reads a KV cache.
     """
     impl = cfg.attention_impl
     if impl != "auto":
@@ -67,6 +63,34 @@ def choose_impl(
     if sowing:
         return "naive"
     backend = jax.default_backend() if backend is None else backend
+    found = measured_impl(backend, cfg.dtype, cfg.position, length_k)
+    if found is not None and _can_take(cfg, found.impl, backend, decoding):
+        return found.impl
+    return rule_impl(cfg, length_k, backend, pairs)
+
+
+def _can_take(cfg: ModelConfig, impl: str, backend: str, decoding: bool) -> bool:
+    """Whether a measured path can run this call of ``cfg``'s layer."""
+    if impl == "dot_product_attention":
+        return cfg.dot_product_attention_allowed()
+    if impl != "kernel":
+        return True
+    head_dim = cfg.resolved_head_dim
+    gpu_shapes = head_dim >= MIN_BLOCK and not head_dim & (head_dim - 1)
+    return not decoding and kernel_config_refusal(cfg) is None and (backend != "gpu" or gpu_shapes)
+
+
+def rule_impl(cfg: ModelConfig, length_k: int, backend: str, pairs: int | None = None) -> str:
+    """``auto``'s rules where no measurement of the call's scheme applies. On a GPU, with
+    ``pairs`` = B N T S of the call, for the schemes cuDNN's kernel can express
+    (``ModelConfig.dot_product_attention_allowed``): in bfloat16,
+    ``jax.nn.dot_product_attention`` (cuDNN), for a scheme with a position bias only while
+    that (B, N, T, S) bias takes at most ``GPU_NAIVE_MAX_BYTES``; otherwise the naive path
+    while its float32 logits take at most ``GPU_NAIVE_MAX_BYTES``, and the blockwise engine
+    beyond. Other schemes, other backends, or ``pairs`` unknown: the naive path below
+    ``AUTO_BLOCKWISE_FROM`` keys, or the scheme's ``auto_blockwise_from`` (faster there on
+    CPU, measured by ``experiments/bench.py``), and the blockwise engine from it on,
+    decoding steps included (a step then reads the cache block by block)."""
     position_only = backend == "gpu" and cfg.dot_product_attention_allowed()
     if position_only and cfg.dtype == "bfloat16":
         no_bias = "bias" not in cfg.scheme.sites

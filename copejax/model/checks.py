@@ -141,21 +141,30 @@ def check_scheme(cfg: ModelConfig) -> None:
 
 def check_kernel(cfg: ModelConfig) -> None:
     """``attention_impl="kernel"``: a scheme the fused kernels cover, and no attention sink."""
+    reason = kernel_config_refusal(cfg)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def kernel_config_refusal(cfg: ModelConfig) -> str | None:
+    """Why the fused kernels cannot run ``cfg``'s layers (the scheme, the block, the sink),
+    or None; ``check_kernel`` raises it, ``auto`` reads it before following a measurement."""
     refusal = kernel_refusal(cfg.scheme, cfg.dims)
     if refusal is not None:
-        raise ValueError(refusal)
+        return refusal
     block = cfg.attention_block
     if block is not None and (block < 16 or block & (block - 1)):
-        raise ValueError(
+        return (
             f"model.attention_block={block}: the fused kernels' tiles are powers of two of at "
             "least 16 (attention_impl='kernel'); use one, or None for their default"
         )
     if cfg.attention_sink:
-        raise ValueError(
+        return (
             "model.attention_sink adds a learned logit to every softmax denominator, which "
             "the fused kernels (attention_impl='kernel') do not take yet; use "
             "attention_impl='auto', 'naive' or 'blockwise'"
         )
+    return None
 
 
 def check_attention_layout(cfg: ModelConfig) -> None:

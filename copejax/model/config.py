@@ -85,8 +85,9 @@ class ModelConfig:
         Pallas kernels of ``copejax.ops.kernels`` (Triton on GPU, interpret mode elsewhere),
         for the schemes ``copejax.model.kernel_terms`` covers; others are refused by name.
         "auto" (default): naive for short sequences and while sowing, blockwise beyond
-        (``copejax.model.attention_paths.choose_impl``); it never takes the kernels, which
-        no GPU has measured yet.
+        (``copejax.model.attention_paths.choose_impl``), or the fastest path measured for the
+        backend, dtype and scheme (``copejax.model.measured_paths``; no GPU has measured the
+        kernels yet, so it takes them nowhere today).
       attention_block: the blockwise engine's block length (None: by length, see
         :meth:`attention_block_for`).
       attention_backward: the blockwise engine's backward pass: "flash" (custom VJP from the

@@ -40,11 +40,13 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
 def test_smoke_layer_part_writes_a_dated_page(tmp_path: Path) -> None:
     bench_kernels_gpu.main(["--smoke", "--parts", "layer", "--out_dir", str(tmp_path)])
     result = json.loads((tmp_path / "bench_kernels_gpu.json").read_text())
-    (group,) = result["layer"]
+    group, lever = result["layer"]
     rows = {row["scheme"]: row for row in group["rows"]}
     assert "error" not in group
     assert rows["fox kernel"]["status"] == "ok" and rows["fox kernel"]["path"] == "kernel"
+    assert rows["fox naive"]["path"] == "naive"  # auto's rule for FoX there, beside it
     assert rows["dpa"]["ratio_to_fastest_nope"] > 0
+    assert {row["scheme"] for row in lever["rows"]} == {"dpa", "fox blockwise 32"}
     page = (tmp_path / "bench_kernels_gpu.md").read_text()
     assert f"Measured {result['date']} on {result['device']}" in page
     assert "| 1 | 2 | 16 | 128 | fox kernel | kernel |" in page
@@ -58,3 +60,74 @@ def test_smoke_whole_script_with_the_command_line_part(tmp_path: Path) -> None:
     cli = {row["scheme"]: row for row in result["cli"]}
     assert cli["rope"]["status"] == "ok" and cli["rope"]["tokens_per_s"] > 0
     assert cli["path"]["status"] == "refused" and "'path'" in cli["path"]["reason"]
+
+
+def _group(shape: tuple[int, int, int], times: dict[str, float], rules: dict[str, str]) -> dict:
+    """A measured layer group: arm label -> time; the arm's scheme and path from its label."""
+    arms, rows = {}, []
+    fastest = times["dpa"]
+    for label, time_s in times.items():
+        scheme, _, impl = label.partition(" ")
+        arms[label] = {"scheme": scheme, "impl": impl or "auto", "options": {}}
+        row = {"scheme": label, "time_s": time_s, "ratio_to_fastest_nope": time_s / fastest}
+        rows.append(row)
+    batch, heads, head_dim = shape
+    return {
+        "B": batch,
+        "N": heads,
+        "H": head_dim,
+        "T": 4096,
+        "arms": arms,
+        "rules": rules,
+        "rows": rows,
+    }
+
+
+def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
+    """FoX's kernel wins at both shapes: an entry (its worst ratio). ALiBi's kernel wins at
+    one shape only, stick-breaking's rule path wins: no entry for them."""
+    rules = {"fox": "naive", "alibi": "dot_product_attention", "stickbreaking": "naive"}
+    small = {
+        "dpa": 1.0,
+        "fox kernel": 1.3,
+        "fox naive": 6.0,
+        "alibi kernel": 1.2,
+        "alibi dot_product_attention": 1.4,
+        "stickbreaking kernel": 3.0,
+        "stickbreaking naive": 2.5,
+    }
+    large = {**small, "fox kernel": 1.4, "alibi kernel": 1.6}
+    layer = [_group((2, 4, 64), small, rules), _group((4, 16, 128), large, rules)]
+    result = {
+        "date": "2026-11-27",
+        "device": "d",
+        "command": "c",
+        "wall_s": 1.0,
+        "layer": layer,
+        "cli": [],
+        "skipped": [],
+    }
+    source = "experiments/results/bench_kernels_gpu.md 2026-11-27"
+    (entry,) = bench_kernels_gpu.dispatch_entries(result, source)
+    assert (entry.backend, entry.dtype, entry.scheme, entry.keys) == (
+        "gpu",
+        "bfloat16",
+        "fox",
+        4096,
+    )
+    assert entry.impl == "kernel" and entry.ratio == pytest.approx(1.4)
+    page = bench_kernels_gpu.page(result)
+    assert f"    {entry!r}," in page
+
+
+def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> None:
+    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["layer", "cli"])
+    groups = [what for kind, what in tasks if kind == "layer"]
+    for shape, length, arms in groups:
+        kernels = {scheme for _, scheme, opts in arms if opts == bench_kernels_gpu.KERNEL}
+        others = {scheme for _, scheme, opts in arms if opts != bench_kernels_gpu.KERNEL}
+        assert kernels - {"nope"} <= others, (shape, length)
+    # At T = 4096, B x N = 8: ALiBi's bfloat16 bias (256 MiB) fits cuDNN's kernel; FoX, not
+    # a position-only bias, takes the engine from 512 keys on.
+    first = {label for label, _, _ in groups[0][2]}
+    assert {"fox kernel", "fox blockwise", "alibi dot_product_attention"} <= first

@@ -1,7 +1,8 @@
 """Tolerances for the fused kernels' tests, derived from the dtype and the reduction size.
 
 - Two float32 evaluations of a sum of n terms differ by at most n eps32 sum |x_i|
-  (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 4.2); the
+  (`tests.float_tolerance.float32_sum_atol`;
+  Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 4.2); the
   reference's largest magnitude stands for sum |x_i| (a softmax average of values is at most
   their largest magnitude).
 - A bfloat16 path rounds a handful of operands to bfloat16 (unit roundoff u = eps / 2) on
@@ -16,18 +17,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-EPS = {
-    "float32": float(np.finfo(np.float32).eps),
-    "bfloat16": float(jnp.finfo(jnp.bfloat16).eps),
-}
+from tests.float_tolerance import float32_sum_atol
 
-
-def float32_atol(scale: float, summands: int) -> float:
-    return summands * EPS["float32"] * scale
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
 
 
 def bfloat16_atol(scale: float, roundings: int) -> float:
-    return roundings * EPS["bfloat16"] * scale
+    """``roundings`` bfloat16 roundings on each of two paths, at most eps each."""
+    return roundings * EPS_BF16 * scale
 
 
 def assert_close(
@@ -48,7 +45,7 @@ def assert_close(
     if scale is None:
         scale = float(np.max(np.abs(desired), initial=0.0))
     scale = max(scale, 1e-30)
-    atol = float32_atol(scale, summands)
+    atol = float32_sum_atol(scale, summands)
     if dtype == "bfloat16":
         atol += bfloat16_atol(scale, roundings)
     np.testing.assert_allclose(actual, desired, rtol=0, atol=atol, err_msg=err_msg)

@@ -19,7 +19,10 @@ functions, evaluated tile by tile in the kernels:
   with or without the query's own key, and with ``remainder_bias``'s extra value channel;
 - cope: its count carried across key tiles and its interpolated ``q . e[p]``
   (:mod:`copejax.ops.kernels.cope`), for gates on the content logits (the default) and the
-  interpolated term, with the softmax; other gates and position terms are refused by name.
+  interpolated term, with the softmax; other gates and position terms are refused by name;
+- selective: the penalties ``-F`` accumulated from the selecting head's ReLU'd (or sigmoid)
+  logits (:mod:`copejax.ops.kernels.selective`), with the softmax and no other logit term;
+  ``prune_threshold`` and ``prune_budget`` are refused by name.
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.terms import KernelTerm, TermTile, param_scalars, table_lookup
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
@@ -52,7 +56,6 @@ MAX_COPE_ROWS = 256
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
-    "selective": "its accumulated penalties are a (B, S, T/Q) prefix per query block",
     "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
     "relative": "its bias q_i . e[i - j] reads one table row per distance (max_distance + 1 "
@@ -176,7 +179,7 @@ def _runs(part: PositionScheme) -> bool:
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
-    known = part.name in TERM_BUILDERS or part.name == "cope"
+    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective")
     return not other and (not _has_term(part) or known)
 
 
@@ -195,6 +198,35 @@ def _cope_refusal(part: PositionScheme, dims: Dims | None) -> str | None:
     return None
 
 
+def _selective_refusal(part: PositionScheme, scheme: PositionScheme) -> str | None:
+    """Why the kernels cannot run this selective attention (its options, or the parts it
+    is combined with), or None."""
+    if part.prune_threshold is not None:
+        return (
+            f"prune_threshold={part.prune_threshold} (the kernels subtract F; pruning's mask "
+            "of the keys whose F passed the threshold is not in them)"
+        )
+    if part.prune_budget is not None:
+        return (
+            f"prune_budget={part.prune_budget} (its evictions are a sequential scan over the "
+            "queries, outside the kernels)"
+        )
+    others = [
+        p.name for p in parts(scheme) if p is not part and {"bias", "normalizer"} & set(p.sites)
+    ]
+    if others:
+        return f"its penalties with another logit term or normalizer ({others})"
+    return None
+
+
+def selective_term(scheme: PositionScheme) -> SelectiveTerm | None:
+    """Selective attention's static options for the kernels, if a part of ``scheme``."""
+    for part in parts(scheme):
+        if part.name == "selective":
+            return SelectiveTerm(part.head, part.nonlinearity)
+    return None
+
+
 def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
     """Why ``scheme`` cannot run on the fused kernels (naming the part), or None; ``dims``
     resolves sizes that default to the model's (CoPE's p_max = None)."""
@@ -207,11 +239,13 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
             reason = _cope_refusal(part, dims)
             if reason is None and NORMALIZERS & set(names):
                 reason = "its count with another normalizer than the softmax"
+        elif part.name == "selective":
+            reason = _selective_refusal(part, scheme)
         if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
-                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope and "
+                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective and "
                 f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
@@ -235,6 +269,8 @@ def kernel_terms(
         )
     terms, cope = [], None
     for part, term in zip(with_terms, block_terms, strict=True):
+        if part.name == "selective":  # fused_attention(selective=selective_term(...))
+            continue
         if part.name == "cope":  # its table e, (P, H) or (N, P, H)
             static = CopeStatic(
                 part.num_positions(dims), part.scale_position_term, part.force_unit_gates

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from copejax.ops.kernels.backward import backward_calls
 from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
+from copejax.ops.kernels.selective import SelectiveTerm
+from copejax.ops.kernels.selective_attention import selective_attention
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 
@@ -86,6 +88,7 @@ def fused_attention(
     normalizer: str = "softmax",
     include_self: bool = True,
     cope: CopeTerm | None = None,
+    selective: SelectiveTerm | None = None,
 ) -> jax.Array:
     """Causal self-attention through the fused kernels.
 
@@ -105,6 +108,8 @@ def fused_attention(
       include_self: whether query i sees key i (False: stick-breaking's default).
       cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
         with the softmax only.
+      selective: selective attention's penalties
+        (:mod:`copejax.ops.kernels.selective_attention`), with the softmax and no other term.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -171,6 +176,9 @@ def fused_attention(
         "terms": [_term_arrays(t, padded) for t in terms],
         "cope": None if cope is None else _cope_table(cope.table, heads),
     }
+    if selective is not None:  # its own kernels
+        y_BTNW = selective_attention(plan, selective, arrays, ints)
+        return y_BTNW[:, :length].astype(v_BTGW.dtype)
     y_BTNW = _attention(plan, arrays, ints)
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
 

@@ -1,0 +1,120 @@
+"""Selective attention (Leviathan et al. 2024, arXiv 2410.02703) through the fused kernels:
+the custom VJP that wires the prefix and forward kernels
+(:mod:`copejax.ops.kernels.selective`) to the backward kernels
+(:mod:`copejax.ops.kernels.selective_backward`).
+
+:func:`~copejax.ops.kernels.attention.fused_attention` calls :func:`selective_attention`
+with its padded inputs when given ``selective=``. The selecting head's q and k are read
+inside the VJP, so their gradients (the selection's, summed over the heads) are added to
+that head's dq and to its key/value head's dk before the inputs' dtype rounds them.
+Shape letters as in :mod:`copejax.ops.kernels.forward`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops import segments
+from copejax.ops.kernels.selective import NONLINEARITIES, SelectiveTerm, selective_forward_call
+from copejax.ops.kernels.selective_backward import selective_backward_calls
+from copejax.ops.kernels.tiles import Plan
+
+
+def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
+    """Refuses, naming it, what the selective kernels do not run: a head out of range, an
+    unknown nonlinearity, a backend other than Triton (or interpret mode), and any other term or
+    normalizer beside the penalties."""
+    heads = arrays["q"].shape[2]
+    head = selective.head
+    if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < heads:
+        raise ValueError(f"kernel: selective head must be an integer in [0, {heads}), got {head!r}")
+    if selective.nonlinearity not in NONLINEARITIES:
+        raise ValueError(
+            f"kernel: selective nonlinearity must be one of {NONLINEARITIES}, "
+            f"got {selective.nonlinearity!r}"
+        )
+    backend = getattr(plan, "backend", "triton")
+    if backend != "triton":
+        raise ValueError(
+            f"kernel: selective attention's kernels are Triton's, got backend {backend!r}"
+        )
+    others = ["terms"] if arrays.get("terms") else []
+    others += [key for key in ("cope", "relative") if arrays.get(key) is not None]
+    if plan.stick:
+        others.append("stickbreaking")
+    if others:
+        raise ValueError(
+            "kernel: selective attention's penalties run with the softmax and no other "
+            f"logit term, got {others}"
+        )
+
+
+def selective_attention(
+    plan: Plan, selective: SelectiveTerm, arrays: dict, ints: dict[str, jax.Array]
+) -> jax.Array:
+    """softmax(q . k / sqrt(H) - F) v on padded inputs, differentiable in q, k and v.
+
+    Args:
+      plan: the call's tiles and mask.
+      selective: the selecting head and the nonlinearity.
+      arrays: the padded "q" (B, T, N, H), "k" (B, S, G, H), "v" (B, S, G, W); any other
+        entry ("terms", "cope", ...) must be empty.
+      ints: int32 (B, T) "q_seg" and (B, S) "k_seg", "k_rank" (padding in segments of its
+        own, as fused_attention pads them).
+
+    Returns:
+      y_BTNW float32.
+    """
+    check_selective(selective, plan, arrays)
+    heads, kv_heads = arrays["q"].shape[2], arrays["k"].shape[2]
+    kv_head = selective.head // (heads // kv_heads)
+    starts_BS = segments.segment_starts_BT(ints["k_seg"]).astype(jnp.int32)
+    nonlinearity = selective.nonlinearity
+
+    def selectors(q_BTNH: jax.Array, k_BSGH: jax.Array) -> dict[str, jax.Array]:
+        return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
+
+    @jax.custom_vjp
+    def attend(tensors: tuple[jax.Array, ...], ints: dict[str, jax.Array]) -> jax.Array:
+        return forward(tensors, ints)[0]
+
+    def forward(tensors: tuple[jax.Array, ...], ints: dict[str, jax.Array]) -> tuple:
+        q_BTNH, k_BSGH, _ = tensors
+        o_BTNW, lse_BNT, prefix = selective_forward_call(
+            plan, nonlinearity, *tensors, selectors=selectors(q_BTNH, k_BSGH), ints=ints
+        )
+        return o_BTNW, (tensors, ints, o_BTNW, lse_BNT, prefix)
+
+    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[tuple, None]:
+        (q_BTNH, k_BSGH, v_BSGW), ints, o_BTNW, lse_BNT, prefix = residuals
+        do_BTNW = do_BTNW.astype(v_BSGW.dtype)  # the matmuls take the inputs' dtype
+        delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
+        dq_BTNH, dk_BSNH, dv_BSNW, dq_sel_BTH, dk_sel_BSH = selective_backward_calls(
+            plan,
+            nonlinearity,
+            (q_BTNH, k_BSGH, v_BSGW, do_BTNW),
+            lse_BNT=lse_BNT,
+            delta_BNT=jnp.moveaxis(delta_BTN, 2, 1),
+            selectors=selectors(q_BTNH, k_BSGH),
+            prefix=prefix,
+            ints=ints,
+        )
+        batch, length = q_BTNH.shape[:2]
+
+        def per_kv_head(x_BSNW: jax.Array) -> jax.Array:
+            x = x_BSNW.reshape(batch, length, kv_heads, heads // kv_heads, -1)
+            return jnp.sum(x, axis=3)
+
+        dq_BTNH = dq_BTNH.at[:, :, selective.head].add(dq_sel_BTH)
+        dk_BSGH = per_kv_head(dk_BSNH).at[:, :, kv_head].add(dk_sel_BSH)
+        grads = (
+            dq_BTNH.astype(q_BTNH.dtype),
+            dk_BSGH.astype(k_BSGH.dtype),
+            per_kv_head(dv_BSNW).astype(v_BSGW.dtype),
+        )
+        return grads, None
+
+    attend.defvjp(forward, backward)
+    tensors = (arrays["q"], arrays["k"], arrays["v"])
+    return attend(tensors, {**ints, "k_start": starts_BS})

@@ -1,0 +1,258 @@
+"""Selective attention's penalties in the fused kernels (arXiv 2410.02703) against a dense
+reference of the paper's equations.
+
+``S_kj = relu(q_k . k_j / sqrt(H))`` of the selecting head (zero unless j < k in one segment
+and j is not the segment's first token), ``F_ij = sum_{k < i} S_kj`` subtracted from every
+head's logits: values against NumPy in float64, gradients of q, k, v (every head) against
+``jax.vjp`` of the dense float32 maths, which also equals the model's naive-path cores
+(``copejax.ops.selective``); grouped KV heads, packed segments, a window with sinks, lengths
+of several tiles (padded). The whole model against its naive path is in
+``test_kernel_registry.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.ops import segments
+from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.selective import SelectiveTerm, prefix_call, rows_of
+from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.tiles import Plan
+from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
+from tests.conftest import tiny_config
+from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
+from tests.ops.kernels.tolerances import assert_close
+
+SLOW = pytest.mark.slow
+# Default cases: 3 tiles of 16, the last padded; the slow ones: 72 keys in tiles of 32 / 16.
+SMALL = {"T": 40, "N": 2, "G": 1, "block_q": 16, "block_k": 16, "segments": (17, 15, 8)}
+LARGE = {"T": 72, "N": 4, "G": 2, "block_q": 32, "block_k": 16, "segments": (30, 25, 17)}
+B, H, HEAD = 2, 16, 1  # the selecting head reads key/value head HEAD // (N / G)
+
+
+def _layout(shape: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(segment ids, rank in segment) (B, T): row 0 one document, row 1 packed."""
+    lengths = shape["segments"]
+    ids = np.array([[0] * shape["T"], np.repeat(np.arange(len(lengths)), lengths)], np.int32)
+    rank = np.array([np.arange(shape["T"]), np.concatenate([np.arange(n) for n in lengths])])
+    return ids, rank.astype(np.int32)
+
+
+def _inputs(shape: dict, dtype, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
+    t, n, g = shape["T"], shape["N"], shape["G"]
+    return {"q": normal(B, t, n, H), "k": normal(B, t, g, H), "v": normal(B, t, g, H)}
+
+
+def penalty_BTS(q, k, ids_BT, nonlinearity: str, *, xp=jnp):
+    """F_ij = sum_{k < i} S_kj from the paper's equations (Section 3), float64 with
+    ``xp=np``."""
+    groups = q.shape[2] // k.shape[2]
+    logits = xp.einsum("bth,bsh->bts", q[:, :, HEAD], k[:, :, HEAD // groups])
+    logits = logits / np.sqrt(q.shape[-1])
+    index = np.arange(ids_BT.shape[1])
+    first = np.concatenate([np.ones((B, 1), bool), ids_BT[:, 1:] != ids_BT[:, :-1]], axis=1)
+    keep = index[None, :, None] > index[None, None, :]
+    keep = keep & (ids_BT[:, :, None] == ids_BT[:, None, :]) & ~first[:, None, :]
+    if nonlinearity == "relu":
+        s = xp.maximum(logits, 0.0)
+    else:
+        s = 1.0 / (1.0 + xp.exp(-logits))
+    s = xp.where(keep, s, 0.0)
+    return xp.cumsum(s, axis=1) - s
+
+
+def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", interpret=None):
+    ids, rank = _layout(shape)
+    positions = jnp.asarray(rank)
+    return fused_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=positions,
+        k_positions_BT=positions,
+        segment_ids_BT=jnp.asarray(ids),
+        window=window,
+        sink_tokens=sinks,
+        k_rank_BT=jnp.asarray(rank),
+        block_q=shape["block_q"],
+        block_k=shape["block_k"],
+        interpret=interpret,
+        selective=SelectiveTerm(HEAD, nonlinearity),
+    )
+
+
+def _check(shape: dict, dtype: str, window, sinks: int, nonlinearity: str = "relu") -> None:
+    """Values (float32 inputs: against NumPy float64) and the gradients of q, k and v."""
+    x = _inputs(shape, jnp.dtype(dtype))
+    ids, rank = _layout(shape)
+    allowed = mask_BTS(ids, window, sinks, rank)
+    length = shape["T"]
+    cot = np.random.default_rng(5).normal(size=(B, length, shape["N"], H))
+    cot = jnp.asarray(cot, jnp.float32)
+
+    def kernel(x):
+        return _kernel(x, shape, window, sinks, nonlinearity=nonlinearity).astype(jnp.float32)
+
+    def dense(x, frozen: bool = False):  # the same inputs in float32: only roundings differ
+        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
+        f = penalty_BTS(x32["q"], x32["k"], ids, nonlinearity)
+        f = jax.lax.stop_gradient(f) if frozen else f
+        return attention_jnp(x32["q"], x32["k"], x32["v"], -f[:, None], jnp.asarray(allowed))
+
+    def with_grads(function, x, cot):  # one compilation of the kernels, forward and backward
+        y, pull = jax.vjp(function, x)
+        return y, pull(cot)[0]
+
+    y, grads = jax.jit(functools.partial(with_grads, kernel))(x, cot)
+    y_ref, grads_ref = jax.jit(functools.partial(with_grads, dense))(x, cot)
+    if dtype == "float32":
+        x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+        f64 = penalty_BTS(x64["q"], x64["k"], ids, nonlinearity, xp=np)
+        expected = attention_numpy(x64["q"], x64["k"], x64["v"], -f64[:, None], allowed)
+        assert_close(y, expected, dtype=dtype, summands=length, roundings=0)
+    assert_close(y, y_ref, dtype=dtype, summands=length, roundings=2)
+    # F sums up to T selections into each logit, and its gradient up to T queries' dF
+    for key in "qkv":
+        assert grads[key].dtype == x[key].dtype
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=2 * length, roundings=4)
+    # The selecting head's q and k get the selection's gradient, not a constant F's.
+    frozen = jax.jit(functools.partial(with_grads, functools.partial(dense, frozen=True)))(x, cot)[
+        1
+    ]
+    for key, head in (("q", HEAD), ("k", HEAD // (shape["N"] // shape["G"]))):
+        gap = np.abs(np.asarray(grads_ref[key] - frozen[key], np.float32)[:, :, head])
+        assert gap.max() > 0.05 * np.abs(np.asarray(grads_ref[key], np.float32)).max()
+
+
+def test_small_float32_window_sinks_gqa_packed() -> None:
+    _check(SMALL, "float32", window=12, sinks=2)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("dtype", "window", "sinks", "nonlinearity"),
+    [
+        ("float32", None, 0, "relu"),
+        ("float32", 20, 3, "relu"),
+        ("float32", 20, 0, "sigmoid"),
+        ("bfloat16", None, 0, "relu"),
+        ("bfloat16", 20, 3, "relu"),
+    ],
+)
+def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str) -> None:
+    _check(LARGE, dtype, window, sinks, nonlinearity)
+
+
+@pytest.mark.parametrize("window", [pytest.param(None, marks=SLOW), 12])
+def test_reference_is_the_naive_path(window) -> None:
+    """The dense F equals the model's naive-path cores (``selection_BTS`` on the layer's
+    mask, window included, then ``accumulated_penalty_BTS``) on every allowed pair: the
+    window, which the kernels leave out of S, changes no F a query sees."""
+    x = _inputs(SMALL, jnp.float32)
+    ids, rank = _layout(SMALL)
+    allowed = mask_BTS(ids, window, 2 if window else 0, rank)
+    groups = SMALL["N"] // SMALL["G"]
+    logits = jnp.einsum("bth,bsh->bts", x["q"][:, :, HEAD], x["k"][:, :, HEAD // groups]) / 4.0
+    index = jnp.arange(SMALL["T"])
+    first = segments.segment_starts_BT(jnp.asarray(ids))
+    s = selection_BTS(logits, jnp.asarray(allowed), first, index, index)
+    naive = accumulated_penalty_BTS(s)
+    dense = penalty_BTS(x["q"], x["k"], ids, "relu")
+    np.testing.assert_allclose(np.where(allowed, naive, 0), np.where(allowed, dense, 0), atol=1e-5)
+    assert float(jnp.max(jnp.where(allowed, dense, 0))) > 1.0  # the penalties are live
+
+
+@SLOW
+def test_prefix_sums_the_older_query_tiles() -> None:
+    """P[g, j] = sum over the queries before query tile g of S_kj, and zero rows beyond."""
+    x = _inputs(LARGE, jnp.float32)
+    ids, _ = _layout(LARGE)
+    padded, size_q, size_k = 80, LARGE["block_q"], LARGE["block_k"]
+    plan = Plan(size_q, size_k, 3, 5, None, 0, 2, (), True)
+    pad = lambda a, value: np.pad(a, ((0, 0), (0, padded - a.shape[1])), constant_values=value)
+    ids_q, ids_k = pad(ids, -1), pad(ids, -2)
+    starts = np.asarray(segments.segment_starts_BT(jnp.asarray(ids_k)), np.int32)
+    ints = {
+        "q_seg": jnp.asarray(ids_q),
+        "k_seg": jnp.asarray(ids_k),
+        "k_start": jnp.asarray(starts),
+    }
+    q_sel = jnp.pad(x["q"][:, :, HEAD], ((0, 0), (0, padded - 72), (0, 0)))
+    k_sel = jnp.pad(x["k"][:, :, HEAD // 2], ((0, 0), (0, padded - 72), (0, 0)))
+    prefix = np.asarray(prefix_call(plan, "relu", q_sel, k_sel, ints))
+    assert prefix.shape == (B, rows_of(3), padded)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    f = penalty_BTS(x64["q"], x64["k"], ids, "relu", xp=np)  # F at the tiles' first queries
+    for g in range(3):
+        np.testing.assert_allclose(prefix[:, g, :72], f[:, g * size_q], atol=1e-4)
+    assert not prefix[:, 3:].any()
+
+
+def test_lowers_to_triton() -> None:
+    """The prefix, forward and both backward kernels have Triton lowerings (from the CPU)."""
+    x = _inputs(SMALL, jnp.bfloat16)
+
+    def loss(x):
+        y = _kernel(x, SMALL, window=12, sinks=2, interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    names = ("prefix", "attention_forward", "attention_dq", "attention_dkdv")
+    for name in names:
+        assert f"copejax_{'selective_' if name == 'prefix' else ''}{name}" in text
+
+
+@pytest.mark.parametrize(
+    ("selective", "kwargs", "message"),
+    [
+        (SelectiveTerm(2), {}, r"selective head must be an integer in \[0, 2\), got 2"),
+        (SelectiveTerm(0, "tanh"), {}, "selective nonlinearity must be one of"),
+        (SelectiveTerm(0), {"normalizer": "stickbreaking", "include_self": False}, "stick"),
+        (
+            SelectiveTerm(0),
+            {"terms": [KernelTerm("zero", lambda p, tile: jnp.zeros((16, 16)))]},
+            r"no other logit term, got \['terms'\]",
+        ),
+    ],
+)
+def test_fused_attention_refuses(selective, kwargs: dict, message: str) -> None:
+    x = _inputs(SMALL, jnp.float32)
+    ids, rank = _layout(SMALL)
+    with pytest.raises(ValueError, match=message):
+        fused_attention(
+            x["q"],
+            x["k"],
+            x["v"],
+            q_positions_BT=jnp.asarray(rank),
+            k_positions_BT=jnp.asarray(rank),
+            segment_ids_BT=jnp.asarray(ids),
+            selective=selective,
+            **kwargs,
+        )
+
+
+@pytest.mark.parametrize(
+    ("position", "options", "named"),
+    [
+        ("selective", {"prune_threshold": 2.0}, "prune_threshold=2.0"),
+        ("selective", {"prune_budget": 4}, "prune_budget=4"),
+        ("selective+alibi", {}, r"another logit term or normalizer \(\['alibi'\]\)"),
+        ("selective+stickbreaking", {}, r"\['stickbreaking'\]"),
+    ],
+)
+def test_model_refuses_variants_by_name(position: str, options: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=f"no kernel for scheme 'selective': .*{named}"):
+        tiny_config(position, attention_impl="kernel", position_options=options)
+
+
+@pytest.mark.parametrize("position", ["selective", "selective+rope"])
+def test_model_covers_the_default_options(position: str) -> None:
+    assert tiny_config(position, attention_impl="kernel").attention_impl == "kernel"

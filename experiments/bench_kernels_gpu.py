@@ -3,6 +3,10 @@
     JAX_PLATFORMS=cuda python -m experiments.bench_kernels_gpu   # on the GPU machine
     python -m experiments.bench_kernels_gpu --smoke                # CPU, interpret mode
 
+The GPU image lacks grain, ml_collections and a few more: ``python -m
+experiments.device_wheels`` downloads them here and prints the install line that starts the
+device call (carry ``.whl``).
+
 Part ``layer``: one attention layer's forward + backward in bfloat16 (the layer and the
 interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as on
 ``bench_gpu.md``: the median over rounds of an arm's time over the round's fastest nope arm,

@@ -19,8 +19,9 @@ writes the sum entering each tile, (B, count_q, S) float32 (count_q padded to a 
 two): O(T^2 / Q), no (T, S) buffer. The forward kernel is FlashAttention-2's
 (:mod:`copejax.ops.kernels.forward`) with the penalty added per pair: each program
 recomputes the selecting head's S tile from its q and k tiles (one more Q x K x H matmul)
-and ``L @ S`` (a Q x Q x K matmul at full float32 precision: these are sums of penalties,
-which TF32 or bfloat16 would round to 3 digits). The backward is
+and ``L @ S``: three Q x Q x K bfloat16 matmuls of S split in bfloat16 pieces, exact to
+float32 (:func:`bf16_pieces`), on a GPU's tensor cores; one bfloat16 or TF32 matmul would
+round the penalties to 3 digits. The backward is
 :mod:`copejax.ops.kernels.selective_backward`.
 
 The kernels take no other logit term and the softmax only; pruning (``prune_threshold``,
@@ -102,28 +103,36 @@ def selection_QK(
     return jnp.where(keep_QK, s_QK, 0.0), jnp.where(keep_QK, slope_QK, 0.0)
 
 
+def bf16_pieces(x: jax.Array) -> list[jax.Array]:
+    """x (float32) as three bfloat16 pieces, smallest first, whose sum is x to float32's
+    precision (8 + 8 + 8 significant bits)."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return [lo, mid, hi]
+
+
+def _triangular_sum_QK(x_QK: jax.Array, contract: int) -> jax.Array:
+    """``L @ x`` (``contract`` 1) or ``L^T @ x`` (0), L[i, k] = 1 where k < i, as three
+    bfloat16 matmuls with float32 accumulation (tensor cores on a GPU, where a float32
+    matmul at full precision would not run on them, and TF32 would keep 10 bits of x): L is
+    exact in bfloat16, so the result is float32's."""
+    ones_QQ = newer_ones_KK(x_QK.shape[0], inclusive=False).astype(jnp.bfloat16)
+    total_QK = jnp.zeros(x_QK.shape, jnp.float32)
+    for piece in bf16_pieces(x_QK):
+        total_QK = total_QK + dot_f32(ones_QQ, piece, (contract, 0))
+    return total_QK
+
+
 def older_sum_QK(x_QK: jax.Array) -> jax.Array:
-    """``sum_{k < i} x_kj`` over the tile's rows: ``L @ x`` in float32 (no TF32)."""
-    ones_QQ = newer_ones_KK(x_QK.shape[0], inclusive=False)  # [i, k] = 1 where i > k
-    return jax.lax.dot_general(
-        ones_QQ,
-        x_QK,
-        (((1,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+    """``sum_{k < i} x_kj`` over the tile's rows (``L @ x``), float32."""
+    return _triangular_sum_QK(x_QK, 1)
 
 
 def newer_sum_QK(x_QK: jax.Array) -> jax.Array:
-    """``sum_{i > k} x_ij`` over the tile's rows: ``L^T @ x`` in float32 (no TF32)."""
-    ones_QQ = newer_ones_KK(x_QK.shape[0], inclusive=False)
-    return jax.lax.dot_general(
-        ones_QQ,
-        x_QK,
-        (((0,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+    """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32."""
+    return _triangular_sum_QK(x_QK, 0)
 
 
 def penalized_scores_QK(

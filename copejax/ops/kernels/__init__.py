@@ -6,7 +6,9 @@ stick-breaking in place of the softmax (:mod:`copejax.ops.kernels.stick`). Modul
 entry point and custom VJP (``attention``), the forward (``forward``) and backward
 (``backward``) kernels, stick-breaking's three (``stick``), what they share about a tile pair
 (``tiles``), the terms' operands (``operands``) and the GPU backend's parameters
-(``triton_params``: Triton on GPUs, interpret mode elsewhere). This package imports only
+(``triton_params``: Triton on GPUs, interpret mode elsewhere); selective attention's
+penalties have their own prefix and forward kernels (``selective``), backward kernels
+(``selective_backward``) and custom VJP (``selective_attention``). This package imports only
 ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
 (``copejax.model.kernel_terms``).
 """

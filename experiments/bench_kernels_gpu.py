@@ -7,22 +7,27 @@ The GPU image lacks grain, ml_collections and a few more: ``python -m
 experiments.device_wheels`` downloads them here and prints the install line that starts the
 device call (carry ``.whl``).
 
+Part ``check``: each kernel scheme's one-layer model against its naive path on this device
+(:mod:`experiments.kernel_check`); a scheme that fails is flagged and gets no dispatch entry.
 Part ``layer``: one attention layer's forward + backward in bfloat16 (the layer and the
 interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as on
 ``bench_gpu.md``: the median over rounds of an arm's time over the round's fastest nope arm,
 here cuDNN's fused kernel, ``dpa``) at the issue's shapes, (B, N, H) = (2, 4, 64) (B x N = 8)
 and (4, 16, 128), T = 4096 and 16384. Arms: ``dpa`` (``jax.nn.dot_product_attention``,
 ``implementation="cudnn"``), the kernels (``model.attention_impl="kernel"``: nope, ALiBi, T5,
-FoX, stick-breaking, CoPE) and the blockwise engine's FoX, the path ``auto`` takes for it
-today.
+FoX, stick-breaking, CoPE), and beside each the path ``auto``'s rules take for that scheme
+there (``rule_arms``). A group of its own measures the cheaper lever of larger engine blocks
+(512 and 1024 keys) for the contextual schemes at the first shape and T = 4096.
 Part ``cli``: steady-state tokens/s of ``python -m copejax.main`` on ``configs/lm.py:paper``
 with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"): RoPE
 with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
-Tasks run in priority order (the first shape's layer group, the CLI arms but CoPE's, CoPE's
-layer group (its own: its kernels may compile longest) and CLI arm, the other shapes' groups)
-and none starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
-minutes; skipped ones are listed on the page, which is rewritten after every task.
+Tasks run in priority order (the checks, the first shape's layer group, the CLI arms but
+CoPE's, CoPE's layer group (its own: its kernels may compile longest) and CLI arm, the lever
+group, the other shapes' groups) and none starts past ``--budget_s``, so that the whole call,
+compilation included, stays within 8 minutes; skipped ones are listed on the page, which is
+rewritten after every task. The page ends with the entries for
+``copejax.model.measured_paths.MEASURED`` that the measurements support.
 
 Writes ``bench_kernels_gpu.md`` (dated, stating the device) and ``bench_kernels_gpu.json``
 under ``--out_dir`` (default ``experiments/results``). ``--smoke`` runs tiny shapes in
@@ -69,6 +74,8 @@ LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
 LENGTHS = (4096, 16384)
+# Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme.
+CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "alibi", "t5", "nope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 
@@ -145,9 +152,11 @@ def dispatch_entries(result: dict, source: str) -> list:
     """The measurements for ``copejax.model.measured_paths.MEASURED``: per scheme and T, the
     path of its fastest arm (default blocks only: the table names a path, not its options),
     where the same path won at every measured shape of that T and it is not what ``auto``'s
-    rules take there already. Its ratio is the worst over the shapes."""
+    rules take there already. Its ratio is the worst over the shapes. A kernel whose check
+    failed on the device is no candidate."""
     from copejax.model.measured_paths import Measurement
 
+    failed = {row["scheme"] for row in result.get("check", []) if not row["ok"]}
     wins: dict[tuple[str, int], list] = {}
     for group in result["layer"]:
         best: dict[str, dict] = {}
@@ -156,6 +165,8 @@ def dispatch_entries(result: dict, source: str) -> list:
             if arm is None or "ratio_to_fastest_nope" not in row or arm["scheme"] == "dpa":
                 continue
             if "attention_block" in arm["options"]:
+                continue
+            if arm["impl"] == "kernel" and arm["scheme"] in failed:
                 continue
             if arm["scheme"] not in best or row["time_s"] < best[arm["scheme"]]["time_s"]:
                 best[arm["scheme"]] = {**row, "impl": arm["impl"]}
@@ -171,6 +182,16 @@ def dispatch_entries(result: dict, source: str) -> list:
                 Measurement("gpu", "bfloat16", scheme, length, impls.pop(), ratio, source)
             )
     return entries
+
+
+def check_run(scheme: str) -> dict:
+    """``experiments.kernel_check.check``, or the error that stopped it."""
+    from experiments.kernel_check import check
+
+    try:
+        return check(scheme)
+    except Exception as error:  # a kernel that fails to lower or compile is a finding
+        return {"scheme": scheme, "ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
 
 
 def refusal(scheme: str) -> str | None:
@@ -220,6 +241,15 @@ def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) 
     return {**row, "status": "ok", "tokens_per_s": speeds[-1]}
 
 
+def _check_line(row: dict) -> str:
+    if "error" in row:
+        return f"| {row['scheme']} | - | - | - | no: {row['error']} |"
+    return (
+        f"| {row['scheme']} | {row['logits_rel_error']:.2e} | {row['grad_rel_error']:.2e} | "
+        f"{row['bound']:.2e} | {'yes' if row['ok'] else 'NO'} |"
+    )
+
+
 def page(result: dict) -> str:
     """The markdown page of one run."""
     lines = [
@@ -229,6 +259,17 @@ def page(result: dict) -> str:
         "compilation included.",
         "",
         f"Command: `{result['command']}`",
+        "",
+        "## Kernel = naive on this device",
+        "",
+        "A one-layer bfloat16 model (GQA, packed documents, five key tiles) on the kernels and "
+        "on the naive path (`experiments/kernel_check.py`): max |kernel - naive| over max "
+        "|naive| of the logits and of the gradients. A scheme that fails here has no speed "
+        "worth reading below, and no entry for auto.",
+        "",
+        "| scheme | logits | gradients | bound | ok |",
+        "|---|---|---|---|---|",
+        *[_check_line(row) for row in result.get("check", [])],
         "",
         "## One layer, forward + backward, bfloat16",
         "",
@@ -293,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m experiments.bench_kernels_gpu")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
-    parser.add_argument("--parts", default="layer,cli")
+    parser.add_argument("--parts", default="check,layer,cli")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget_s", type=float, default=420.0)
     parser.add_argument("--cli_steps", type=int, default=40)
@@ -308,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
         "command": "python -m experiments.bench_kernels_gpu " + " ".join(argv or sys.argv[1:]),
+        "check": [],
         "layer": [],
         "cli": [],
         "skipped": [],
@@ -319,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
         if elapsed > args.budget_s:
             result["skipped"].append(f"{kind} {what}")
             continue
-        if kind == "layer":
+        if kind == "check":
+            result["check"].append(check_run(what[0]))
+        elif kind == "layer":
             shape, length, arms = what
             result["layer"].append(layer_group(shape, length, arms, rounds or args.rounds))
         else:
@@ -337,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:
-    """The tasks in priority order (the first shape's layer group, the CLI arms but CoPE's,
+    """The tasks in priority order (the kernels' checks against the naive path, the first
+    shape's layer group, the CLI arms but CoPE's,
     CoPE's layer group and CLI arm, the cheaper lever's group, then the other shapes'
     groups), so that a time budget cuts the least informative ones; and the rounds (None:
     the command line's). Each kernel group also runs the path ``auto``'s rules take."""
@@ -374,10 +419,13 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
         lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
         cli = [("cli", arm) for arm in CLI_ARMS]
         rounds = None
+    checks = [("check", (scheme,)) for scheme in (("fox",) if smoke else CHECK_SCHEMES)]
+    checks = checks if "check" in parts else []
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []
     cli = cli if "cli" in parts else []
-    return layer[:1] + cli[:-1] + layer[1:2] + cli[-1:] + lever + layer[2:], rounds
+    tasks = checks + layer[:1] + cli[:-1] + layer[1:2] + cli[-1:] + lever + layer[2:]
+    return tasks, rounds
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
 
 @pytest.mark.slow
 def test_smoke_layer_part_writes_a_dated_page(tmp_path: Path) -> None:
-    bench_kernels_gpu.main(["--smoke", "--parts", "layer", "--out_dir", str(tmp_path)])
+    bench_kernels_gpu.main(["--smoke", "--parts", "check,layer", "--out_dir", str(tmp_path)])
     result = json.loads((tmp_path / "bench_kernels_gpu.json").read_text())
     group, lever = result["layer"]
     rows = {row["scheme"]: row for row in group["rows"]}
@@ -47,6 +47,8 @@ def test_smoke_layer_part_writes_a_dated_page(tmp_path: Path) -> None:
     assert rows["fox naive"]["path"] == "naive"  # auto's rule for FoX there, beside it
     assert rows["dpa"]["ratio_to_fastest_nope"] > 0
     assert {row["scheme"] for row in lever["rows"]} == {"dpa", "fox blockwise 32"}
+    (checked,) = result["check"]
+    assert checked["scheme"] == "fox" and checked["ok"], checked
     page = (tmp_path / "bench_kernels_gpu.md").read_text()
     assert f"Measured {result['date']} on {result['device']}" in page
     assert "| 1 | 2 | 16 | 128 | fox kernel | kernel |" in page
@@ -118,6 +120,18 @@ def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
     assert entry.impl == "kernel" and entry.ratio == pytest.approx(1.4)
     page = bench_kernels_gpu.page(result)
     assert f"    {entry!r}," in page
+    # A kernel that computed something else on the device is no candidate.
+    bad = {"scheme": "fox", "ok": False, "error": "LoweringError: x"}
+    assert bench_kernels_gpu.dispatch_entries({**result, "check": [bad]}, source) == []
+    page = bench_kernels_gpu.page({**result, "check": [bad]})
+    assert "| fox | - | - | - | no: LoweringError: x |" in page
+
+
+def test_kernel_check_relative_error() -> None:
+    from experiments.kernel_check import relative_error
+
+    assert relative_error([1.0, -2.0], [1.0, -2.5]) == pytest.approx(0.2)
+    assert relative_error([0.0], [0.0]) == 0.0
 
 
 def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from copejax.model.checks import kernel_config_refusal
 from copejax.model.config import ModelConfig
-from copejax.model.kernel_terms import kernel_terms, selective_term
+from copejax.model.kernel_terms import kernel_terms, relative_term, selective_term
 from copejax.model.measured_paths import measured_impl
 from copejax.ops import engine_blocks
 from copejax.ops.kernels.attention import MIN_BLOCK, fused_attention
@@ -215,4 +215,5 @@ def kernel_attention(
         include_self=normalizer.include_self,
         cope=cope,
         selective=selective_term(cfg.scheme),
+        relative=relative_term(cfg.scheme, block_terms),
     )

@@ -22,7 +22,10 @@ functions, evaluated tile by tile in the kernels:
   interpolated term, with the softmax; other gates and position terms are refused by name;
 - selective: the penalties ``-F`` accumulated from the selecting head's ReLU'd (or sigmoid)
   logits (:mod:`copejax.ops.kernels.selective`), with the softmax and no other logit term;
-  ``prune_threshold`` and ``prune_budget`` are refused by name.
+  ``prune_threshold`` and ``prune_budget`` are refused by name;
+- relative, relative_capped: Shaw's ``q_i . e[d_ij] / sqrt(H)``
+  (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
+  max_distance), with the softmax, without cope and with the terms above.
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.relative import RelativeTerm
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.terms import KernelTerm, TermTile, param_scalars, table_lookup
 from copejax.positions.alibi import alibi_bias, alibi_slopes
@@ -54,15 +58,16 @@ NORMALIZERS = frozenset({"stickbreaking"})
 # CoPE's table rows the kernels take: they interpolate by an unrolled loop over the rows.
 MAX_COPE_ROWS = 256
 
+# Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
+RELATIVE = ("relative", "relative_capped")
+
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
     "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
-    "relative": "its bias q_i . e[i - j] reads one table row per distance (max_distance + 1 "
-    "rows) for each query",
-    "relative_capped": "its bias q_i . e[min(i - j, max)] reads one table row per distance "
-    "for each query",
-    "transformer_xl": "its bias reads the queries against sinusoidal embeddings per distance",
+    "transformer_xl": "its (q_i + v) . W_R r_{i-j} would take the relative kernels' band of "
+    "distances with the rows W_R r_d projected per head in the kernel and the (R, N, H) W_R "
+    "gradient per program, plus u . k_j per key; not built yet",
     "tape": "it mixes its position tensors into the values as extra features",
 }
 
@@ -179,7 +184,7 @@ def _runs(part: PositionScheme) -> bool:
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
-    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective")
+    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", *RELATIVE)
     return not other and (not _has_term(part) or known)
 
 
@@ -219,6 +224,29 @@ def _selective_refusal(part: PositionScheme, scheme: PositionScheme) -> str | No
     return None
 
 
+def _relative_refusal(part: PositionScheme, names: list[str]) -> str | None:
+    """Why the kernels cannot run Shaw's table with the other parts ``names``, or None."""
+    others = sorted({"cope", *NORMALIZERS, *RELATIVE} & set(names) - {part.name})
+    if others or names.count(part.name) > 1:
+        return (
+            f"its table with {others or [part.name]} (the kernels run one Shaw table, with "
+            "the softmax and without cope)"
+        )
+    return None
+
+
+def relative_term(
+    scheme: PositionScheme, block_terms: tuple[BlockTerm, ...]
+) -> RelativeTerm | None:
+    """Shaw's table and cap for the kernels, if a part of ``scheme`` (block terms as
+    :func:`kernel_terms` takes them)."""
+    with_terms = [part for part in parts(scheme) if _has_term(part)]
+    for part, term in zip(with_terms, block_terms, strict=True):
+        if part.name in RELATIVE:
+            return RelativeTerm(term.params, part.capped)
+    return None
+
+
 def selective_term(scheme: PositionScheme) -> SelectiveTerm | None:
     """Selective attention's static options for the kernels, if a part of ``scheme``."""
     for part in parts(scheme):
@@ -241,11 +269,14 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
                 reason = "its count with another normalizer than the softmax"
         elif part.name == "selective":
             reason = _selective_refusal(part, scheme)
+        elif part.name in RELATIVE:
+            reason = _relative_refusal(part, names)
         if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
-                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective and "
+                f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective, "
+                f"{list(RELATIVE)} and "
                 f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
@@ -269,7 +300,7 @@ def kernel_terms(
         )
     terms, cope = [], None
     for part, term in zip(with_terms, block_terms, strict=True):
-        if part.name == "selective":  # fused_attention(selective=selective_term(...))
+        if part.name in ("selective", *RELATIVE):  # fused_attention(selective=, relative=)
             continue
         if part.name == "cope":  # its table e, (P, H) or (N, P, H)
             static = CopeStatic(

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from copejax.ops.kernels.backward import backward_calls
 from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
+from copejax.ops.kernels.relative import RelativeStatic, RelativeTerm, padded_rows
+from copejax.ops.kernels.relative_calls import relative_backward_calls, relative_forward_call
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.selective_attention import selective_attention
 from copejax.ops.kernels.terms import KernelTerm
@@ -88,6 +90,7 @@ def fused_attention(
     normalizer: str = "softmax",
     include_self: bool = True,
     cope: CopeTerm | None = None,
+    relative: RelativeTerm | None = None,
     selective: SelectiveTerm | None = None,
 ) -> jax.Array:
     """Causal self-attention through the fused kernels.
@@ -108,6 +111,8 @@ def fused_attention(
       include_self: whether query i sees key i (False: stick-breaking's default).
       cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
         with the softmax only.
+      relative: Shaw's ``q_i . e[i - j]`` (:mod:`copejax.ops.kernels.relative`), with the
+        softmax only and without ``cope``.
       selective: selective attention's penalties
         (:mod:`copejax.ops.kernels.selective_attention`), with the softmax and no other term.
 
@@ -131,6 +136,8 @@ def fused_attention(
         raise ValueError("kernel: a softmax row always includes its own key (include_self)")
     if cope is not None and normalizer != "softmax":
         raise ValueError("kernel: CoPE's term runs with the softmax only")
+    if relative is not None and (cope is not None or normalizer != "softmax"):
+        raise ValueError("kernel: Shaw's relative term runs with the softmax and without cope")
     sinks = sink_tokens if window is not None else 0
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
@@ -176,10 +183,16 @@ def fused_attention(
         "terms": [_term_arrays(t, padded) for t in terms],
         "cope": None if cope is None else _cope_table(cope.table, heads),
     }
+    rel = None
+    if relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
+        rows = relative.table.shape[0]
+        rel = RelativeStatic(rows, relative.capped, _power_of_two(size_q + size_k - 1))
+        table = relative.table.astype(jnp.float32)
+        arrays["relative"] = jnp.pad(table, ((0, padded_rows(rel) - rows), (0, 0)))
     if selective is not None:  # its own kernels
         y_BTNW = selective_attention(plan, selective, arrays, ints)
         return y_BTNW[:, :length].astype(v_BTGW.dtype)
-    y_BTNW = _attention(plan, arrays, ints)
+    y_BTNW = _attention(plan, arrays, ints, rel)
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
 
 
@@ -205,15 +218,25 @@ def _cope_table(table: jax.Array, heads: int) -> jax.Array:
     return jnp.pad(table, ((0, 0), (0, _power_of_two(rows) - rows), (0, 0)))
 
 
-def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
+def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None) -> jax.Array:
     """The kernels as one differentiable function of ``arrays`` (the integer ``ints`` get
-    no gradient)."""
+    no gradient); ``rel``: Shaw's term, whose table is ``arrays["relative"]``."""
 
     @jax.custom_vjp
     def attend(arrays: dict, ints: dict) -> jax.Array:
         return forward(arrays, ints)[0]
 
     def forward(arrays: dict, ints: dict) -> tuple[jax.Array, tuple]:
+        if rel is not None:
+            o_BTNW, lse_BNT = relative_forward_call(
+                plan,
+                *(arrays[key] for key in "qkv"),
+                static=rel,
+                ints=ints,
+                terms=arrays["terms"],
+                table_PH=arrays["relative"],
+            )
+            return o_BTNW, (arrays, ints, o_BTNW, lse_BNT, [])
         o_BTNW, lse_BNT, carries = forward_call(
             plan,
             arrays["q"],
@@ -232,19 +255,29 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
         # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
         do_BTNW = do_BTNW.astype(v_BTGW.dtype)
         delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
-        dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_calls(
-            plan,
-            q_BTNH,
-            k_BTGH,
-            v_BTGW,
-            do_BTNW,
-            lse_BNT=lse_BNT,
-            delta_BNT=jnp.moveaxis(delta_BTN, 2, 1),
-            ints=ints,
-            terms=arrays["terms"],
-            cope_NPH=arrays["cope"],
-            cope_counts=carries[0] if carries else None,
-        )
+        inputs = (q_BTNH, k_BTGH, v_BTGW, do_BTNW)
+        stats = {"lse_BNT": lse_BNT, "delta_BNT": jnp.moveaxis(delta_BTN, 2, 1)}
+        d_cope_NPH = d_relative_PH = None
+        if rel is not None:
+            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_relative_PH = relative_backward_calls(
+                plan,
+                *inputs,
+                static=rel,
+                **stats,
+                ints=ints,
+                terms=arrays["terms"],
+                table_PH=arrays["relative"],
+            )
+        else:
+            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_calls(
+                plan,
+                *inputs,
+                **stats,
+                ints=ints,
+                terms=arrays["terms"],
+                cope_NPH=arrays["cope"],
+                cope_counts=carries[0] if carries else None,
+            )
         batch, length, heads = q_BTNH.shape[:3]
         kv_heads = k_BTGH.shape[2]
 
@@ -266,6 +299,8 @@ def _attention(plan: Plan, arrays: dict, ints: dict) -> jax.Array:
             ],
             "cope": d_cope_NPH,
         }
+        if rel is not None:
+            grads["relative"] = d_relative_PH
         return grads, None
 
     attend.defvjp(forward, backward)

@@ -17,10 +17,16 @@ import jax.numpy as jnp
 
 from copejax.model.checks import kernel_config_refusal
 from copejax.model.config import ModelConfig
-from copejax.model.kernel_terms import kernel_terms, relative_term, selective_term
+from copejax.model.kernel_terms import (
+    kernel_terms,
+    relative_term,
+    selective_term,
+    tpu_kernel_refusal,
+)
 from copejax.model.measured_paths import measured_impl
 from copejax.ops import engine_blocks
 from copejax.ops.kernels.attention import MIN_BLOCK, fused_attention
+from copejax.ops.kernels.tpu_params import kernel_backend
 from copejax.positions.base import AttentionContext, AttentionSite, PositionScheme
 
 # "auto" goes blockwise from this many keys on (self-attention: T = S; decoding: cache slots).
@@ -175,7 +181,7 @@ def kernel_attention(
 
     Returns:
       y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask,
-      and a TPU (no Mosaic TPU lowering of the kernels yet).
+      and on a TPU the schemes the TPU kernels do not run yet (``tpu_kernel_refusal``).
     """
     q_BTNH, k_BSGH, v_BSGH = qkv
     if ctx.decode:
@@ -188,11 +194,10 @@ def kernel_attention(
             "model.attention_impl='kernel' reads segment ids; an explicit mask is for "
             "naive-path unit tests (use attention_impl='naive')"
         )
-    if jax.default_backend() == "tpu":
-        raise ValueError(
-            "model.attention_impl='kernel' has no TPU lowering yet (the kernels are "
-            "Triton-shaped, see copejax.ops.kernels.triton_params); use 'auto' or 'blockwise'"
-        )
+    backend = kernel_backend()
+    refusal = tpu_kernel_refusal(cfg.scheme, cfg.dims) if backend == "tpu" else None
+    if refusal is not None:
+        raise ValueError(refusal)
     block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
     terms, cope = kernel_terms(cfg.scheme, block_terms, cfg.dims)
     q_ids_BT, _ = ctx.ids()
@@ -213,6 +218,7 @@ def kernel_attention(
         block_k=block,
         normalizer=normalizer.kind,
         include_self=normalizer.include_self,
+        backend=backend,
         cope=cope,
         selective=selective_term(cfg.scheme),
         relative=relative_term(cfg.scheme, block_terms),

@@ -27,6 +27,9 @@ functions, evaluated tile by tile in the kernels:
   (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
   max_distance), with the softmax, without cope and with the terms above.
 
+On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes and the five terms
+above run; cope and stickbreaking are refused by name (:func:`tpu_kernel_refusal`).
+
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
 scheme to one of the two.
@@ -44,7 +47,15 @@ from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.relative import RelativeTerm
 from copejax.ops.kernels.selective import SelectiveTerm
-from copejax.ops.kernels.terms import KernelTerm, TermTile, param_scalars, table_lookup
+from copejax.ops.kernels.terms import (
+    KernelTerm,
+    TermTile,
+    batch_rows,
+    pair_grid,
+    param_scalars,
+    table_lookup,
+    tile_shape,
+)
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
 from copejax.positions.fire import fire_normalized_distance
@@ -73,8 +84,8 @@ NOT_YET = {
 
 
 def _alibi_tile(params_P: jax.Array, tile: TermTile) -> jax.Array:
-    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
-    return alibi_bias(q_Q[None], k_K[None], params_P).reshape(q_Q.shape[0], k_K.shape[0])
+    q_BT, k_BS = batch_rows(tile)
+    return alibi_bias(q_BT, k_BS, params_P).reshape(tile_shape(tile))
 
 
 def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
@@ -83,25 +94,30 @@ def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
 
 
 def _t5_tile(
-    table_P: jax.Array, tile: TermTile, *, bidirectional: bool, max_distance: int
+    table_P: jax.Array, tile: TermTile, *, bidirectional: bool, buckets: int, max_distance: int
 ) -> jax.Array:
-    relative_QK = tile.k_positions_K[None, :] - tile.q_positions_Q[:, None]
-    bucket_QK = t5_bucket(relative_QK, bidirectional, table_P.shape[0], max_distance)
+    # buckets: the scheme's; the kernels pad the table's rows (to a power of two on a GPU)
+    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+    relative_QK = k_1K - q_Q1
+    bucket_QK = t5_bucket(relative_QK, bidirectional, buckets, max_distance)
     return table_lookup(bucket_QK, table_P)
 
 
 def _t5(scheme: T5Bias, term: BlockTerm, dims: Dims) -> KernelTerm:
     tile = functools.partial(
-        _t5_tile, bidirectional=scheme.bidirectional, max_distance=scheme.max_distance
+        _t5_tile,
+        bidirectional=scheme.bidirectional,
+        buckets=scheme.num_buckets,
+        max_distance=scheme.max_distance,
     )
     return KernelTerm("t5", tile, params_NP=jnp.transpose(term.params))
 
 
 def _kerple_tile(r_P: jax.Array, tile: TermTile, *, variant: str) -> jax.Array:
-    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
+    q_BT, k_BS = batch_rows(tile)
     r1, r2 = param_scalars(r_P)
-    bias = kerple_bias(q_Q[None], k_K[None], r1[None], r2[None], variant)
-    return bias.reshape(q_Q.shape[0], k_K.shape[0])
+    bias = kerple_bias(q_BT, k_BS, r1[None], r2[None], variant)
+    return bias.reshape(tile_shape(tile))
 
 
 def _kerple(scheme: Kerple, term: BlockTerm, dims: Dims) -> KernelTerm:
@@ -112,7 +128,8 @@ def _kerple(scheme: Kerple, term: BlockTerm, dims: Dims) -> KernelTerm:
 
 def _fox_tile(params_P: None, tile: TermTile) -> jax.Array:
     # decay_BNTS's c_i - c_j for one head's tile
-    return tile.q_values_Q[:, None] - tile.k_values_K[None, :]
+    q_Q1, k_1K = pair_grid(tile.q_values_Q, tile.k_values_K)
+    return q_Q1 - k_1K
 
 
 def _fox(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
@@ -123,12 +140,11 @@ def _fox(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
 def _fire_tile(row_P: jax.Array, tile: TermTile, *, width: int) -> jax.Array:
     """f(psi(|i - j|) / psi(max(i, L))) for one head: the MLP's F hidden units one by one
     (``fire_bias``'s einsum over F as a sum of F elementwise passes)."""
-    q_Q, k_K = tile.q_positions_Q, tile.k_positions_K
+    q_BT, k_BS = batch_rows(tile)
     values = param_scalars(row_P)
     c, threshold, b2 = values[0], values[1], values[2]
     w1, b1, w2 = values[3 : 3 + width], values[3 + width : 3 + 2 * width], values[3 + 2 * width :]
-    x_QK = fire_normalized_distance(q_Q[None], k_K[None], c, threshold)
-    x_QK = x_QK.reshape(q_Q.shape[0], k_K.shape[0])
+    x_QK = fire_normalized_distance(q_BT, k_BS, c, threshold).reshape(tile_shape(tile))
     out_QK = jnp.zeros(x_QK.shape, jnp.float32) + b2
     for unit in range(width):
         out_QK = out_QK + w2[unit] * jax.nn.relu(x_QK * w1[unit] + b1[unit])
@@ -281,6 +297,26 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
             )
+    return None
+
+
+def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
+    """Why ``scheme`` cannot run on the TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`),
+    naming the part, or None: they run the content and the :data:`TERM_BUILDERS` terms; a
+    part the GPU kernels run another way (CoPE's carried count, stick-breaking's
+    normalizer) has no Mosaic TPU kernel yet."""
+    refusal = kernel_refusal(scheme, dims)
+    if refusal is not None:
+        return refusal
+    for part in parts(scheme):
+        if part.name in TERM_BUILDERS or set(part.sites) <= CONTENT_SITES:
+            continue
+        return (
+            f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
+            f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
+            f"{sorted(CONTENT_SITES)} and the terms {list(TERM_BUILDERS)}); use "
+            "attention_impl='auto', 'blockwise' or 'naive' on TPU"
+        )
     return None
 
 

@@ -14,8 +14,11 @@ no allowed pair are skipped. Inputs in bfloat16 or float32; logits, softmax stat
 the terms in float32; the matmuls take the inputs' dtype with float32 accumulation.
 
 Backends: on a GPU the kernels lower to Triton (:mod:`copejax.ops.kernels.triton_params`
-says why not Mosaic GPU); elsewhere they run in Pallas interpret mode, which is how the CPU
-tests check them (slow: a correctness path, not a fast one). TPU: untested, see there.
+says why not Mosaic GPU); on a TPU, Mosaic TPU kernels of the same maths
+(:mod:`copejax.ops.kernels.tpu_params`: the softmax with the KernelTerm terms; no
+stick-breaking, CoPE, Shaw or selective kernels yet); elsewhere Pallas interpret mode of
+either (``backend``), which is how the CPU tests check them (slow: a correctness path, not a
+fast one).
 
 Shape letters: B batch, T queries (= S keys: self-attention), N query heads, G key/value
 heads, H head dim, W value width.
@@ -37,6 +40,9 @@ from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.selective_attention import selective_attention
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
+from copejax.ops.kernels.tpu_backward import tpu_backward_calls
+from copejax.ops.kernels.tpu_forward import tpu_forward_call
+from copejax.ops.kernels.tpu_params import LANES, check_tpu_call, kernel_backend
 
 DEFAULT_BLOCK = 128
 MIN_BLOCK = 16  # Triton's smallest matmul tile
@@ -89,6 +95,7 @@ def fused_attention(
     interpret: bool | None = None,
     normalizer: str = "softmax",
     include_self: bool = True,
+    backend: str | None = None,
     cope: CopeTerm | None = None,
     relative: RelativeTerm | None = None,
     selective: SelectiveTerm | None = None,
@@ -106,9 +113,12 @@ def fused_attention(
       sink_tokens: with a window, each segment's first n keys stay visible.
       k_rank_BT: each key's index within its segment; needed for ``sink_tokens``.
       block_q, block_k: tile lengths (powers of two, at least 16; shorter for short inputs).
-      interpret: Pallas interpret mode; None: everywhere but on a GPU.
+      interpret: Pallas interpret mode; None: everywhere but on the backend's device.
       normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (False: stick-breaking's default).
+      backend: "triton" (the GPU kernels), "tpu" (the Mosaic TPU kernels,
+        :mod:`copejax.ops.kernels.tpu_params`: the softmax with the KernelTerm terms only;
+        key tiles of at least 128 keys) or None: "tpu" on a TPU, else "triton".
       cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
         with the softmax only.
       relative: Shaw's ``q_i . e[i - j]`` (:mod:`copejax.ops.kernels.relative`), with the
@@ -141,15 +151,24 @@ def fused_attention(
     sinks = sink_tokens if window is not None else 0
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
+    backend = kernel_backend(backend)
+    gpu_only = {"cope": cope, "relative": relative, "selective": selective}
+    check_tpu_call(backend, normalizer, gpu_only)
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
     widths = (q_BTNH.shape[-1], v_BTGW.shape[-1])
-    if not interpret and any(w < MIN_BLOCK or w != _power_of_two(w) for w in widths):
+    if (
+        backend == "triton"
+        and not interpret
+        and any(w < MIN_BLOCK or w != _power_of_two(w) for w in widths)
+    ):
         raise ValueError(
             f"kernel: on a GPU the head dim and value width must be powers of two >= "
             f"{MIN_BLOCK} (Triton's block shapes), got {widths}"
         )
     size_q, size_k = _tile(block_q, length), _tile(block_k, length)
+    if backend == "tpu":  # a (1, K) block of per-key integers: K % 128 == 0, or K >= S
+        size_k = _tile(max(block_k, LANES), length)
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
     terms = tuple(terms)
     plan = Plan(
@@ -165,6 +184,7 @@ def fused_attention(
         stick=normalizer == "stickbreaking",
         include_self=include_self,
         cope=None if cope is None else cope.static,
+        backend=backend,
     )
     segments_BT = segment_ids_BT.astype(jnp.int32)
     lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
@@ -226,6 +246,10 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
     def attend(arrays: dict, ints: dict) -> jax.Array:
         return forward(arrays, ints)[0]
 
+    tpu = plan.backend == "tpu"
+    forward_kernel = tpu_forward_call if tpu else forward_call
+    backward_kernels = tpu_backward_calls if tpu else backward_calls
+
     def forward(arrays: dict, ints: dict) -> tuple[jax.Array, tuple]:
         if rel is not None:
             o_BTNW, lse_BNT = relative_forward_call(
@@ -237,7 +261,7 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
                 table_PH=arrays["relative"],
             )
             return o_BTNW, (arrays, ints, o_BTNW, lse_BNT, [])
-        o_BTNW, lse_BNT, carries = forward_call(
+        o_BTNW, lse_BNT, carries = forward_kernel(
             plan,
             arrays["q"],
             arrays["k"],
@@ -269,7 +293,7 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
                 table_PH=arrays["relative"],
             )
         else:
-            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_calls(
+            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_kernels(
                 plan,
                 *inputs,
                 **stats,

@@ -85,11 +85,34 @@ def tile_bias_QK(
     with respect to ``arrays`` = (params, q values, k values), a list entry per term (None
     where the term has no such array)."""
     params, q_values, k_values = arrays
-    total_QK = jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[0]), jnp.float32)
+    total_QK = jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[-1]), jnp.float32)
     for bias, p, qv, kv in zip(biases, params, q_values, k_values, strict=True):
         tile = TermTile(q_positions_Q, k_positions_K, qv, kv)
         total_QK = total_QK + bias(p, tile).astype(jnp.float32)
     return total_QK
+
+
+def pair_grid(q_x: jax.Array, k_x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A tile's per-query and per-key arrays as (Q, 1) and (1, K), which broadcast to the
+    tile's (Q, K). The GPU kernels hold them as (Q,) and (K,); the TPU kernels
+    (:mod:`copejax.ops.kernels.tpu_forward`) as (Q, 1) and (1, K) already, Mosaic's 2-D
+    layouts."""
+    return (q_x[:, None] if q_x.ndim == 1 else q_x), (k_x[None, :] if k_x.ndim == 1 else k_x)
+
+
+def batch_rows(tile: TermTile) -> tuple[jax.Array, jax.Array]:
+    """The tile's positions as the (B, T) and (B, S) arguments of a scheme's pure function
+    (``alibi_bias(q_BT, k_BS, ...)``): one row (1, Q) and (1, K) from the GPU's (Q,) and
+    (K,), or from the TPU's (Q, 1) and (1, K) Q rows of one query that broadcast against one
+    row of K keys. Either way the function's (B, [N,] T, S) result holds Q x K values in
+    query-major order, so ``reshape(tile_shape(tile))`` gives the (Q, K) bias."""
+    q_x, k_x = tile.q_positions_Q, tile.k_positions_K
+    return (q_x[None] if q_x.ndim == 1 else q_x), (k_x[None] if k_x.ndim == 1 else k_x)
+
+
+def tile_shape(tile: TermTile) -> tuple[int, int]:
+    """(Q, K) of the tile, in either layout."""
+    return tile.q_positions_Q.shape[0], tile.k_positions_K.shape[-1]
 
 
 def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
@@ -105,7 +128,8 @@ def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
 
 
 def param_scalars(params_P: jax.Array) -> list[jax.Array]:
-    """The entries of a head's parameter row as scalars, each a masked sum (Triton lowers
-    no slice of a register tile; see :func:`table_lookup`)."""
-    rows_P = jax.lax.broadcasted_iota(jnp.int32, params_P.shape, 0)
-    return [jnp.sum(jnp.where(rows_P == row, params_P, 0.0)) for row in range(params_P.shape[0])]
+    """The entries of a head's parameter row, (P,) or (1, P), as scalars, each a masked sum
+    (Triton lowers no slice of a register tile; see :func:`table_lookup`)."""
+    rows_P = jax.lax.broadcasted_iota(jnp.int32, params_P.shape, params_P.ndim - 1)
+    size = params_P.shape[-1]  # (P,) on a GPU, (1, P) on a TPU
+    return [jnp.sum(jnp.where(rows_P == row, params_P, 0.0)) for row in range(size)]

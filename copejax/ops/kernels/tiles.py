@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.terms import TileBias, tile_bias_QK
+from copejax.ops.kernels.terms import TileBias, pair_grid, tile_bias_QK
 
 MASKED_LOGIT = -1e30
 
@@ -40,6 +40,8 @@ class Plan:
       include_self: whether query i sees key i (stick-breaking's default does not).
       cope: CoPE's static options when its carried count is in the kernels
         (:class:`copejax.ops.kernels.cope.CopeStatic`), else None.
+      backend: "triton" (:mod:`copejax.ops.kernels.forward`, lowered to Triton on a GPU) or
+        "tpu" (:mod:`copejax.ops.kernels.tpu_forward`, lowered to Mosaic TPU).
     """
 
     size_q: int
@@ -54,6 +56,7 @@ class Plan:
     stick: bool = False
     include_self: bool = True
     cope: Any = None
+    backend: str = "triton"
 
     @property
     def carry_rows(self) -> int:
@@ -69,19 +72,19 @@ class Plan:
         """[first, end) of the key tiles query tile qi may see: every older tile (and the
         diagonal one), or with a window and no sinks the band that meets the window."""
         q_last = qi * self.size_q + self.size_q - 1
-        end = jnp.minimum(q_last // self.size_k + 1, self.count_k)
+        end = jnp.minimum(_div(q_last, self.size_k) + 1, self.count_k)
         if self.window is None or self.sinks:
             return jnp.int32(0), end
-        first = jnp.maximum(qi * self.size_q - self.window + 1, 0) // self.size_k
+        first = _div(jnp.maximum(qi * self.size_q - self.window + 1, 0), self.size_k)
         return first, end
 
     def query_tiles(self, kj: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[first, end) of the query tiles that may see key tile kj."""
-        first = (kj * self.size_k) // self.size_q
+        first = _div(kj * self.size_k, self.size_q)
         if self.window is None or self.sinks:
             return first, jnp.int32(self.count_q)
         k_last = kj * self.size_k + self.size_k - 1
-        end = jnp.minimum((k_last + self.window - 1) // self.size_q + 1, self.count_q)
+        end = jnp.minimum(_div(k_last + self.window - 1, self.size_q) + 1, self.count_q)
         return first, end
 
     def live(
@@ -113,20 +116,29 @@ class Plan:
         k_segments_K: jax.Array,
         k_rank_K: jax.Array | None,
     ) -> jax.Array:
-        """The pair's mask (Q, K) bool."""
+        """The pair's mask (Q, K) bool; segment ids and ranks as (Q,) and (K,) (GPU) or
+        (Q, 1) and (1, K) (TPU)."""
         q_index_Q1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (self.size_q, 1), 0)
         k_index_1K = k_first + jax.lax.broadcasted_iota(jnp.int32, (1, self.size_k), 1)
         if self.include_self:
             allowed_QK = k_index_1K <= q_index_Q1
         else:
             allowed_QK = k_index_1K < q_index_Q1
-        allowed_QK &= q_segments_Q[:, None] == k_segments_K[None, :]
+        q_segments_Q1, k_segments_1K = pair_grid(q_segments_Q, k_segments_K)
+        allowed_QK &= q_segments_Q1 == k_segments_1K
         if self.window is not None:
             near_QK = q_index_Q1 - k_index_1K < self.window
             if self.sinks:
-                near_QK |= k_rank_K[None, :] < self.sinks
+                near_QK |= pair_grid(q_segments_Q, k_rank_K)[1] < self.sinks
             allowed_QK &= near_QK
         return allowed_QK
+
+
+def _div(a: jax.Array, b: int) -> jax.Array:
+    """``a // b`` for ``a >= 0``: truncating division, which Mosaic TPU lowers without the
+    sign op that floor division of signed integers uses (whose Mosaic lowering reads the
+    TPU's chip info, so it does not export from a CPU)."""
+    return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.int32(b))
 
 
 def content_logits_QK(q_QH: jax.Array, k_KH: jax.Array) -> jax.Array:

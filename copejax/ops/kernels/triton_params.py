@@ -8,10 +8,10 @@ deprecated path and wants ``plgpu.kernel`` with explicit warpgroup matmuls, shar
 layouts and barriers, which interpret mode on a CPU cannot run (jax 0.11 deprecates the
 Triton backend in favour of it). Passing ``CompilerParams`` of the Triton backend pins the
 backend whatever ``jax_pallas_use_mosaic_gpu`` says. A Mosaic GPU port of the same tiles
-(a Hopper ``wgmma`` pipeline) is the next step once a GPU measures the Triton one; so is
-the TPU lowering (Pallas Mosaic TPU), which needs (8, 128)-aligned tiles (a (B, N, T, H)
-layout: Mosaic refuses the (None, Q, None, H) blocks used here), the scalar segment ranges
-in SMEM and a grid axis over key tiles instead of the in-kernel loop. Triton also wants
+(a Hopper ``wgmma`` pipeline) is the next step once a GPU measures the Triton one. The TPU
+runs its own Mosaic kernels of the same maths (:mod:`copejax.ops.kernels.tpu_params`: a
+(B, N, T, H) layout, since Mosaic refuses the (None, Q, None, H) blocks used here, and a
+grid axis over key tiles instead of the in-kernel loop). Triton also wants
 power-of-two block shapes: the head dim and value width must be powers of two on a GPU
 (:func:`copejax.ops.kernels.attention.fused_attention` refuses others there), and parameter
 rows are padded to one.

@@ -1,0 +1,269 @@
+"""The fused attention backward kernels on TPU (FlashAttention-2, Dao 2023, arXiv 2307.08691).
+
+The maths of :mod:`copejax.ops.kernels.backward` (``P_ij = exp(s_ij - L_i)``,
+``dS_ij = P_ij (dO_i . v_j - D_i)``, the terms' inputs through ``jax.vjp`` of their tile
+functions) on Pallas Mosaic TPU (:mod:`copejax.ops.kernels.tpu_params`): the dq kernel's
+grid is (batch row, head, query tile, key tile) with dq and the terms' per-query gradients
+in VMEM scratch across the key tiles; the dk / dv kernel's is (batch row, head, key tile,
+query tile) with dk, dv, the per-key gradients and the parameter rows' partial sums in
+scratch across the query tiles. Each writes its outputs at the last step of the walked axis;
+steps whose pair has no allowed entry do nothing (``pl.when``). With grouped heads dk and dv
+come out per query head and are summed over each group outside, as on the GPU. Shape letters
+as in :mod:`copejax.ops.kernels.tpu_forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.tiles import Plan, scores_QK
+from copejax.ops.kernels.tpu_params import (
+    by_query_heads,
+    compiler_params,
+    from_query_heads,
+    interpret_mode,
+    kv_head,
+    term_operands,
+    tile_index,
+    tpu_ints,
+    tpu_terms,
+)
+
+NT = (((1,), (1,)), ((), ()))  # a . b^T, the form Mosaic's matmul takes transposed
+
+
+def _live(plan: Plan, qi: jax.Array, kj: jax.Array, refs: tuple) -> tuple[jax.Array, tuple]:
+    """Whether the step's pair is walked and may hold an allowed entry, and the mask's
+    arguments (first query, first key, (Q, 1) and (1, K) segment ids, (1, K) ranks)."""
+    qseg_ref, kseg_ref, krank_ref = refs
+    mask_args = (qi * plan.size_q, kj * plan.size_k, qseg_ref[...], kseg_ref[...], krank_ref[...])
+    first, end = plan.key_tiles(qi)
+    return (kj >= first) & (kj < end) & plan.live(*mask_args), mask_args
+
+
+def _pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple) -> tuple:
+    """(P, dS, term inputs) of one step's pair, float32 (Q, K)."""
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref = refs
+    allowed_QK = plan.allowed_QK(*mask_args)
+    inputs = (*terms, qpos_ref[...], kpos_ref[...])
+    s_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_ref[...]), 0.0)
+    dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
+    return p_QK, p_QK * (dp_QK - delta_ref[...]), inputs
+
+
+def _read(refs: list) -> list:
+    return [None if r is None else r[...] for r in refs]
+
+
+def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    main = refs[:6]  # q, k, v, do, lse, delta
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    outs = refs[11 + num_term_refs :]
+    num_q = sum(h[1] for h in has)
+    dq_ref, dqv_refs = outs[0], outs[1 : 1 + num_q]
+    dq_acc, dqv_accs = outs[1 + num_q], outs[2 + num_q :]
+    qi, kj = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kj == 0)
+    def _init() -> None:
+        for acc in (dq_acc, *dqv_accs):
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    live, mask_args = _live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
+
+    @pl.when(live)
+    def _compute() -> None:
+        params, q_values, k_values = _read(p_refs), _read(qv_refs), _read(kv_refs)
+        _, ds_QK, inputs = _pair(
+            plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
+        )
+        k_KH = main[1][...]
+        scale = 1.0 / math.sqrt(k_KH.shape[-1])
+        dq_acc[...] += jax.lax.dot(
+            (ds_QK * scale).astype(k_KH.dtype), k_KH, preferred_element_type=jnp.float32
+        )
+        if dqv_accs:
+
+            def bias(qv: list) -> jax.Array:
+                return tile_bias_QK(plan.biases, (params, qv, k_values), *inputs[3:])
+
+            grads = jax.vjp(bias, q_values)[1](ds_QK)[0]
+            for acc, g in zip(dqv_accs, [g for g in grads if g is not None], strict=True):
+                acc[...] += g
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _finish() -> None:
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+        for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
+            ref[...] = acc[...]
+
+
+def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    main = refs[:6]
+    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    outs = refs[11 + num_term_refs :]
+    num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has)
+    grad_refs, accs = outs[:num_grads], outs[num_grads:]
+    kj, qi = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(qi == 0)
+    def _init() -> None:
+        for acc in accs:
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    live, mask_args = _live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
+
+    @pl.when(live)
+    def _compute() -> None:
+        params, q_values, k_values = _read(p_refs), _read(qv_refs), _read(kv_refs)
+        p_QK, ds_QK, inputs = _pair(
+            plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
+        )
+        q_QH, do_QW = main[0][...], main[3][...]
+        scale = 1.0 / math.sqrt(q_QH.shape[-1])
+        f32 = jnp.float32
+        accs[1][...] += jax.lax.dot(p_QK.T.astype(do_QW.dtype), do_QW, preferred_element_type=f32)
+        accs[0][...] += jax.lax.dot(
+            (ds_QK * scale).T.astype(q_QH.dtype), q_QH, preferred_element_type=f32
+        )
+        if len(accs) > 2:
+
+            def bias(p: list, kv: list) -> jax.Array:
+                return tile_bias_QK(plan.biases, (p, q_values, kv), *inputs[3:])
+
+            g_params, g_kv = jax.vjp(bias, params, k_values)[1](ds_QK)
+            grads = [g for g in g_kv if g is not None] + [g for g in g_params if g is not None]
+            for acc, g in zip(accs[2:], grads, strict=True):
+                acc[...] += g
+
+    @pl.when(qi == pl.num_programs(3) - 1)
+    def _finish() -> None:
+        for ref, acc in zip(grad_refs, accs, strict=True):
+            ref[...] = acc[...]
+
+
+def tpu_backward_calls(
+    plan: Plan,
+    q_BTNH: jax.Array,
+    k_BSGH: jax.Array,
+    v_BSGW: jax.Array,
+    do_BTNW: jax.Array,
+    *,
+    lse_BNT: jax.Array,
+    delta_BNT: jax.Array,
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+    cope_NPH: jax.Array | None = None,
+    cope_counts: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], None]:
+    """Runs both TPU backward kernels, with the arguments and results of
+    :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; no CoPE).
+    """
+    if plan.stick or plan.cope is not None:
+        raise ValueError("kernel: the TPU kernels run the softmax without CoPE's count only")
+    batch, length_q, heads, dim = q_BTNH.shape
+    length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
+    groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
+    ints = tpu_ints(ints)
+    operands = [by_query_heads(x) for x in (q_BTNH, k_BSGH, v_BSGW, do_BTNW)]
+    operands += [lse_BNT[..., None], delta_BNT[..., None]]
+    operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
+    terms = tpu_terms(terms)
+    call = functools.partial(
+        pl.pallas_call, interpret=interpret_mode(plan), compiler_params=compiler_params()
+    )
+
+    def specs(q_tile, k_tile) -> list[pl.BlockSpec]:
+        """The main operands' specs for a grid (b, n, outer, walked)."""
+        q_rows = lambda b, n, i, j: (b, n, q_tile(i, j), 0)
+        kv_rows = lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
+        return [
+            pl.BlockSpec((None, None, sq, dim), q_rows),
+            pl.BlockSpec((None, None, sk, dim), kv_rows),
+            pl.BlockSpec((None, None, sk, width), kv_rows),
+            pl.BlockSpec((None, None, sq, width), q_rows),
+            pl.BlockSpec((None, None, sq, 1), q_rows),
+            pl.BlockSpec((None, None, sq, 1), q_rows),
+            pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, q_tile(i, j), 0)),
+            pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, q_tile(i, j), 0)),
+        ] + [pl.BlockSpec((None, 1, sk), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
+
+    # dq: grid (b, n, query tile i, key tile j), key tiles clamped to those i may see.
+    q_tile = lambda i, j: i
+    k_tile = lambda i, j: tile_index(plan, i, j, keys=True)
+    has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
+    q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
+    q_spec = pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0))
+    dq_BNTH, *dqv = call(
+        functools.partial(_dq_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        grid=(batch, heads, plan.count_q, plan.count_k),
+        in_specs=specs(q_tile, k_tile) + term_specs,
+        out_specs=[pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0))]
+        + [q_spec] * len(q_terms),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, length_q, dim), q_BTNH.dtype)]
+        + [jax.ShapeDtypeStruct((batch, heads, length_q, 1), f32)] * len(q_terms),
+        scratch_shapes=[pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms),
+        name="copejax_attention_dq_tpu",
+    )(*operands, *term_in)
+
+    # dk, dv: grid (b, n, key tile j, query tile i), query tiles clamped to those seeing j.
+    q_tile = lambda j, i: tile_index(plan, j, i, keys=False)
+    k_tile = lambda j, i: j
+    has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
+    k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
+    p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
+    p_sizes = [terms[i]["params"].shape[-1] for i in p_terms]
+    k_spec = pl.BlockSpec((None, None, 1, sk), lambda b, n, j, i: (b, n, 0, j))
+    out_specs = [
+        pl.BlockSpec((None, None, sk, dim), lambda b, n, j, i: (b, n, j, 0)),
+        pl.BlockSpec((None, None, sk, width), lambda b, n, j, i: (b, n, j, 0)),
+    ] + [k_spec] * len(k_terms)
+    out_specs += [
+        pl.BlockSpec((None, None, None, 1, size), lambda b, n, j, i: (b, n, j, 0, 0))
+        for size in p_sizes
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, length_k, dim), f32),
+        jax.ShapeDtypeStruct((batch, heads, length_k, width), f32),
+    ] + [jax.ShapeDtypeStruct((batch, heads, 1, length_k), f32)] * len(k_terms)
+    out_shape += [
+        jax.ShapeDtypeStruct((batch, heads, plan.count_k, 1, size), f32) for size in p_sizes
+    ]
+    scratch = [pltpu.VMEM((sk, dim), f32), pltpu.VMEM((sk, width), f32)]
+    scratch += [pltpu.VMEM((1, sk), f32)] * len(k_terms)
+    scratch += [pltpu.VMEM((1, size), f32) for size in p_sizes]
+    dk_BNSH, dv_BNSW, *rest = call(
+        functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        grid=(batch, heads, plan.count_k, plan.count_q),
+        in_specs=specs(q_tile, k_tile) + term_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
+        name="copejax_attention_dkdv_tpu",
+    )(*operands, *term_in)
+    dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
+    grads = [{"params": None, "q": None, "k": None} for _ in terms]
+    for i, g in zip(q_terms, dqv, strict=True):
+        grads[i]["q"] = g[..., 0]
+    for i, g in zip(k_terms, dkv, strict=True):
+        grads[i]["k"] = g[:, :, 0, :]
+    for i, g in zip(p_terms, dparams, strict=True):
+        grads[i]["params"] = g[:, :, :, 0, :]
+    return (
+        from_query_heads(dq_BNTH),
+        from_query_heads(dk_BNSH),
+        from_query_heads(dv_BNSW),
+        grads,
+        None,
+    )

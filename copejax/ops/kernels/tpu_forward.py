@@ -1,0 +1,162 @@
+"""The fused attention forward kernel on TPU (FlashAttention-2, Dao 2023, arXiv 2307.08691).
+
+Pallas Mosaic TPU (:mod:`copejax.ops.kernels.tpu_params` says why its layout and grid differ
+from the GPU kernel's, :mod:`copejax.ops.kernels.forward`): one grid step per (batch row,
+head, query tile, key tile), the key tiles walked in order ("arbitrary") with the online
+softmax's running max, sum and output accumulator in VMEM scratch (Milakov & Gimelshein 2018,
+arXiv 1805.02867). A step whose pair has no allowed (query, key), or whose key tile lies
+outside :meth:`~copejax.ops.kernels.tiles.Plan.key_tiles`, does nothing (``pl.when``). The
+masks, the skip test and the scores (content logits plus the terms' tile biases, float32)
+are the GPU kernel's (:mod:`copejax.ops.kernels.tiles`). The last step writes the output
+(float32) and each query's log-sum-exp ``L_i = m_i + log l_i``.
+
+Shape letters: B batch, T queries, S keys, N query heads, G key/value heads (N = G x
+groups), H head dim, W value width, Q / K tile lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, scores_QK
+from copejax.ops.kernels.tpu_params import (
+    by_query_heads,
+    compiler_params,
+    from_query_heads,
+    interpret_mode,
+    kv_head,
+    term_operands,
+    tile_index,
+    tpu_ints,
+    tpu_terms,
+)
+
+
+def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
+    o_ref, lse_ref, max_ref, sum_ref, acc_ref = refs[8 + num_term_refs :]
+    qi, kj = pl.program_id(2), pl.program_id(3)
+    q_first, k_first = qi * plan.size_q, kj * plan.size_k
+
+    @pl.when(kj == 0)
+    def _init() -> None:
+        max_ref[...] = jnp.full(max_ref.shape, MASKED_LOGIT, jnp.float32)
+        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    q_seg_Q1, k_seg_1K, k_rank_1K = qseg_ref[...], kseg_ref[...], krank_ref[...]
+    first, end = plan.key_tiles(qi)
+    live = (kj >= first) & (kj < end)
+    live &= plan.live(q_first, k_first, q_seg_Q1, k_seg_1K, k_rank_1K)
+
+    @pl.when(live)
+    def _compute() -> None:
+        allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q1, k_seg_1K, k_rank_1K)
+        inputs = (
+            [None if r is None else r[...] for r in p_refs],
+            [None if r is None else r[...] for r in qv_refs],
+            [None if r is None else r[...] for r in kv_refs],
+            qpos_ref[...],
+            kpos_ref[...],
+        )
+        s_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
+        max_Q1 = max_ref[...]
+        new_max_Q1 = jnp.maximum(max_Q1, jnp.max(s_QK, axis=1, keepdims=True))
+        p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q1), 0.0)
+        rescale_Q1 = jnp.exp(max_Q1 - new_max_Q1)
+        v_KW = v_ref[...]
+        pv_QW = jax.lax.dot(p_QK.astype(v_KW.dtype), v_KW, preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * rescale_Q1 + pv_QW
+        sum_ref[...] = sum_ref[...] * rescale_Q1 + jnp.sum(p_QK, axis=1, keepdims=True)
+        max_ref[...] = new_max_Q1
+
+    @pl.when(kj == pl.num_programs(3) - 1)
+    def _finish() -> None:
+        sum_Q1 = sum_ref[...]
+        seen_Q1 = sum_Q1 > 0
+        safe_Q1 = jnp.where(seen_Q1, sum_Q1, 1.0)
+        o_ref[...] = (acc_ref[...] / safe_Q1).astype(o_ref.dtype)
+        # A query with no allowed key (padding) gets 0: the backward's weights there are 0.
+        lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), 0.0)
+
+
+def tpu_forward_call(
+    plan: Plan,
+    q_BTNH: jax.Array,
+    k_BSGH: jax.Array,
+    v_BSGW: jax.Array,
+    *,
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+    cope_NPH: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """Runs the TPU forward kernel on padded inputs, with the arguments and results of
+    :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside).
+
+    Returns:
+      (o_BTNW float32, lse_BNT float32, []).
+    """
+    if plan.stick or plan.cope is not None:
+        raise ValueError("kernel: the TPU kernels run the softmax without CoPE's count only")
+    batch, length_q, heads, dim = q_BTNH.shape
+    width, groups = v_BSGW.shape[-1], plan.groups
+    sq, sk = plan.size_q, plan.size_k
+
+    def k_tile(i: jax.Array, j: jax.Array) -> jax.Array:
+        return tile_index(plan, i, j, keys=True)
+
+    ints = tpu_ints(ints)
+    specs = [
+        pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0)),
+        pl.BlockSpec(
+            (None, None, sk, dim), lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
+        ),
+        pl.BlockSpec(
+            (None, None, sk, width), lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
+        ),
+        pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, i, 0)),
+        pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, i, 0)),
+    ] + [pl.BlockSpec((None, 1, sk), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
+    has, term_in, term_specs = term_operands(
+        plan, tpu_terms(terms), q_tile=lambda i, j: i, k_tile=k_tile
+    )
+    kernel = functools.partial(_forward_kernel, plan=plan, has=has, num_term_refs=len(term_in))
+    o_BNTW, lse_BNT1 = pl.pallas_call(
+        kernel,
+        grid=(batch, heads, plan.count_q, plan.count_k),
+        in_specs=specs + term_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, sq, width), lambda b, n, i, j: (b, n, i, 0)),
+            pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, length_q, width), jnp.float32),
+            jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((sq, 1), jnp.float32),
+            pltpu.VMEM((sq, 1), jnp.float32),
+            pltpu.VMEM((sq, width), jnp.float32),
+        ],
+        interpret=interpret_mode(plan),
+        compiler_params=compiler_params(),
+        name="copejax_attention_forward_tpu",
+    )(
+        by_query_heads(q_BTNH),
+        by_query_heads(k_BSGH),
+        by_query_heads(v_BSGW),
+        ints["q_pos"],
+        ints["q_seg"],
+        ints["k_pos"],
+        ints["k_seg"],
+        ints["k_rank"],
+        *term_in,
+    )
+    return from_query_heads(o_BNTW), lse_BNT1[..., 0], []

@@ -1,0 +1,170 @@
+"""The fused kernels on TPU: Pallas's Mosaic TPU backend, its layouts and limits (issue 45).
+
+Backend: :mod:`copejax.ops.kernels.tpu_forward` and :mod:`~copejax.ops.kernels.tpu_backward`
+are FlashAttention-2 (Dao 2023, arXiv 2307.08691) written for Mosaic TPU, the only Pallas
+backend a TPU has; the GPU kernels (:mod:`copejax.ops.kernels.forward`) are Triton-shaped
+and Mosaic refuses their blocks. What differs from the GPU kernels, and why:
+
+- layout: queries (B, N, T, H), keys and values (B, G, S, H): Mosaic wants each block's last
+  two dims divisible by (8, 128) or equal to the array's, so the (None, Q, None, H) blocks of
+  the (B, T, N, H) arrays are refused. Per-query integers and values are (B, [N,] T, 1)
+  arrays read as (Q, 1) tiles, per-key ones (B, [N,] 1, S) read as (1, K) tiles, parameter
+  rows (N, 1, P) read as (1, P): 2-D tiles that broadcast to the pair's (Q, K), which the
+  terms' tile functions take as they take the GPU's (Q,) and (K,)
+  (:func:`copejax.ops.kernels.terms.pair_grid`, :func:`~copejax.ops.kernels.terms.batch_rows`).
+- grid: a fourth grid axis walks the key tiles (the query tiles in the dk / dv kernel),
+  "arbitrary" (sequential) in ``dimension_semantics``, with the running statistics and
+  accumulators in VMEM scratch, initialised at the first step and written at the last; a
+  skipped pair is a ``pl.when`` that does nothing, and the block index maps clamp the walked
+  axis to the tiles that may be live (:meth:`~copejax.ops.kernels.tiles.Plan.key_tiles`),
+  so that Pallas's pipeline fetches no new block for a skipped one.
+- block sizes: the key tile has at least 128 keys (the lane width; a (1, K) block needs
+  K % 128 == 0) unless one tile holds the whole sequence; the query tile is the caller's
+  (a power of two >= 16: bfloat16's (16, 128) tiling). ``fused_attention`` raises
+  ``block_k`` below 128 to 128 on TPU.
+
+VMEM per program, counted from the blocks (two buffers each), the scratch and four (Q, K)
+float32 temporaries, with (Q, 1) tiles padded to (Q, 128) and (1, K) tiles to (8, K): at
+Q = K = 128 and H = W = 128 the forward needs about 1.2 MiB in bfloat16 and 1.4 MiB in
+float32, the dq kernel 1.3 / 1.5 MiB, the dk / dv kernel 1.5 / 1.8 MiB (each term adds at
+most 0.2 MiB); at Q = K = 256 and H = 256 about 4.5 MiB in float32. None of it grows with
+T: every operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N, T)
+statistics), not by VMEM, for H = 128 in bfloat16 and float32 alike, within the 16 MiB
+default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
+
+Checked without a TPU: the tests run the kernels in TPU interpret mode
+(``pltpu.InterpretParams``, which simulates VMEM, DMAs and the grid order) and export the
+forward and backward to ``platforms=["tpu"]``, which runs Pallas's Mosaic lowering (block
+shape rules, supported primitives) on the CPU. Mosaic's own layout passes run only when a TPU
+compiles the kernel, so which in-kernel relayouts they accept (the (Q, 1, K) intermediates of
+the pure position functions, 1-D reductions in the terms' vjps) is unmeasured.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from copejax.ops.kernels.tiles import Plan
+
+LANES = 128  # a (1, K) block's K must be a multiple of this (or the whole axis)
+BACKENDS = ("triton", "tpu")
+
+
+def kernel_backend(backend: str | None = None) -> str:
+    """The kernels' backend: ``backend`` if given, else "tpu" on a TPU and "triton" elsewhere
+    (a GPU, or interpret mode on the CPU)."""
+    if backend is None:
+        return "tpu" if jax.default_backend() == "tpu" else "triton"
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel: backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
+
+
+def check_tpu_call(backend: str, normalizer: str, extras: dict[str, object]) -> None:
+    """Refuses, by name, what the TPU kernels do not run yet: another normalizer than the
+    softmax, and the terms with kernels of their own on the GPU (``extras``: CoPE's carried
+    count, Shaw's relative term, ...; a name maps to the term, or None when not given)."""
+    if backend != "tpu":
+        return
+    missing = [f"{name!r} term" for name, value in extras.items() if value is not None]
+    if normalizer != "softmax":
+        missing.insert(0, f"{normalizer!r} normalizer")
+    if missing:
+        raise ValueError(
+            f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax with "
+            "the KernelTerm terms only); use backend='triton' or attention_impl='blockwise'"
+        )
+
+
+def compiler_params() -> pltpu.CompilerParams:
+    """Mosaic's parameters: the batch, head and outer tile axes parallel (megacore may
+    split them), the walked tile axis sequential (the scratch carries across it)."""
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+    )
+
+
+def interpret_mode(plan: Plan) -> pltpu.InterpretParams | bool:
+    """TPU interpret mode (the CPU's way to run Mosaic kernels; uninitialised memory reads
+    as NaN, so a missed initialisation shows) or False (compile for the TPU)."""
+    return pltpu.InterpretParams() if plan.interpret else False
+
+
+def tile_index(plan: Plan, outer: jax.Array, walked: jax.Array, *, keys: bool) -> jax.Array:
+    """The walked tile a block index map fetches: ``walked`` clamped to the tiles that may
+    be live for the outer tile (key tiles of query tile ``outer`` when ``keys``, else the
+    query tiles of key tile ``outer``), so a skipped step refetches nothing."""
+    first, end = plan.key_tiles(outer) if keys else plan.query_tiles(outer)
+    return jnp.clip(walked, first, end - 1)
+
+
+def kv_head(n: jax.Array, groups: int) -> jax.Array:
+    """The key/value head of query head n, ``n // groups`` as truncating division (floor
+    division's sign op has a Mosaic lowering that reads the TPU's chip info, so a kernel
+    using it does not export from a CPU)."""
+    return jax.lax.div(n, jnp.int32(groups))
+
+
+def by_query_heads(x_BTNX: jax.Array) -> jax.Array:
+    """(B, T, N, X) -> (B, N, T, X): the TPU kernels' layout."""
+    return jnp.moveaxis(x_BTNX, 2, 1)
+
+
+def from_query_heads(x_BNTX: jax.Array) -> jax.Array:
+    """(B, N, T, X) -> (B, T, N, X): back to the GPU kernels' (and the caller's) layout."""
+    return jnp.moveaxis(x_BNTX, 1, 2)
+
+
+def tpu_ints(ints: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The (B, T) integers as (B, T, 1) for queries and (B, 1, S) for keys."""
+    out = {key: ints[key][:, :, None] for key in ("q_pos", "q_seg")}
+    out.update({key: ints[key][:, None, :] for key in ("k_pos", "k_seg", "k_rank")})
+    return out
+
+
+def tpu_terms(terms: list[dict]) -> list[dict]:
+    """The terms' arrays as (N, 1, P) rows, (B, N, T, 1) query and (B, N, 1, S) key values."""
+    out = []
+    for term in terms:
+        p, q, k = term["params"], term["q"], term["k"]
+        out.append(
+            {
+                "params": None if p is None else p[:, None, :],
+                "q": None if q is None else q[..., None],
+                "k": None if k is None else k[:, :, None, :],
+            }
+        )
+    return out
+
+
+def term_operands(
+    plan: Plan, terms: list[dict], *, q_tile, k_tile
+) -> tuple[tuple, list, list[pl.BlockSpec]]:
+    """The TPU layout's term operands with block specs for a grid (b, n, outer, walked):
+    ``q_tile(outer, walked)`` / ``k_tile(outer, walked)`` give the query / key tile a step
+    reads. Returns (which arrays each term has, operands, specs)."""
+    has, operands, specs = [], [], []
+    for term in terms:
+        has.append(tuple(term[key] is not None for key in ("params", "q", "k")))
+        if term["params"] is not None:
+            size = term["params"].shape[-1]
+            operands.append(term["params"])
+            specs.append(pl.BlockSpec((None, 1, size), lambda b, n, i, j: (n, 0, 0)))
+        if term["q"] is not None:
+            operands.append(term["q"])
+            specs.append(
+                pl.BlockSpec(
+                    (None, None, plan.size_q, 1), lambda b, n, i, j: (b, n, q_tile(i, j), 0)
+                )
+            )
+        if term["k"] is not None:
+            operands.append(term["k"])
+            specs.append(
+                pl.BlockSpec(
+                    (None, None, 1, plan.size_k), lambda b, n, i, j: (b, n, 0, k_tile(i, j))
+                )
+            )
+    return tuple(has), operands, specs

@@ -1,0 +1,331 @@
+"""The fused kernels' TPU backend (copejax.ops.kernels.tpu_forward / tpu_backward), from the CPU.
+
+Two tools, no TPU: TPU interpret mode (``pltpu.InterpretParams``: it simulates VMEM, the DMAs
+and the grid order) runs the Mosaic kernels, whose values and gradients must equal the dense
+references (NumPy float64 values, ``jax.grad`` of the dense float32 maths) with grouped KV
+heads, packed segments, a window with sinks, three kinds of term (per-head parameters, a
+one-hot table, per-token values) and several query and key tiles; and ``jax.export`` to
+``platforms=["tpu"]`` runs Pallas's Mosaic lowering (block shapes, primitives) for every
+scheme's term. At the model level a covered scheme on the TPU kernels equals the naive path,
+and the schemes the TPU kernels do not run are refused by name. TPU interpret mode costs
+seconds per kernel call, so the default set keeps the exports and the refusals.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model import attention_paths, kernel_terms
+from copejax.model.kernel_terms import tpu_kernel_refusal
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kernels import attention as kernels_attention
+from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.terms import KernelTerm, TermTile, pair_grid, table_lookup
+from copejax.ops.kernels.tpu_forward import tpu_forward_call
+from copejax.positions import registry
+from copejax.positions.t5 import t5_bucket
+from tests.conftest import tiny_config
+from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
+from tests.ops.kernels.tolerances import assert_close
+
+# T: 2 key tiles of 128 (the TPU's smallest multi-tile key block) and 4 query tiles of 64,
+# padded from 200 to 256.
+B, T, N, G, H, P = 2, 200, 4, 2, 16, 8
+SEGMENTS_BT = np.array([[0] * T, [0] * 90 + [1] * 70 + [2] * 40], np.int32)
+POSITIONS_BT = np.array([np.arange(T), np.r_[np.arange(90), np.arange(70), np.arange(40)]])
+RANK_BT = POSITIONS_BT.astype(np.int32)
+WINDOW, SINKS = 100, 3  # the window spans tiles, sinks reach back past it
+SLOW = pytest.mark.slow
+
+
+def _slope(p, tile):  # ALiBi-like: a parameter per head times the distance
+    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+    slope = jnp.sum(p, axis=-1, keepdims=p.ndim == 2)  # the row's single entry
+    return -slope * (q_Q1 - k_1K).astype(jnp.float32)
+
+
+def _table(p, tile):  # a bucket table read by distance, clipped to P - 1
+    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+    return table_lookup(jnp.clip(q_Q1 - k_1K, 0, P - 1), p)
+
+
+def _decay(p, tile):  # FoX-like: per-token values, c_i - c_j
+    q_Q1, k_1K = pair_grid(tile.q_values_Q, tile.k_values_K)
+    return q_Q1 - k_1K
+
+
+def _inputs(dtype) -> dict:
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    return {
+        "q": normal(B, T, N, H),
+        "k": normal(B, T, G, H),
+        "v": normal(B, T, G, H),
+        "slopes": jnp.asarray(rng.uniform(0.01, 0.1, (N, 1)), jnp.float32),
+        "table": jnp.asarray(rng.normal(size=(N, P)), jnp.float32),
+        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.05, (B, T, N)), axis=1), jnp.float32),
+    }
+
+
+def _kernel(x: dict, *, window: int | None, sinks: int) -> jax.Array:
+    terms = [
+        KernelTerm("slope", _slope, params_NP=x["slopes"]),
+        KernelTerm("table", _table, params_NP=x["table"]),
+        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+    ]
+    return fused_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=terms,
+        window=window,
+        sink_tokens=sinks,
+        k_rank_BT=jnp.asarray(RANK_BT),
+        block_q=64,
+        block_k=128,
+        backend="tpu",
+    )
+
+
+def _bias_BNTS(x: dict, xp=jnp):
+    distance_BTS = POSITIONS_BT[:, :, None] - POSITIONS_BT[:, None, :]
+    slopes, table, c = (xp.asarray(x[key], xp.float32) for key in ("slopes", "table", "c"))
+    bias = -slopes[None, :, :1, None] * distance_BTS[:, None].astype(np.float32)
+    bias = bias + xp.moveaxis(table[:, np.clip(distance_BTS, 0, P - 1)], 0, 1)
+    c_BNT = xp.moveaxis(c, 2, 1)
+    return bias + c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
+
+
+@SLOW
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (WINDOW, 0), (WINDOW, SINKS)])
+def test_values_equal_numpy(window: int | None, sinks: int) -> None:
+    x = _inputs(jnp.float32)
+    y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks))(x)
+    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    expected = attention_numpy(x["q"], x["k"], x["v"], _bias_BNTS(x64, np), allowed)
+    assert_close(y, expected, dtype="float32", summands=T, roundings=0)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("dtype", "window", "sinks"),
+    [("float32", WINDOW, SINKS), ("bfloat16", WINDOW, SINKS), ("float32", None, 0)],
+)
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
+    x = _inputs(jnp.dtype(dtype))
+    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def kernel(x):
+        return _kernel(x, window=window, sinks=sinks).astype(jnp.float32)
+
+    def dense(x):  # the same inputs in float32: only the kernel's roundings differ
+        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
+        return attention_jnp(x32["q"], x32["k"], x32["v"], _bias_BNTS(x32), allowed)
+
+    y, pull = jax.vjp(jax.jit(kernel), x)
+    y_ref, pull_ref = jax.vjp(dense, x)
+    (grads,), (grads_ref,) = jax.jit(pull)(cot), pull_ref(cot)
+    assert_close(y, y_ref, dtype=dtype, summands=T, roundings=2)
+    pairs = B * T * T // 2  # what a parameter's gradient sums over
+    for key, summands in [("q", T), ("k", T), ("v", T), ("c", T), ("slopes", pairs)]:
+        assert grads[key].dtype == x[key].dtype
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
+    assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=pairs, roundings=4)
+
+
+def _every_term(heads: int, length: int) -> list[KernelTerm]:
+    """Every scheme's kernel term (kernel_terms.TERM_BUILDERS, Kerple in both variants)."""
+    width = 8
+    dims = tiny_config("nope", num_heads=heads).dims
+    ones_N = jnp.ones((heads,), jnp.float32)
+    c_BTN = jnp.zeros((1, length, heads), jnp.float32)
+    fire = {
+        "c": jnp.asarray(0.1),
+        "threshold": jnp.asarray(32.0),
+        "w1_1F": jnp.ones((1, width)),
+        "b1_F": jnp.zeros((width,)),
+        "w2_FN": jnp.ones((width, heads)),
+        "b2_N": ones_N,
+    }
+    block_terms = {
+        "alibi": BlockTerm(None),
+        "t5": BlockTerm(None, params=jnp.ones((32, heads))),
+        "kerple": BlockTerm(None, params=(ones_N, ones_N)),
+        "fox": BlockTerm(None, q_arrays={"c": c_BTN}, k_arrays={"c": c_BTN}),
+        "fire": BlockTerm(None, params=fire),
+    }
+    assert set(block_terms) == set(kernel_terms.TERM_BUILDERS)
+    terms = [
+        kernel_terms.TERM_BUILDERS[name](registry.make_scheme(name), term, dims)
+        for name, term in block_terms.items()
+    ]
+    kerple_power = registry.make_scheme("kerple", {"variant": "power"})
+    return [*terms, kernel_terms._kerple(kerple_power, block_terms["kerple"], dims)]
+
+
+def test_tile_functions_agree_across_layouts() -> None:
+    """Every scheme's tile function gives one (Q, K) bias from the GPU kernels' operands
+    ((Q,) and (K,) positions and values, a (P,) row padded as the kernels pad it) and from the
+    TPU kernels' ((Q, 1), (1, K), a (1, P) row); T5's equals its table read at
+    ``t5_bucket`` of the distances, with a bucket count that is no power of two."""
+    heads, length = 2, 16
+    rng = np.random.default_rng(3)
+    q_pos, k_pos = jnp.arange(8, 8 + length), jnp.arange(length)
+    values = jnp.asarray(rng.normal(size=(2, length)), jnp.float32)
+    t5 = registry.make_scheme("t5", {"num_buckets": 12, "max_distance": 20})
+    table_PN = jnp.asarray(rng.normal(size=(12, heads)), jnp.float32)
+    dims = tiny_config("nope", num_heads=heads).dims
+    terms = [*_every_term(heads, length), kernel_terms._t5(t5, BlockTerm(None, table_PN), dims)]
+    gpu_tile = TermTile(q_pos, k_pos, values[0], values[1])
+    tpu_tile = TermTile(q_pos[:, None], k_pos[None], values[0][:, None], values[1][None])
+
+    rows = [None if p is None else p[-1] for p in map(_term_params, terms)]  # the last head
+
+    @jax.jit
+    def both(rows: list) -> list[tuple[jax.Array, jax.Array]]:
+        return [
+            (t.bias(row, gpu_tile), t.bias(None if row is None else row[None], tpu_tile))
+            for t, row in zip(terms, rows, strict=True)
+        ]
+
+    for term, (gpu, tpu) in zip(terms, both(rows), strict=True):
+        np.testing.assert_allclose(tpu, gpu, rtol=1e-6, atol=1e-6, err_msg=term.name)
+    buckets = t5_bucket(k_pos[None, :] - q_pos[:, None], False, 12, 20)
+    np.testing.assert_allclose(gpu, table_PN[buckets, heads - 1], rtol=1e-6)
+
+
+def _term_params(term: KernelTerm) -> jax.Array | None:
+    """The parameter rows as the kernels read them (attention._term_arrays' padding)."""
+    if term.params_NP is None:
+        return None
+    size = term.params_NP.shape[1]
+    return jnp.pad(term.params_NP, ((0, 0), (0, (1 << (size - 1).bit_length()) - size)))
+
+
+@pytest.mark.parametrize("with_terms", [True, False], ids=["every_term", "content_only"])
+def test_lowers_to_mosaic_tpu(with_terms: bool) -> None:
+    """The forward and both backward kernels pass Pallas's Mosaic TPU lowering (block shapes
+    against the (8, 128) tiling, every primitive has a Mosaic rule), with every scheme's term
+    summed in one kernel, and with none; exported from the CPU. Mosaic's layout passes run
+    only on a TPU (see copejax.ops.kernels.tpu_params)."""
+    heads, length = 2, 256  # two key tiles
+    terms = _every_term(heads, length) if with_terms else []
+    q_BTNH = jnp.ones((1, length, heads, 16), jnp.bfloat16)
+    positions_BT = jnp.arange(length)[None]
+
+    def loss(q_BTNH: jax.Array) -> jax.Array:
+        y = fused_attention(
+            q_BTNH,
+            q_BTNH[:, :, :1],
+            q_BTNH[:, :, :1],
+            q_positions_BT=positions_BT,
+            k_positions_BT=positions_BT,
+            segment_ids_BT=jnp.zeros((1, length), jnp.int32),
+            terms=terms,
+            window=100,
+            sink_tokens=2,
+            k_rank_BT=positions_BT,
+            block_q=64,
+            block_k=128,
+            interpret=False,
+            backend="tpu",
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(q_BTNH).mlir_module()
+    assert text.count("tpu_custom_call") == 3
+    for name in ("forward", "dq", "dkdv"):
+        assert f"copejax_attention_{name}_tpu" in text
+
+
+def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The model's kernel path as on a TPU: the TPU kernels, in interpret mode on the CPU.
+    Returns a list that gets an entry per trace of the TPU forward kernel."""
+    monkeypatch.setattr(attention_paths, "kernel_backend", lambda backend=None: "tpu")
+    traced = []
+
+    def forward_call(*args, **kwargs):
+        traced.append(True)
+        return tpu_forward_call(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_attention, "tpu_forward_call", forward_call)
+    return traced
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        pytest.param(p, marks=SLOW)
+        for p in ["alibi", "t5", "kerple", "fire", "fox", "rope", "fox+t5", "alibi+rope"]
+    ],
+)
+def test_model_on_tpu_kernels_equals_naive(position: str, monkeypatch) -> None:
+    """A covered scheme's whole model on the TPU kernels equals the naive path (values and
+    every parameter's gradient), float32, GQA, window with sinks, packed segments."""
+    from tests.ops.kernels import test_kernel_registry
+
+    traced = _on_tpu_kernels(monkeypatch)
+    test_kernel_registry._compare(position, "float32", window=12, sinks=2)
+    assert traced
+
+
+@SLOW
+@pytest.mark.parametrize("position", ["alibi", "fox"])
+def test_model_on_tpu_kernels_equals_naive_bfloat16(position: str, monkeypatch) -> None:
+    from tests.ops.kernels import test_kernel_registry
+
+    traced = _on_tpu_kernels(monkeypatch)
+    test_kernel_registry._compare(position, "bfloat16", window=None, sinks=0)
+    assert traced
+
+
+@pytest.mark.parametrize(
+    ("position", "named"),
+    [
+        ("cope", "cope"),
+        ("stickbreaking", "stickbreaking"),
+        ("alibi+stickbreaking", "stickbreaking"),
+    ],
+)
+def test_tpu_refuses_by_name(position: str, named: str) -> None:
+    """Schemes the GPU kernels run but the TPU kernels do not yet are refused by name (the
+    model's kernel path raises it on a TPU)."""
+    assert kernel_terms.kernel_refusal(registry.make_scheme(position)) is None
+    refusal = tpu_kernel_refusal(registry.make_scheme(position))
+    assert refusal is not None
+    assert f"on TPU has no kernel for scheme '{named}' yet" in refusal
+    covered = ["nope", "rope", "alibi", "t5", "kerple", "fire", "fox", "fox+t5"]
+    assert all(tpu_kernel_refusal(registry.make_scheme(name)) is None for name in covered)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"normalizer": "stickbreaking", "include_self": False}, "no 'stickbreaking' normalizer"),
+        ({"backend": "mosaic"}, "backend must be one of"),
+        ({"cope": object()}, "no 'cope' term yet"),
+    ],
+)
+def test_fused_attention_refuses_on_tpu(kwargs: dict, message: str) -> None:
+    x = jnp.zeros((1, 16, 2, 8), jnp.float32)
+    positions_BT = jnp.arange(16)[None]
+    with pytest.raises(ValueError, match=message):
+        fused_attention(
+            x,
+            x,
+            x,
+            q_positions_BT=positions_BT,
+            k_positions_BT=positions_BT,
+            segment_ids_BT=jnp.zeros((1, 16), jnp.int32),
+            **{"backend": "tpu", **kwargs},
+        )

@@ -8,7 +8,9 @@ entry point and custom VJP (``attention``), the forward (``forward``) and backwa
 (``tiles``), the terms' operands (``operands``) and the GPU backend's parameters
 (``triton_params``: Triton on GPUs, interpret mode elsewhere); selective attention's
 penalties have their own prefix and forward kernels (``selective``), backward kernels
-(``selective_backward``) and custom VJP (``selective_attention``). This package imports only
+(``selective_backward``) and custom VJP (``selective_attention``); Shaw's relative positions
+read a band of their table per tile pair (``relative``: the band maths, ``relative_kernels``:
+the kernel bodies, ``relative_calls``: their launches). This package imports only
 ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
 (``copejax.model.kernel_terms``).
 """

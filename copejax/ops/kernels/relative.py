@@ -4,35 +4,38 @@ As the CoPE paper writes it (arXiv 2405.18719 eq. 1) and
 :mod:`copejax.positions.relative` computes it: the logit ``q_i . (k_j + e[d_ij]) / sqrt(H)``
 with ``d_ij = max(pos_i - pos_j, 0)`` and a table e of P = max_distance + 1 rows shared by
 the heads. ``relative`` adds no term for ``d_ij >= P``; ``relative_capped`` reads the last
-row there. The term reads the queries, so it is no :class:`~copejax.ops.kernels.terms.
-KernelTerm` (those read per-query scalars); it is CoPE's ``q . e[p]`` with an integer p and
-no carry.
+row there. The term reads the queries, so it is no
+:class:`~copejax.ops.kernels.terms.KernelTerm` (those read per-query scalars); it is CoPE's
+``q . e[p]`` with an integer p and no carry.
 
 The band. P is the training length by default (thousands of rows), so a one-hot pass over
 every row (CoPE's <= 256) does not scale. A pair of tiles reads the rows between the least
 and the largest row of its allowed pairs; with positions that count up within a segment
-(packed or not) those span at most Q + K - 1 rows, the ``band`` (a power of two >= Q + K -
-1). The pair reads the band's rows as one dynamic slice of the table, computes ``z = q .
-band^T / sqrt(H)`` as one (Q, H) x (H, band) matmul in float32, and places ``z[i, d_ij -
-start]`` into the (Q, K) tile by a static loop over the band's rows (a compare and a select
-per row, no gather: Triton lowers no gather, nor a slice of a register tile). Positions that
-jump within a segment widen the span: the pair then walks as many bands as it needs (a loop
-with a dynamic trip count), so the result is exact for any positions. A pair whose allowed
-pairs all read one row (every distance beyond a capped table) takes one matvec instead. The
-pairs of a relative table that are all beyond it add nothing and cost nothing.
+(packed or not) those span at most Q + K - 1 rows, the ``band`` R (a power of two >= Q + K
+- 1). The pair reads the band as one dynamic slice of the table, computes ``z = q . band^T /
+sqrt(H)`` as a (Q, H) x (H, R) matmul with float32 accumulation (q in its dtype; for 16-bit
+inputs the float32 band as two 16-bit pieces, :func:`band_pieces`: two matmuls on tensor
+cores), and places ``z[i, d_ij - start]`` into the (Q, K) tile by a loop over the band's R
+rows (a compare, a masked row sum and a select per row; no gather, which Triton does not
+lower, nor a slice of a register tile). A ``lax.fori_loop``, not an unrolled one: on the CPU
+XLA compiled the interpret-mode kernels 3x faster, and Triton gets a loop it may unroll.
+Positions that jump within a segment widen the span: the pair then walks as many bands as it
+needs (a loop with a dynamic trip count), so the term is exact for any positions. A pair
+whose allowed pairs all read one row (every distance beyond a capped table) takes one matvec
+instead; pairs all beyond an uncapped table add nothing and cost nothing.
 
 Backward: with ``dS`` of the pair, ``dz[i, r] = sum_{j: d_ij = start + r} dS_ij / sqrt(H)``
-(the same static loop, transposed), ``dq += dz . band`` and ``d band = dz^T . q`` (two
-matmuls). The table's gradient is accumulated by the dq kernel, one (P', H) float32 slab per
-(batch row, head, query tile) program (P' the table padded by a band), read-modify-written
-band by band and summed outside: O(T/Q x P x H) per batch row and head, which is O(T^2 H / Q)
-for the default P = T (what CoPE's per-program table gradients take; an atomic add into one
-(P', H) buffer would make it O(T) at the price of a nondeterministic sum). Every other
-buffer is O(T). The content logits, the other terms (:mod:`copejax.ops.kernels.terms`) and
-the mask are those of :mod:`copejax.ops.kernels.forward` and
-:mod:`~copejax.ops.kernels.backward`; this module has its own kernel bodies
-(:mod:`copejax.ops.kernels.relative_calls` launches them), with the softmax only.
-Shape letters as in :mod:`copejax.ops.kernels.forward`; P table rows, R the band's rows.
+(the same loop, transposed), then, with dz rounded to the inputs' dtype as the content
+gradients round dS, ``dq += dz . band`` and ``d band = dz^T . q`` (matmuls). The table's
+gradient is accumulated by the dq kernel in one (P', H) float32 slab per (batch row, head,
+query tile) program (P' the table padded by a band), read-modify-written band by band and
+summed outside: O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T
+(as CoPE's per-program table gradients; an atomic add into one (P', H) buffer would make it
+O(T), at the price of a sum in no fixed order). Every other buffer is O(T).
+:mod:`copejax.ops.kernels.relative_kernels` holds the kernel bodies (the content logits, the
+other terms and the mask of :mod:`copejax.ops.kernels.forward`, softmax only) and
+:mod:`copejax.ops.kernels.relative_calls` launches them. Shape letters as in
+:mod:`copejax.ops.kernels.forward`; P table rows, R the band's rows.
 """
 
 from __future__ import annotations
@@ -98,27 +101,39 @@ class PairRows:
 
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """A float32 matmul at full precision (the table stays float32, as the naive path's)."""
+    """A matmul in the operands' dtype, accumulated in float32."""
     return jax.lax.dot_general(
-        a,
-        b,
-        (((contract[0],), (contract[1],)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+        a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32
     )
+
+
+def band_pieces(band_RH: jax.Array, dtype: jnp.dtype) -> list[jax.Array]:
+    """The float32 band as the matmuls' operands: itself for float32 inputs; for 16-bit
+    inputs two pieces in their dtype, ``hi + lo`` (16 bits of mantissa for bfloat16, finer
+    than the TF32 of a float32 matmul), so that the products run on tensor cores."""
+    if dtype == jnp.float32:
+        return [band_RH]
+    hi_RH = band_RH.astype(dtype)
+    return [hi_RH, (band_RH - hi_RH.astype(jnp.float32)).astype(dtype)]
+
+
+def _band_dot(a: jax.Array, band_RH: jax.Array, contract: tuple[int, int]) -> jax.Array:
+    """``a`` (in the inputs' dtype) times the band, through :func:`band_pieces`."""
+    pieces = band_pieces(band_RH, a.dtype)
+    return sum((_dot(a, piece, contract) for piece in pieces[1:]), _dot(a, pieces[0], contract))
 
 
 def relative_term_QK(
     static: RelativeStatic, q_QH: jax.Array, table_ref: Ref, rows: PairRows
 ) -> jax.Array:
-    """``q_i . e[row_ij] / sqrt(H)`` on the pairs that read a row, 0 elsewhere; float32."""
-    q_QH = q_QH.astype(jnp.float32)
+    """``q_i . e[row_ij] / sqrt(H)`` on the pairs that read a row, 0 elsewhere; float32.
+    The band's z is one matmul (two for 16-bit inputs) with q in its dtype."""
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     zeros_QK = jnp.zeros(rows.row_QK.shape, jnp.float32)
 
     def one_row(_: None) -> jax.Array:
         e_1H = table_ref[pl.ds(rows.lo, 1), :]
-        z_Q = jnp.sum(q_QH * e_1H, axis=1) * scale
+        z_Q = jnp.sum(q_QH.astype(jnp.float32) * e_1H, axis=1) * scale
         return jnp.where(rows.ok_QK, z_Q[:, None], 0.0)
 
     def bands(_: None) -> jax.Array:
@@ -126,7 +141,7 @@ def relative_term_QK(
 
         def band(b: jax.Array, term_QK: jax.Array) -> jax.Array:
             start = rows.lo + b * static.band
-            z_QR = _dot(q_QH, table_ref[pl.ds(start, static.band), :], (1, 1)) * scale
+            z_QR = _band_dot(q_QH, table_ref[pl.ds(start, static.band), :], (1, 1)) * scale
             offset_QK = jnp.where(rows.ok_QK, rows.row_QK - start, -1)
 
             def place(r: jax.Array, term_QK: jax.Array) -> jax.Array:
@@ -150,15 +165,16 @@ def relative_grads(
     ds_QK: jax.Array,
 ) -> jax.Array:
     """The term's part of dq (float32 (Q, H)), given the pair's ``ds_QK``; adds the table's
-    gradient to the rows of ``de_ref`` the pair read."""
-    q_QH = q_QH.astype(jnp.float32)
+    gradient to the rows of ``de_ref`` the pair read. As for the content matmuls, dz is
+    rounded to the inputs' dtype for ``dz . band`` and ``dz^T . q``."""
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     ds_QK = jnp.where(rows.ok_QK, ds_QK, 0.0)
 
     def one_row(_: None) -> jax.Array:
         rows_1 = pl.ds(rows.lo, 1)
         dz_Q1 = jnp.sum(ds_QK, axis=1, keepdims=True) * scale
-        de_ref[rows_1, :] = de_ref[rows_1, :] + jnp.sum(dz_Q1 * q_QH, axis=0, keepdims=True)
+        q32_QH = q_QH.astype(jnp.float32)
+        de_ref[rows_1, :] = de_ref[rows_1, :] + jnp.sum(dz_Q1 * q32_QH, axis=0, keepdims=True)
         return dz_Q1 * table_ref[rows_1, :]
 
     def bands(_: None) -> jax.Array:
@@ -174,9 +190,10 @@ def relative_grads(
                 return dz_QR + jnp.where(index_QR == r, dz_Q[:, None], 0.0)
 
             dz_QR = jax.lax.fori_loop(0, static.band, gather, dz_QR) * scale
+            dz_QR = dz_QR.astype(q_QH.dtype)
             window = pl.ds(start, static.band)
             de_ref[window, :] = de_ref[window, :] + _dot(dz_QR, q_QH, (0, 0))
-            return dq_QH + _dot(dz_QR, table_ref[window, :], (1, 0))
+            return dq_QH + _band_dot(dz_QR, table_ref[window, :], (1, 0))
 
         return jax.lax.fori_loop(0, rows.bands, band, jnp.zeros(q_QH.shape, jnp.float32))
 

@@ -21,8 +21,9 @@ functions, evaluated tile by tile in the kernels:
   (:mod:`copejax.ops.kernels.cope`), for gates on the content logits (the default) and the
   interpolated term, with the softmax; other gates and position terms are refused by name;
 - selective: the penalties ``-F`` accumulated from the selecting head's ReLU'd (or sigmoid)
-  logits (:mod:`copejax.ops.kernels.selective`), with the softmax and no other logit term;
-  ``prune_threshold`` and ``prune_budget`` are refused by name;
+  logits (:mod:`copejax.ops.kernels.selective`), with the softmax and the terms above;
+  ``prune_threshold``, ``prune_budget`` and cope, Shaw's tables or stick-breaking beside it
+  are refused by name;
 - relative, relative_capped: Shaw's ``q_i . e[d_ij] / sqrt(H)``
   (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
   max_distance), with the softmax, without cope and with the terms above.
@@ -233,10 +234,15 @@ def _selective_refusal(part: PositionScheme, scheme: PositionScheme) -> str | No
             "queries, outside the kernels)"
         )
     others = [
-        p.name for p in parts(scheme) if p is not part and {"bias", "normalizer"} & set(p.sites)
+        p.name
+        for p in parts(scheme)
+        if p is not part and p.name not in TERM_BUILDERS and {"bias", "normalizer"} & set(p.sites)
     ]
     if others:
-        return f"its penalties with another logit term or normalizer ({others})"
+        return (
+            f"its penalties with {others} (the selective kernels add the terms "
+            f"{list(TERM_BUILDERS)}, with the softmax)"
+        )
     return None
 
 

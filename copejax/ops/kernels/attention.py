@@ -124,7 +124,8 @@ def fused_attention(
       relative: Shaw's ``q_i . e[i - j]`` (:mod:`copejax.ops.kernels.relative`), with the
         softmax only and without ``cope``.
       selective: selective attention's penalties
-        (:mod:`copejax.ops.kernels.selective_attention`), with the softmax and no other term.
+        (:mod:`copejax.ops.kernels.selective_attention`), with the softmax and ``terms``
+        (not with cope, relative or stick-breaking).
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -153,7 +154,7 @@ def fused_attention(
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
     backend = kernel_backend(backend)
     gpu_only = {"cope": cope, "relative": relative, "selective": selective}
-    check_tpu_call(backend, normalizer, gpu_only)
+    check_tpu_call(backend, gpu_only)
     if interpret is None:
         interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
     widths = (q_BTNH.shape[-1], v_BTGW.shape[-1])

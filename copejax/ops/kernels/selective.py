@@ -24,8 +24,10 @@ float32 (:func:`bf16_pieces`), on a GPU's tensor cores; one bfloat16 or TF32 mat
 round the penalties to 3 digits. The backward is
 :mod:`copejax.ops.kernels.selective_backward`.
 
-The kernels take no other logit term and the softmax only; pruning (``prune_threshold``,
-``prune_budget``) is refused by the model layer (:mod:`copejax.model.kernel_terms`).
+The kernels add the other logit terms (:mod:`copejax.ops.kernels.terms`) as the generic ones
+do, with the softmax only (no CoPE, Shaw table or stick-breaking beside the penalties);
+pruning (``prune_threshold``, ``prune_budget``) is refused by the model layer
+(:mod:`copejax.model.kernel_terms`).
 Shape letters as in :mod:`copejax.ops.kernels.forward`.
 """
 
@@ -38,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.operands import term_operands, term_refs
 from copejax.ops.kernels.stick import newer_ones_KK
+from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 from copejax.ops.kernels.triton_params import compiler_params
 
@@ -141,8 +145,11 @@ def penalized_scores_QK(
     k_KH: jax.Array,
     selectors: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
     allowed_QK: jax.Array,
+    *,
+    bias_QK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(the masked scores ``q . k / sqrt(H) - F``, dS/dl of the selection) of one pair.
+    """(the masked scores ``q . k / sqrt(H) + bias - F``, dS/dl of the selection) of one
+    pair; ``bias_QK``: the other terms' (:func:`term_bias`), or None.
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
     prefix P of this query tile at the keys (K,))."""
@@ -150,7 +157,17 @@ def penalized_scores_QK(
     s_QK, slope_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
     f_QK = prefix_K[None, :] + older_sum_QK(s_QK)
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK
+    if bias_QK is not None:
+        scores_QK = scores_QK + bias_QK
     return jnp.where(allowed_QK, scores_QK, MASKED_LOGIT), slope_QK
+
+
+def term_bias(plan: Plan, arrays: tuple[list, list, list], q_pos_Q, k_pos_K) -> jax.Array | None:
+    """The other terms' tile bias (:func:`copejax.ops.kernels.terms.tile_bias_QK`) from
+    (params, q values, k values), or None without terms."""
+    if not plan.biases:
+        return None
+    return tile_bias_QK(plan.biases, arrays, q_pos_Q, k_pos_K)
 
 
 def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
@@ -178,12 +195,15 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
     jax.lax.fori_loop(first, end, step, jnp.zeros((plan.size_k,), jnp.float32))
 
 
-def _forward_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
-    q_ref, k_ref, v_ref, qseg_ref, kseg_ref, krank_ref = refs[:6]
-    qsel_ref, ksel_ref, kstart_ref, prefix_ref, o_ref, lse_ref = refs[6:]
+def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
+    q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
+    p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
+    qsel_ref, ksel_ref, kstart_ref, prefix_ref, o_ref, lse_ref = refs[8 + num_term_refs :]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
-    q_QH, q_seg_Q, q_sel_QH = q_ref[...], qseg_ref[...], qsel_ref[...]
+    q_QH, q_pos_Q, q_seg_Q, q_sel_QH = q_ref[...], qpos_ref[...], qseg_ref[...], qsel_ref[...]
+    params = [None if r is None else r[...] for r in p_refs]
+    q_values = [None if r is None else r[...] for r in qv_refs]
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first = kj * plan.size_k
@@ -195,7 +215,11 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, kstart_ref[keys])
             selectors = (q_sel_QH, ksel_ref[keys, :], keep, prefix_ref[keys])
-            s_QK, _ = penalized_scores_QK(nonlinearity, q_QH, k_ref[keys, :], selectors, allowed_QK)
+            k_values = [None if r is None else r[keys] for r in kv_refs]
+            bias_QK = term_bias(plan, (params, q_values, k_values), q_pos_Q, kpos_ref[keys])
+            s_QK, _ = penalized_scores_QK(
+                nonlinearity, q_QH, k_ref[keys, :], selectors, allowed_QK, bias_QK=bias_QK
+            )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
             rescale_Q = jnp.exp(max_Q - new_max_Q)
@@ -254,14 +278,17 @@ def selective_forward_call(
     *,
     selectors: dict[str, jax.Array],
     ints: dict[str, jax.Array],
+    terms: list[dict],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prefix and forward kernels on padded inputs.
 
     Args:
       q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles).
       selectors: the selecting head's "q" (B, T, H) and "k" (B, S, H).
-      ints: int32 (B, T) "q_seg" and (B, S) "k_seg", "k_rank", "k_start" (1 at a segment's
-        first key).
+      ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank", "k_start"
+        (1 at a segment's first key).
+      terms: the other terms' arrays, as :func:`copejax.ops.kernels.forward.forward_call`
+        takes them.
 
     Returns:
       (o_BTNW float32, lse_BNT float32, the prefix P (B, rows_of(count_q), S) float32).
@@ -271,16 +298,28 @@ def selective_forward_call(
     groups, sq = plan.groups, plan.size_q
     prefix = prefix_call(plan, nonlinearity, selectors["q"], selectors["k"], ints)
     whole = pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))
+    query_tile = pl.BlockSpec((None, sq), lambda b, n, i: (b, i))
+    has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
+    kernel = functools.partial(
+        _forward_kernel,
+        plan=plan,
+        nonlinearity=nonlinearity,
+        has=has,
+        num_term_refs=len(term_inputs),
+    )
     o_BTNW, lse_BNT = pl.pallas_call(
-        functools.partial(_forward_kernel, plan=plan, nonlinearity=nonlinearity),
+        kernel,
         grid=(batch, heads, plan.count_q),
         in_specs=[
             pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0)),
             pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
             pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
-            pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
+            query_tile,
+            query_tile,
             whole,
             whole,
+            whole,
+            *term_specs,
             pl.BlockSpec((None, sq, dim), lambda b, n, i: (b, i, 0)),
             pl.BlockSpec((None, length_k, dim), lambda b, n, i: (b, 0, 0)),
             whole,
@@ -301,9 +340,12 @@ def selective_forward_call(
         q_BTNH,
         k_BSGH,
         v_BSGW,
+        ints["q_pos"],
         ints["q_seg"],
+        ints["k_pos"],
         ints["k_seg"],
         ints["k_rank"],
+        *term_inputs,
         selectors["q"],
         selectors["k"],
         ints["k_start"],

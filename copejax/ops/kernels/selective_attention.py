@@ -23,8 +23,8 @@ from copejax.ops.kernels.tiles import Plan
 
 def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
     """Refuses, naming it, what the selective kernels do not run: a head out of range, an
-    unknown nonlinearity, a backend other than Triton (or interpret mode), and any other term or
-    normalizer beside the penalties."""
+    unknown nonlinearity, a backend other than Triton (or interpret mode), and CoPE, Shaw's
+    table or stick-breaking beside the penalties."""
     heads = arrays["q"].shape[2]
     head = selective.head
     if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < heads:
@@ -39,29 +39,29 @@ def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
         raise ValueError(
             f"kernel: selective attention's kernels are Triton's, got backend {backend!r}"
         )
-    others = ["terms"] if arrays.get("terms") else []
-    others += [key for key in ("cope", "relative") if arrays.get(key) is not None]
+    others = [key for key in ("cope", "relative") if arrays.get(key) is not None]
     if plan.stick:
         others.append("stickbreaking")
     if others:
         raise ValueError(
-            "kernel: selective attention's penalties run with the softmax and no other "
-            f"logit term, got {others}"
+            "kernel: selective attention's penalties run with the softmax and the terms of "
+            f"copejax.ops.kernels.terms only, got {others}"
         )
 
 
 def selective_attention(
     plan: Plan, selective: SelectiveTerm, arrays: dict, ints: dict[str, jax.Array]
 ) -> jax.Array:
-    """softmax(q . k / sqrt(H) - F) v on padded inputs, differentiable in q, k and v.
+    """softmax(q . k / sqrt(H) + terms - F) v on padded inputs, differentiable in q, k, v
+    and the terms' arrays.
 
     Args:
-      plan: the call's tiles and mask.
+      plan: the call's tiles, mask and the terms' tile functions.
       selective: the selecting head and the nonlinearity.
-      arrays: the padded "q" (B, T, N, H), "k" (B, S, G, H), "v" (B, S, G, W); any other
-        entry ("terms", "cope", ...) must be empty.
-      ints: int32 (B, T) "q_seg" and (B, S) "k_seg", "k_rank" (padding in segments of its
-        own, as fused_attention pads them).
+      arrays: the padded "q" (B, T, N, H), "k" (B, S, G, H), "v" (B, S, G, W) and "terms"
+        (as fused_attention builds them); "cope" and "relative" must be None.
+      ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank" (padding in
+        segments of its own, as fused_attention pads them).
 
     Returns:
       y_BTNW float32.
@@ -76,29 +76,34 @@ def selective_attention(
         return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
 
     @jax.custom_vjp
-    def attend(tensors: tuple[jax.Array, ...], ints: dict[str, jax.Array]) -> jax.Array:
-        return forward(tensors, ints)[0]
+    def attend(tensors: tuple, terms: list[dict], ints: dict[str, jax.Array]) -> jax.Array:
+        return forward(tensors, terms, ints)[0]
 
-    def forward(tensors: tuple[jax.Array, ...], ints: dict[str, jax.Array]) -> tuple:
+    def forward(tensors: tuple, terms: list[dict], ints: dict[str, jax.Array]) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
         o_BTNW, lse_BNT, prefix = selective_forward_call(
-            plan, nonlinearity, *tensors, selectors=selectors(q_BTNH, k_BSGH), ints=ints
+            plan,
+            nonlinearity,
+            *tensors,
+            selectors=selectors(q_BTNH, k_BSGH),
+            ints=ints,
+            terms=terms,
         )
-        return o_BTNW, (tensors, ints, o_BTNW, lse_BNT, prefix)
+        return o_BTNW, (tensors, terms, ints, o_BTNW, lse_BNT, prefix)
 
-    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[tuple, None]:
-        (q_BTNH, k_BSGH, v_BSGW), ints, o_BTNW, lse_BNT, prefix = residuals
+    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[tuple, list[dict], None]:
+        (q_BTNH, k_BSGH, v_BSGW), terms, ints, o_BTNW, lse_BNT, prefix = residuals
         do_BTNW = do_BTNW.astype(v_BSGW.dtype)  # the matmuls take the inputs' dtype
         delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
-        dq_BTNH, dk_BSNH, dv_BSNW, dq_sel_BTH, dk_sel_BSH = selective_backward_calls(
+        dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = selective_backward_calls(
             plan,
             nonlinearity,
             (q_BTNH, k_BSGH, v_BSGW, do_BTNW),
-            lse_BNT=lse_BNT,
-            delta_BNT=jnp.moveaxis(delta_BTN, 2, 1),
+            stats=(lse_BNT, jnp.moveaxis(delta_BTN, 2, 1)),
             selectors=selectors(q_BTNH, k_BSGH),
             prefix=prefix,
             ints=ints,
+            terms=terms,
         )
         batch, length = q_BTNH.shape[:2]
 
@@ -113,8 +118,12 @@ def selective_attention(
             dk_BSGH.astype(k_BSGH.dtype),
             per_kv_head(dv_BSNW).astype(v_BSGW.dtype),
         )
-        return grads, None
+        term_grads = [  # a parameter's partial sums per (batch row, key tile), added up
+            {**g, "params": None if g["params"] is None else jnp.sum(g["params"], axis=(0, 2))}
+            for g in term_grads
+        ]
+        return grads, term_grads, None
 
     attend.defvjp(forward, backward)
     tensors = (arrays["q"], arrays["k"], arrays["v"])
-    return attend(tensors, {**ints, "k_start": starts_BS})
+    return attend(tensors, arrays["terms"], {**ints, "k_start": starts_BS})

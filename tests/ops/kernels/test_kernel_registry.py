@@ -30,7 +30,14 @@ SCHEMES = registry.names()
 COVERED = [name for name in SCHEMES if kernel_refusal(registry.make_scheme(name)) is None]
 REFUSED = [name for name in SCHEMES if name not in COVERED]
 # Composites: their parts' terms are summed in the kernels as the naive path sums biases.
-COMPOSITES = ["alibi+rope", "fox+t5", "kerple+xpos", "alibi+stickbreaking", "selective+rope"]
+COMPOSITES = [
+    "alibi+rope",
+    "fox+t5",
+    "kerple+xpos",
+    "alibi+stickbreaking",
+    "selective+rope",
+    "selective+fox",
+]
 SLOW = pytest.mark.slow
 
 

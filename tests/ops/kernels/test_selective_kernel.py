@@ -21,12 +21,14 @@ import pytest
 
 from copejax.ops import segments
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.selective import SelectiveTerm, prefix_call, rows_of
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
 from tests.conftest import tiny_config
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
+from tests.ops.kernels.test_fused_attention import _decay, _slope
 from tests.ops.kernels.tolerances import assert_close
 
 SLOW = pytest.mark.slow
@@ -44,11 +46,26 @@ def _layout(shape: dict) -> tuple[np.ndarray, np.ndarray]:
     return ids, rank.astype(np.int32)
 
 
-def _inputs(shape: dict, dtype, seed: int = 0) -> dict:
+def _inputs(shape: dict, dtype, seed: int = 0, terms: bool = False) -> dict:
+    """q, k, v; with ``terms`` also two other terms' arrays: ALiBi-like slopes (N, 1) and
+    FoX-like per-token values (B, T, N)."""
     rng = np.random.default_rng(seed)
     normal = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
     t, n, g = shape["T"], shape["N"], shape["G"]
-    return {"q": normal(B, t, n, H), "k": normal(B, t, g, H), "v": normal(B, t, g, H)}
+    x = {"q": normal(B, t, n, H), "k": normal(B, t, g, H), "v": normal(B, t, g, H)}
+    if terms:
+        x["slopes"] = jnp.asarray(rng.uniform(0.05, 0.5, (n, 1)), jnp.float32)
+        x["c"] = jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, t, n)), axis=1), jnp.float32)
+    return x
+
+
+def _terms_BNTS(x: dict, rank_BT: np.ndarray, xp=jnp):
+    """The other terms' dense bias: -slope_n (i - j) + c_i - c_j (positions: segment ranks)."""
+    if "slopes" not in x:
+        return 0.0
+    distance = (rank_BT[:, :, None] - rank_BT[:, None, :]).astype(np.float32)
+    slopes, c = xp.asarray(x["slopes"], xp.float32), xp.moveaxis(xp.asarray(x["c"]), 2, 1)
+    return -slopes[None, :, :1, None] * distance[:, None] + c[:, :, :, None] - c[:, :, None, :]
 
 
 def penalty_BTS(q, k, ids_BT, nonlinearity: str, *, xp=jnp):
@@ -72,6 +89,12 @@ def penalty_BTS(q, k, ids_BT, nonlinearity: str, *, xp=jnp):
 def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", interpret=None):
     ids, rank = _layout(shape)
     positions = jnp.asarray(rank)
+    terms = []
+    if "slopes" in x:
+        terms = [
+            KernelTerm("slope", _slope, params_NP=x["slopes"]),
+            KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+        ]
     return fused_attention(
         x["q"],
         x["k"],
@@ -85,13 +108,17 @@ def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", in
         block_q=shape["block_q"],
         block_k=shape["block_k"],
         interpret=interpret,
+        terms=terms,
         selective=SelectiveTerm(HEAD, nonlinearity),
     )
 
 
-def _check(shape: dict, dtype: str, window, sinks: int, nonlinearity: str = "relu") -> None:
-    """Values (float32 inputs: against NumPy float64) and the gradients of q, k and v."""
-    x = _inputs(shape, jnp.dtype(dtype))
+def _check(
+    shape: dict, dtype: str, window, sinks: int, *, nonlinearity: str = "relu", terms: bool = False
+) -> None:
+    """Values (float32 inputs: against NumPy float64) and the gradients of q, k, v and the
+    other terms' arrays."""
+    x = _inputs(shape, jnp.dtype(dtype), terms=terms)
     ids, rank = _layout(shape)
     allowed = mask_BTS(ids, window, sinks, rank)
     length = shape["T"]
@@ -105,7 +132,8 @@ def _check(shape: dict, dtype: str, window, sinks: int, nonlinearity: str = "rel
         x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
         f = penalty_BTS(x32["q"], x32["k"], ids, nonlinearity)
         f = jax.lax.stop_gradient(f) if frozen else f
-        return attention_jnp(x32["q"], x32["k"], x32["v"], -f[:, None], jnp.asarray(allowed))
+        bias = _terms_BNTS(x32, rank) - f[:, None]
+        return attention_jnp(x32["q"], x32["k"], x32["v"], bias, jnp.asarray(allowed))
 
     def with_grads(function, x, cot):  # one compilation of the kernels, forward and backward
         y, pull = jax.vjp(function, x)
@@ -116,13 +144,16 @@ def _check(shape: dict, dtype: str, window, sinks: int, nonlinearity: str = "rel
     if dtype == "float32":
         x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
         f64 = penalty_BTS(x64["q"], x64["k"], ids, nonlinearity, xp=np)
-        expected = attention_numpy(x64["q"], x64["k"], x64["v"], -f64[:, None], allowed)
+        bias = _terms_BNTS(x64, rank, np) - f64[:, None]
+        expected = attention_numpy(x64["q"], x64["k"], x64["v"], bias, allowed)
         assert_close(y, expected, dtype=dtype, summands=length, roundings=0)
     assert_close(y, y_ref, dtype=dtype, summands=length, roundings=2)
     # F sums up to T selections into each logit, and its gradient up to T queries' dF
-    for key in "qkv":
+    pairs = B * length * length // 2  # what a parameter's gradient sums over
+    for key in x:
         assert grads[key].dtype == x[key].dtype
-        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=2 * length, roundings=4)
+        summands = pairs if key == "slopes" else 2 * length
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
     # The selecting head's q and k get the selection's gradient, not a constant F's.
     frozen = jax.jit(functools.partial(with_grads, functools.partial(dense, frozen=True)))(x, cot)[
         1
@@ -133,22 +164,22 @@ def _check(shape: dict, dtype: str, window, sinks: int, nonlinearity: str = "rel
 
 
 def test_small_float32_window_sinks_gqa_packed() -> None:
-    _check(SMALL, "float32", window=12, sinks=2)
+    _check(SMALL, "float32", window=12, sinks=2, terms=True)
 
 
 @SLOW
 @pytest.mark.parametrize(
-    ("dtype", "window", "sinks", "nonlinearity"),
+    ("dtype", "window", "sinks", "nonlinearity", "terms"),
     [
-        ("float32", None, 0, "relu"),
-        ("float32", 20, 3, "relu"),
-        ("float32", 20, 0, "sigmoid"),
-        ("bfloat16", None, 0, "relu"),
-        ("bfloat16", 20, 3, "relu"),
+        ("float32", None, 0, "relu", False),
+        ("float32", 20, 3, "relu", True),
+        ("float32", 20, 0, "sigmoid", False),
+        ("bfloat16", None, 0, "relu", True),
+        ("bfloat16", 20, 3, "relu", False),
     ],
 )
-def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str) -> None:
-    _check(LARGE, dtype, window, sinks, nonlinearity)
+def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str, terms: bool) -> None:
+    _check(LARGE, dtype, window, sinks, nonlinearity=nonlinearity, terms=terms)
 
 
 @pytest.mark.parametrize("window", [pytest.param(None, marks=SLOW), 12])
@@ -197,8 +228,9 @@ def test_prefix_sums_the_older_query_tiles() -> None:
 
 
 def test_lowers_to_triton() -> None:
-    """The prefix, forward and both backward kernels have Triton lowerings (from the CPU)."""
-    x = _inputs(SMALL, jnp.bfloat16)
+    """The prefix, forward and both backward kernels, with other terms, have Triton
+    lowerings (checked from the CPU)."""
+    x = _inputs(SMALL, jnp.bfloat16, terms=True)
 
     def loss(x):
         y = _kernel(x, SMALL, window=12, sinks=2, interpret=False)
@@ -218,8 +250,8 @@ def test_lowers_to_triton() -> None:
         (SelectiveTerm(0), {"normalizer": "stickbreaking", "include_self": False}, "stick"),
         (
             SelectiveTerm(0),
-            {"terms": [KernelTerm("zero", lambda p, tile: jnp.zeros((16, 16)))]},
-            r"no other logit term, got \['terms'\]",
+            {"cope": CopeTerm(jnp.zeros((4, H)), CopeStatic(4))},
+            r"the terms of copejax.ops.kernels.terms only, got \['cope'\]",
         ),
     ],
 )
@@ -244,7 +276,7 @@ def test_fused_attention_refuses(selective, kwargs: dict, message: str) -> None:
     [
         ("selective", {"prune_threshold": 2.0}, "prune_threshold=2.0"),
         ("selective", {"prune_budget": 4}, "prune_budget=4"),
-        ("selective+alibi", {}, r"another logit term or normalizer \(\['alibi'\]\)"),
+        ("selective+cope", {}, r"its penalties with \['cope'\]"),
         ("selective+stickbreaking", {}, r"\['stickbreaking'\]"),
     ],
 )
@@ -253,6 +285,6 @@ def test_model_refuses_variants_by_name(position: str, options: dict, named: str
         tiny_config(position, attention_impl="kernel", position_options=options)
 
 
-@pytest.mark.parametrize("position", ["selective", "selective+rope"])
+@pytest.mark.parametrize("position", ["selective", "selective+rope", "selective+fox+alibi"])
 def test_model_covers_the_default_options(position: str) -> None:
     assert tiny_config(position, attention_impl="kernel").attention_impl == "kernel"

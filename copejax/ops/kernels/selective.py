@@ -3,7 +3,8 @@
 
 The selecting head's scaled content logits ``l_kj`` give the selection
 ``S_kj = relu(l_kj)`` (or ``sigmoid``) where ``j < k``, j and k share a segment and j is not
-its segment's first key, else 0; every head's scores are ``q . k / sqrt(H) - F_ij`` with
+its segment's first key, else 0; every head's scores are ``q . k / sqrt(H) - F_ij`` (plus
+the other terms' biases) with
 ``F_ij = sum_{k < i} S_kj`` (:mod:`copejax.positions.selective`, whose naive path this
 matches). The window plays no part in S: on a pair (i, j) the window allows, every k in
 (j, i) also sees j, so the naive path's windowed S gives the same F there.
@@ -23,6 +24,12 @@ and ``L @ S``: three Q x Q x K bfloat16 matmuls of S split in bfloat16 pieces, e
 float32 (:func:`bf16_pieces`), on a GPU's tensor cores; one bfloat16 or TF32 matmul would
 round the penalties to 3 digits. The backward is
 :mod:`copejax.ops.kernels.selective_backward`.
+
+Cost: each head's program recomputes the S tile of a pair, so a pair takes, besides
+FlashAttention-2's two matmuls, one Q x K x H and three Q x Q x K (bfloat16) more in the
+forward, and about as many again in each backward kernel. Memory: P (B, count_q, S) float32
+is kept for the backward; the backward adds R (B, N, count_q, S) float32 and the selecting
+head's per-head gradient partials (B, T, N, H) float32 twice. No (T, S) array.
 
 The kernels add the other logit terms (:mod:`copejax.ops.kernels.terms`) as the generic ones
 do, with the softmax only (no CoPE, Shaw table or stick-breaking beside the penalties);

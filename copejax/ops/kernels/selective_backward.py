@@ -20,7 +20,9 @@ its query tiles newest first with R as carry: it writes R entering each query ti
 (B, N, rows_of(count_q), S) float32, O(T^2 / Q) per head, and adds ``dk_sel``. It runs
 first; the dq kernel (programs own a query tile) then reads R at its tile for ``dq_sel``.
 Both recompute each pair's S tile and penalty from the forward's prefix P, as the forward
-does. Shape letters as in :mod:`copejax.ops.kernels.forward`.
+does, and pull ``dS`` back through the other terms' tile functions as
+:mod:`copejax.ops.kernels.backward` does. Shape letters as in
+:mod:`copejax.ops.kernels.forward`.
 """
 
 from __future__ import annotations

@@ -63,19 +63,16 @@ def kernel_backend(backend: str | None = None) -> str:
     return backend
 
 
-def check_tpu_call(backend: str, normalizer: str, extras: dict[str, object]) -> None:
-    """Refuses, by name, what the TPU kernels do not run yet: another normalizer than the
-    softmax, and the terms with kernels of their own on the GPU (``extras``: CoPE's carried
-    count, Shaw's relative term, ...; a name maps to the term, or None when not given)."""
-    if backend != "tpu":
-        return
+def check_tpu_call(backend: str, extras: dict[str, object]) -> None:
+    """Refuses, by name, what the TPU kernels do not run yet: the terms with kernels of their
+    own on the GPU (``extras``: CoPE's carried count, Shaw's relative term, ...; a name maps
+    to the term, or None when not given)."""
     missing = [f"{name!r} term" for name, value in extras.items() if value is not None]
-    if normalizer != "softmax":
-        missing.insert(0, f"{normalizer!r} normalizer")
-    if missing:
+    if backend == "tpu" and missing:
         raise ValueError(
-            f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax with "
-            "the KernelTerm terms only); use backend='triton' or attention_impl='blockwise'"
+            f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax or "
+            "stick-breaking with the KernelTerm terms only); use backend='triton' or "
+            "attention_impl='blockwise'"
         )
 
 
@@ -93,12 +90,39 @@ def interpret_mode(plan: Plan) -> pltpu.InterpretParams | bool:
     return pltpu.InterpretParams() if plan.interpret else False
 
 
+NT = (((1,), (1,)), ((), ()))  # a . b^T, the form Mosaic's matmul takes transposed
+
+
+def key_step(plan: Plan, step: jax.Array) -> jax.Array:
+    """The key tile a forward / dq grid step walks: in order, or newest first for
+    stick-breaking (whose carry is the newer tiles' softplus total)."""
+    return plan.count_k - 1 - step if plan.stick else step
+
+
 def tile_index(plan: Plan, outer: jax.Array, walked: jax.Array, *, keys: bool) -> jax.Array:
-    """The walked tile a block index map fetches: ``walked`` clamped to the tiles that may
-    be live for the outer tile (key tiles of query tile ``outer`` when ``keys``, else the
-    query tiles of key tile ``outer``), so a skipped step refetches nothing."""
+    """The walked tile a block index map fetches: the step's tile (:func:`key_step` when
+    ``keys``) clamped to the tiles that may be live for the outer tile (key tiles of query
+    tile ``outer`` when ``keys``, else the query tiles of key tile ``outer``), so a skipped
+    step refetches nothing."""
+    if keys:
+        walked = key_step(plan, walked)
     first, end = plan.key_tiles(outer) if keys else plan.query_tiles(outer)
     return jnp.clip(walked, first, end - 1)
+
+
+def step_live(plan: Plan, qi: jax.Array, kj: jax.Array, refs: tuple) -> tuple[jax.Array, tuple]:
+    """Whether the step's pair (query tile qi, key tile kj) is walked and may hold an
+    allowed entry, and the mask's arguments (first query, first key, (Q, 1) and (1, K)
+    segment ids, (1, K) ranks) from the (q_seg, k_seg, k_rank) refs."""
+    qseg_ref, kseg_ref, krank_ref = refs
+    mask_args = (qi * plan.size_q, kj * plan.size_k, qseg_ref[...], kseg_ref[...], krank_ref[...])
+    first, end = plan.key_tiles(qi)
+    return (kj >= first) & (kj < end) & plan.live(*mask_args), mask_args
+
+
+def read_refs(refs: list) -> list:
+    """The refs' blocks, None where a term has no such array."""
+    return [None if r is None else r[...] for r in refs]
 
 
 def kv_head(n: jax.Array, groups: int) -> jax.Array:

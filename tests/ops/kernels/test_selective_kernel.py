@@ -140,7 +140,12 @@ def _check(
         return y, pull(cot)[0]
 
     y, grads = jax.jit(functools.partial(with_grads, kernel))(x, cot)
-    y_ref, grads_ref = jax.jit(functools.partial(with_grads, dense))(x, cot)
+
+    def references(x, cot):  # with F, and with F held constant: one compilation
+        frozen = functools.partial(dense, frozen=True)
+        return with_grads(dense, x, cot), with_grads(frozen, x, cot)[1]
+
+    (y_ref, grads_ref), frozen = jax.jit(references)(x, cot)
     if dtype == "float32":
         x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
         f64 = penalty_BTS(x64["q"], x64["k"], ids, nonlinearity, xp=np)
@@ -155,9 +160,6 @@ def _check(
         summands = pairs if key == "slopes" else 2 * length
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
     # The selecting head's q and k get the selection's gradient, not a constant F's.
-    frozen = jax.jit(functools.partial(with_grads, functools.partial(dense, frozen=True)))(x, cot)[
-        1
-    ]
     for key, head in (("q", HEAD), ("k", HEAD // (shape["N"] // shape["G"]))):
         gap = np.abs(np.asarray(grads_ref[key] - frozen[key], np.float32)[:, :, head])
         assert gap.max() > 0.05 * np.abs(np.asarray(grads_ref[key], np.float32)).max()
@@ -182,7 +184,8 @@ def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str, terms:
     _check(LARGE, dtype, window, sinks, nonlinearity=nonlinearity, terms=terms)
 
 
-@pytest.mark.parametrize("window", [pytest.param(None, marks=SLOW), 12])
+@SLOW
+@pytest.mark.parametrize("window", [None, 12])
 def test_reference_is_the_naive_path(window) -> None:
     """The dense F equals the model's naive-path cores (``selection_BTS`` on the layer's
     mask, window included, then ``accumulated_penalty_BTS``) on every allowed pair: the

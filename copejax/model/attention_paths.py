@@ -22,7 +22,9 @@ from copejax.model.kernel_terms import (
     relative_term,
     selective_term,
     tpu_kernel_refusal,
+    xl_term,
 )
+from copejax.model.kernel_xl import xl_widened_qk
 from copejax.model.measured_paths import measured_impl
 from copejax.ops import engine_blocks
 from copejax.ops.kernels.attention import MIN_BLOCK, fused_attention
@@ -200,6 +202,10 @@ def kernel_attention(
         raise ValueError(refusal)
     block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
     terms, cope = kernel_terms(cfg.scheme, block_terms, cfg.dims)
+    xl = xl_term(cfg.scheme, block_terms)
+    if xl is not None:  # its position term rides in the content matmul
+        positions = {"q_positions_BT": ctx.q_positions_BT, "k_positions_BS": ctx.k_positions_BS}
+        q_BTNH, k_BSGH = xl_widened_qk(*xl, q_BTNH, k_BSGH, **positions)
     q_ids_BT, _ = ctx.ids()
     block = cfg.attention_block or KERNEL_BLOCK
     normalizer = site.block_normalizer(ctx) or engine_blocks.SOFTMAX

@@ -26,7 +26,9 @@ functions, evaluated tile by tile in the kernels:
   are refused by name;
 - relative, relative_capped: Shaw's ``q_i . e[d_ij] / sqrt(H)``
   (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
-  max_distance), with the softmax, without cope and with the terms above.
+  max_distance), with the softmax, without cope and with the terms above;
+- transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
+  content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw.
 
 On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes and the five terms
 above run; cope and stickbreaking are refused by name (:func:`tpu_kernel_refusal`).
@@ -44,6 +46,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from copejax.model.kernel_xl import XL, xl_refusal
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.relative import RelativeTerm
@@ -77,9 +80,6 @@ RELATIVE = ("relative", "relative_capped")
 NOT_YET = {
     "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
-    "transformer_xl": "its (q_i + v) . W_R r_{i-j} would take the relative kernels' band of "
-    "distances with the rows W_R r_d projected per head in the kernel and the (R, N, H) W_R "
-    "gradient per program, plus u . k_j per key; not built yet",
     "tape": "it mixes its position tensors into the values as extra features",
 }
 
@@ -201,7 +201,7 @@ def _runs(part: PositionScheme) -> bool:
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
-    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", *RELATIVE)
+    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", XL, *RELATIVE)
     return not other and (not _has_term(part) or known)
 
 
@@ -269,6 +269,18 @@ def relative_term(
     return None
 
 
+def xl_term(
+    scheme: PositionScheme, block_terms: tuple[BlockTerm, ...]
+) -> tuple[PositionScheme, BlockTerm] | None:
+    """Transformer-XL's part and block term, if a part of ``scheme``; the kernels take it as
+    wider queries and keys (:func:`copejax.model.kernel_xl.xl_widened_qk`)."""
+    with_terms = [part for part in parts(scheme) if _has_term(part)]
+    for part, term in zip(with_terms, block_terms, strict=True):
+        if part.name == XL:
+            return part, term
+    return None
+
+
 def selective_term(scheme: PositionScheme) -> SelectiveTerm | None:
     """Selective attention's static options for the kernels, if a part of ``scheme``."""
     for part in parts(scheme):
@@ -293,12 +305,14 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
             reason = _selective_refusal(part, scheme)
         elif part.name in RELATIVE:
             reason = _relative_refusal(part, names)
+        elif part.name == XL:
+            reason = xl_refusal(names)
         if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
                 f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective, "
-                f"{list(RELATIVE)} and "
+                f"{list(RELATIVE)}, {XL} and "
                 f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
@@ -342,7 +356,7 @@ def kernel_terms(
         )
     terms, cope = [], None
     for part, term in zip(with_terms, block_terms, strict=True):
-        if part.name in ("selective", *RELATIVE):  # fused_attention(selective=, relative=)
+        if part.name in ("selective", XL, *RELATIVE):  # by fused_attention's arguments
             continue
         if part.name == "cope":  # its table e, (P, H) or (N, P, H)
             static = CopeStatic(

@@ -30,8 +30,9 @@ functions, evaluated tile by tile in the kernels:
 - transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
   content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw.
 
-On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes and the five terms
-above run; cope and stickbreaking are refused by name (:func:`tpu_kernel_refusal`).
+On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes, the five terms
+above and stickbreaking run; cope (and the other schemes with kernels of their own) are
+refused by name (:func:`tpu_kernel_refusal`).
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -322,19 +323,23 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
 
 def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
     """Why ``scheme`` cannot run on the TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`),
-    naming the part, or None: they run the content and the :data:`TERM_BUILDERS` terms; a
-    part the GPU kernels run another way (CoPE's carried count, stick-breaking's
-    normalizer) has no Mosaic TPU kernel yet."""
+    naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms and
+    stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`); a part the GPU kernels run with
+    kernels of its own (CoPE's carried count, Shaw's tables, selective attention's
+    penalties) has no Mosaic TPU kernel yet."""
     refusal = kernel_refusal(scheme, dims)
     if refusal is not None:
         return refusal
     for part in parts(scheme):
-        if part.name in TERM_BUILDERS or set(part.sites) <= CONTENT_SITES:
+        if part.name in TERM_BUILDERS or part.name in NORMALIZERS:
+            continue
+        if set(part.sites) <= CONTENT_SITES:
             continue
         return (
             f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
             f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
-            f"{sorted(CONTENT_SITES)} and the terms {list(TERM_BUILDERS)}); use "
+            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)} and the terms "
+            f"{list(TERM_BUILDERS)}); use "
             "attention_impl='auto', 'blockwise' or 'naive' on TPU"
         )
     return None

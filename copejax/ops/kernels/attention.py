@@ -15,8 +15,8 @@ the terms in float32; the matmuls take the inputs' dtype with float32 accumulati
 
 Backends: on a GPU the kernels lower to Triton (:mod:`copejax.ops.kernels.triton_params`
 says why not Mosaic GPU); on a TPU, Mosaic TPU kernels of the same maths
-(:mod:`copejax.ops.kernels.tpu_params`: the softmax with the KernelTerm terms; no
-stick-breaking, CoPE, Shaw or selective kernels yet); elsewhere Pallas interpret mode of
+(:mod:`copejax.ops.kernels.tpu_params`: the softmax or stick-breaking with the KernelTerm
+terms; no CoPE, Shaw or selective kernels yet); elsewhere Pallas interpret mode of
 either (``backend``), which is how the CPU tests check them (slow: a correctness path, not a
 fast one).
 
@@ -117,7 +117,7 @@ def fused_attention(
       normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (False: stick-breaking's default).
       backend: "triton" (the GPU kernels), "tpu" (the Mosaic TPU kernels,
-        :mod:`copejax.ops.kernels.tpu_params`: the softmax with the KernelTerm terms only;
+        :mod:`copejax.ops.kernels.tpu_params`: softmax or stick-breaking, KernelTerm terms;
         key tiles of at least 128 keys) or None: "tpu" on a TPU, else "triton".
       cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
         with the softmax only.

@@ -53,7 +53,7 @@ def tile_sum(x_QK: jax.Array, ones_KK: jax.Array) -> jax.Array:
     )
 
 
-def _as_mixed(a_QK: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def as_mixed(a_QK: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The weights as the forward's value matmul took them (rounded to the values' dtype):
     with them ``sum_k G_ik`` is ``dO_i . y_i = D_i`` up to float32 order, and ``D_i - u_i -
     ...`` cancels exactly; with unrounded weights a bfloat16 rounding error would remain in
@@ -62,16 +62,21 @@ def _as_mixed(a_QK: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return a_QK.astype(dtype).astype(jnp.float32)
 
 
+def _column(x_Q: jax.Array) -> jax.Array:
+    """A per-query array as (Q, 1): the GPU kernels hold (Q,), the TPU kernels (Q, 1)."""
+    return x_Q[:, None] if x_Q.ndim == 1 else x_Q
+
+
 def stick_weights_QK(z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array) -> tuple:
-    """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r
-    (``copejax.ops.engine_blocks.stick_terms``' stable forms)."""
+    """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r,
+    (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms)."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
     e_QK = jnp.exp(-jnp.abs(z_QK))
     log1p_QK = jnp.log1p(e_QK)
     softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
     after_QK = tile_sum(softplus_QK, newer_ones_KK(z_QK.shape[1], inclusive=False))
-    a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - r_Q[:, None]), 0.0)
+    a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
     return a_QK, softplus_QK, e_QK
 
 
@@ -81,7 +86,7 @@ def stick_dz_QK(
     """The score gradient of one pair (module docstring), from exp(-|z|) and G."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
     within_QK = tile_sum(g_QK, newer_ones_KK(z_QK.shape[1], inclusive=True))
-    older_QK = delta_Q[:, None] - u_Q[:, None] - within_QK
+    older_QK = _column(delta_Q) - _column(u_Q) - within_QK
     sigmoid_QK = jnp.where(z_QK >= 0, 1.0, e_QK) / (1.0 + e_QK)
     sigmoid_neg_QK = jnp.where(z_QK >= 0, e_QK, 1.0) / (1.0 + e_QK)
     return jnp.where(allowed_QK, g_QK * sigmoid_neg_QK - sigmoid_QK * older_QK, 0.0)
@@ -162,7 +167,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
             a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q)
             v_KW = v_ref[keys, :]
-            g_QK = _as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
+            g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
             dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
             dq_QH = dq_QH + dot_f32((dz_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             if dqv:
@@ -216,7 +221,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
             a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, r_in_ref[queries])
-            g_QK = _as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
+            g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
             delta_Q, u_Q = delta_ref[queries], u_in_ref[queries]
             dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
             dv_KW = dv_KW + dot_f32(a_QK.astype(do_QW.dtype), do_QW, (0, 0))

@@ -8,8 +8,11 @@ in VMEM scratch across the key tiles; the dk / dv kernel's is (batch row, head, 
 query tile) with dk, dv, the per-key gradients and the parameter rows' partial sums in
 scratch across the query tiles. Each writes its outputs at the last step of the walked axis;
 steps whose pair has no allowed entry do nothing (``pl.when``). With grouped heads dk and dv
-come out per query head and are summed over each group outside, as on the GPU. Shape letters
-as in :mod:`copejax.ops.kernels.tpu_forward`.
+come out per query head and are summed over each group outside, as on the GPU. With
+stick-breaking the dq kernel is :func:`copejax.ops.kernels.tpu_stick.stick_dq_kernel`, which
+also writes the carries entering each key tile, and the dk / dv kernel reads them for its
+pair (:func:`~copejax.ops.kernels.tpu_stick.stick_pair`). Shape letters as in
+:mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -26,27 +29,21 @@ from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
 from copejax.ops.kernels.tpu_params import (
+    NT,
     by_query_heads,
     compiler_params,
     from_query_heads,
     interpret_mode,
+    key_step,
     kv_head,
+    read_refs,
+    step_live,
     term_operands,
     tile_index,
     tpu_ints,
     tpu_terms,
 )
-
-NT = (((1,), (1,)), ((), ()))  # a . b^T, the form Mosaic's matmul takes transposed
-
-
-def _live(plan: Plan, qi: jax.Array, kj: jax.Array, refs: tuple) -> tuple[jax.Array, tuple]:
-    """Whether the step's pair is walked and may hold an allowed entry, and the mask's
-    arguments (first query, first key, (Q, 1) and (1, K) segment ids, (1, K) ranks)."""
-    qseg_ref, kseg_ref, krank_ref = refs
-    mask_args = (qi * plan.size_q, kj * plan.size_k, qseg_ref[...], kseg_ref[...], krank_ref[...])
-    first, end = plan.key_tiles(qi)
-    return (kj >= first) & (kj < end) & plan.live(*mask_args), mask_args
+from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
 
 
 def _pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple) -> tuple:
@@ -58,10 +55,6 @@ def _pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple) -> tuple:
     p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_ref[...]), 0.0)
     dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
     return p_QK, p_QK * (dp_QK - delta_ref[...]), inputs
-
-
-def _read(refs: list) -> list:
-    return [None if r is None else r[...] for r in refs]
 
 
 def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -79,11 +72,11 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         for acc in (dq_acc, *dqv_accs):
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-    live, mask_args = _live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
+    live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = _read(p_refs), _read(qv_refs), _read(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
         _, ds_QK, inputs = _pair(
             plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
         )
@@ -112,7 +105,9 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     main = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    outs = refs[11 + num_term_refs :]
+    num_carries = 2 if plan.stick else 0  # stick-breaking's r and u entering this key tile
+    carries = refs[11 + num_term_refs : 11 + num_term_refs + num_carries]
+    outs = refs[11 + num_term_refs + num_carries :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has)
     grad_refs, accs = outs[:num_grads], outs[num_grads:]
     kj, qi = pl.program_id(2), pl.program_id(3)
@@ -122,14 +117,18 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         for acc in accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-    live, mask_args = _live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
+    live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = _read(p_refs), _read(qv_refs), _read(kv_refs)
-        p_QK, ds_QK, inputs = _pair(
-            plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
-        )
+        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        terms = (params, q_values, k_values)
+        if plan.stick:
+            p_QK, ds_QK, inputs = stick_pair(
+                plan, (*main, qpos_ref, kpos_ref), mask_args, terms, carries
+            )
+        else:
+            p_QK, ds_QK, inputs = _pair(plan, (*main, qpos_ref, kpos_ref), mask_args, terms)
         q_QH, do_QW = main[0][...], main[3][...]
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         f32 = jnp.float32
@@ -170,8 +169,8 @@ def tpu_backward_calls(
     """Runs both TPU backward kernels, with the arguments and results of
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; no CoPE).
     """
-    if plan.stick or plan.cope is not None:
-        raise ValueError("kernel: the TPU kernels run the softmax without CoPE's count only")
+    if plan.cope is not None:
+        raise ValueError("kernel: the TPU kernels have no CoPE count")
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
@@ -205,17 +204,32 @@ def tpu_backward_calls(
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     q_spec = pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0))
+    q_shape = jax.ShapeDtypeStruct((batch, heads, length_q, 1), f32)
+    out_specs = [pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0))]
+    out_specs += [q_spec] * len(q_terms)
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, length_q, dim), q_BTNH.dtype)]
+    out_shape += [q_shape] * len(q_terms)
+    scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
+    dq_body, num_carries = _dq_kernel, 0
+    if plan.stick:  # r and u entering each key tile, (B, N, count_k, T, 1), and their scratch
+        dq_body, num_carries = stick_dq_kernel, 2
+        carry = pl.BlockSpec(
+            (None, None, None, sq, 1), lambda b, n, i, j: (b, n, key_step(plan, j), i, 0)
+        )
+        out_specs += [carry] * 2
+        out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), f32)] * 2
+        scratch += [pltpu.VMEM((sq, 1), f32)] * 2
     dq_BNTH, *dqv = call(
-        functools.partial(_dq_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q, plan.count_k),
         in_specs=specs(q_tile, k_tile) + term_specs,
-        out_specs=[pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0))]
-        + [q_spec] * len(q_terms),
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, length_q, dim), q_BTNH.dtype)]
-        + [jax.ShapeDtypeStruct((batch, heads, length_q, 1), f32)] * len(q_terms),
-        scratch_shapes=[pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
         name="copejax_attention_dq_tpu",
     )(*operands, *term_in)
+    carries = dqv[len(dqv) - num_carries :]
+    dqv = dqv[: len(dqv) - num_carries]
 
     # dk, dv: grid (b, n, key tile j, query tile i), query tiles clamped to those seeing j.
     q_tile = lambda j, i: tile_index(plan, j, i, keys=False)
@@ -243,15 +257,18 @@ def tpu_backward_calls(
     scratch = [pltpu.VMEM((sk, dim), f32), pltpu.VMEM((sk, width), f32)]
     scratch += [pltpu.VMEM((1, sk), f32)] * len(k_terms)
     scratch += [pltpu.VMEM((1, size), f32) for size in p_sizes]
+    carry_spec = pl.BlockSpec(
+        (None, None, None, sq, 1), lambda b, n, j, i: (b, n, j, q_tile(j, i), 0)
+    )
     dk_BNSH, dv_BNSW, *rest = call(
         functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k, plan.count_q),
-        in_specs=specs(q_tile, k_tile) + term_specs,
+        in_specs=specs(q_tile, k_tile) + term_specs + [carry_spec] * len(carries),
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
         name="copejax_attention_dkdv_tpu",
-    )(*operands, *term_in)
+    )(*operands, *term_in, *carries)
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):

@@ -8,7 +8,8 @@ arXiv 1805.02867). A step whose pair has no allowed (query, key), or whose key t
 outside :meth:`~copejax.ops.kernels.tiles.Plan.key_tiles`, does nothing (``pl.when``). The
 masks, the skip test and the scores (content logits plus the terms' tile biases, float32)
 are the GPU kernel's (:mod:`copejax.ops.kernels.tiles`). The last step writes the output
-(float32) and each query's log-sum-exp ``L_i = m_i + log l_i``.
+(float32) and each query's log-sum-exp ``L_i = m_i + log l_i``. With stick-breaking the
+program body is :func:`copejax.ops.kernels.tpu_stick.stick_forward_kernel`.
 
 Shape letters: B batch, T queries, S keys, N query heads, G key/value heads (N = G x
 groups), H head dim, W value width, Q / K tile lengths.
@@ -36,6 +37,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_stick import stick_forward_kernel
 
 
 def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -101,10 +103,10 @@ def tpu_forward_call(
     :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside).
 
     Returns:
-      (o_BTNW float32, lse_BNT float32, []).
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), []).
     """
-    if plan.stick or plan.cope is not None:
-        raise ValueError("kernel: the TPU kernels run the softmax without CoPE's count only")
+    if plan.cope is not None:
+        raise ValueError("kernel: the TPU kernels have no CoPE count")
     batch, length_q, heads, dim = q_BTNH.shape
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
@@ -127,7 +129,9 @@ def tpu_forward_call(
     has, term_in, term_specs = term_operands(
         plan, tpu_terms(terms), q_tile=lambda i, j: i, k_tile=k_tile
     )
-    kernel = functools.partial(_forward_kernel, plan=plan, has=has, num_term_refs=len(term_in))
+    body = stick_forward_kernel if plan.stick else _forward_kernel
+    kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_in))
+    stats = [pltpu.VMEM((sq, 1), jnp.float32)] * (1 if plan.stick else 2)  # r, or max and sum
     o_BNTW, lse_BNT1 = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),
@@ -140,11 +144,7 @@ def tpu_forward_call(
             jax.ShapeDtypeStruct((batch, heads, length_q, width), jnp.float32),
             jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
         ],
-        scratch_shapes=[
-            pltpu.VMEM((sq, 1), jnp.float32),
-            pltpu.VMEM((sq, 1), jnp.float32),
-            pltpu.VMEM((sq, width), jnp.float32),
-        ],
+        scratch_shapes=[*stats, pltpu.VMEM((sq, width), jnp.float32)],
         interpret=interpret_mode(plan),
         compiler_params=compiler_params(),
         name="copejax_attention_forward_tpu",

@@ -2,8 +2,10 @@
 
 Backend: :mod:`copejax.ops.kernels.tpu_forward` and :mod:`~copejax.ops.kernels.tpu_backward`
 are FlashAttention-2 (Dao 2023, arXiv 2307.08691) written for Mosaic TPU, the only Pallas
-backend a TPU has; the GPU kernels (:mod:`copejax.ops.kernels.forward`) are Triton-shaped
-and Mosaic refuses their blocks. What differs from the GPU kernels, and why:
+backend a TPU has, with the terms' tile functions and stick-breaking
+(:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax; the GPU kernels
+(:mod:`copejax.ops.kernels.forward`) are Triton-shaped and Mosaic refuses their blocks. What
+differs from the GPU kernels, and why:
 
 - layout: queries (B, N, T, H), keys and values (B, G, S, H): Mosaic wants each block's last
   two dims divisible by (8, 128) or equal to the array's, so the (None, Q, None, H) blocks of

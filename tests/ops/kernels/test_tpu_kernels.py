@@ -30,7 +30,12 @@ from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.positions import registry
 from copejax.positions.t5 import t5_bucket
 from tests.conftest import tiny_config
-from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
+from tests.ops.kernels.reference import (
+    attention_jnp,
+    attention_numpy,
+    mask_BTS,
+    stick_attention,
+)
 from tests.ops.kernels.tolerances import assert_close
 
 # T: 2 key tiles of 128 (the TPU's smallest multi-tile key block) and 4 query tiles of 64,
@@ -72,7 +77,7 @@ def _inputs(dtype) -> dict:
     }
 
 
-def _kernel(x: dict, *, window: int | None, sinks: int) -> jax.Array:
+def _kernel(x: dict, *, window: int | None, sinks: int, stick: bool = False) -> jax.Array:
     terms = [
         KernelTerm("slope", _slope, params_NP=x["slopes"]),
         KernelTerm("table", _table, params_NP=x["table"]),
@@ -92,7 +97,23 @@ def _kernel(x: dict, *, window: int | None, sinks: int) -> jax.Array:
         block_q=64,
         block_k=128,
         backend="tpu",
+        normalizer="stickbreaking" if stick else "softmax",
+        include_self=not stick,  # stick-breaking's default excludes the query's own key
     )
+
+
+def _allowed(window: int | None, sinks: int, stick: bool) -> np.ndarray:
+    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    return allowed & ~np.eye(T, dtype=bool)[None] if stick else allowed
+
+
+def _dense(stick: bool, x: dict, allowed: np.ndarray, xp=jnp):
+    """The dense reference: softmax (float64 NumPy or float32 jnp), or stick-breaking."""
+    bias_BNTS = _bias_BNTS(x, xp)
+    if stick:
+        return stick_attention(x["q"], x["k"], x["v"], bias_BNTS, allowed, xp=xp)
+    reference = attention_numpy if xp is np else attention_jnp
+    return reference(x["q"], x["k"], x["v"], bias_BNTS, allowed)
 
 
 def _bias_BNTS(x: dict, xp=jnp):
@@ -105,32 +126,40 @@ def _bias_BNTS(x: dict, xp=jnp):
 
 
 @SLOW
-@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (WINDOW, 0), (WINDOW, SINKS)])
-def test_values_equal_numpy(window: int | None, sinks: int) -> None:
+@pytest.mark.parametrize(
+    ("window", "sinks", "stick"),
+    [(None, 0, False), (WINDOW, 0, False), (WINDOW, SINKS, False), (WINDOW, SINKS, True)],
+)
+def test_values_equal_numpy(window: int | None, sinks: int, stick: bool) -> None:
     x = _inputs(jnp.float32)
-    y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks))(x)
-    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks, stick=stick))(x)
     x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
-    expected = attention_numpy(x["q"], x["k"], x["v"], _bias_BNTS(x64, np), allowed)
+    expected = _dense(stick, x64, _allowed(window, sinks, stick), np)
     assert_close(y, expected, dtype="float32", summands=T, roundings=0)
 
 
 @SLOW
 @pytest.mark.parametrize(
-    ("dtype", "window", "sinks"),
-    [("float32", WINDOW, SINKS), ("bfloat16", WINDOW, SINKS), ("float32", None, 0)],
+    ("dtype", "window", "sinks", "stick"),
+    [
+        ("float32", WINDOW, SINKS, False),
+        ("bfloat16", WINDOW, SINKS, False),
+        ("float32", None, 0, False),
+        ("float32", WINDOW, SINKS, True),
+        ("bfloat16", None, 0, True),
+    ],
 )
-def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, stick: bool) -> None:
     x = _inputs(jnp.dtype(dtype))
-    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))
+    allowed = jnp.asarray(_allowed(window, sinks, stick))
     cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
 
     def kernel(x):
-        return _kernel(x, window=window, sinks=sinks).astype(jnp.float32)
+        return _kernel(x, window=window, sinks=sinks, stick=stick).astype(jnp.float32)
 
     def dense(x):  # the same inputs in float32: only the kernel's roundings differ
         x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
-        return attention_jnp(x32["q"], x32["k"], x32["v"], _bias_BNTS(x32), allowed)
+        return _dense(stick, x32, allowed)
 
     y, pull = jax.vjp(jax.jit(kernel), x)
     y_ref, pull_ref = jax.vjp(dense, x)
@@ -212,8 +241,12 @@ def _term_params(term: KernelTerm) -> jax.Array | None:
     return jnp.pad(term.params_NP, ((0, 0), (0, (1 << (size - 1).bit_length()) - size)))
 
 
-@pytest.mark.parametrize("with_terms", [True, False], ids=["every_term", "content_only"])
-def test_lowers_to_mosaic_tpu(with_terms: bool) -> None:
+@pytest.mark.parametrize(
+    ("with_terms", "stick"),
+    [(True, False), (False, False), (False, True)],
+    ids=["every_term", "content_only", "stickbreaking"],
+)
+def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
     """The forward and both backward kernels pass Pallas's Mosaic TPU lowering (block shapes
     against the (8, 128) tiling, every primitive has a Mosaic rule), with every scheme's term
     summed in one kernel, and with none; exported from the CPU. Mosaic's layout passes run
@@ -239,6 +272,8 @@ def test_lowers_to_mosaic_tpu(with_terms: bool) -> None:
             block_k=128,
             interpret=False,
             backend="tpu",
+            normalizer="stickbreaking" if stick else "softmax",
+            include_self=not stick,
         )
         return jnp.sum(y.astype(jnp.float32))
 
@@ -266,7 +301,18 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
     "position",
     [
         pytest.param(p, marks=SLOW)
-        for p in ["alibi", "t5", "kerple", "fire", "fox", "rope", "fox+t5", "alibi+rope"]
+        for p in [
+            "alibi",
+            "t5",
+            "kerple",
+            "fire",
+            "fox",
+            "rope",
+            "fox+t5",
+            "alibi+rope",
+            "stickbreaking",
+            "alibi+stickbreaking",
+        ]
     ],
 )
 def test_model_on_tpu_kernels_equals_naive(position: str, monkeypatch) -> None:
@@ -290,12 +336,7 @@ def test_model_on_tpu_kernels_equals_naive_bfloat16(position: str, monkeypatch) 
 
 
 @pytest.mark.parametrize(
-    ("position", "named"),
-    [
-        ("cope", "cope"),
-        ("stickbreaking", "stickbreaking"),
-        ("alibi+stickbreaking", "stickbreaking"),
-    ],
+    ("position", "named"), [("cope", "cope"), ("cope+rope", "cope"), ("alibi+relative", "relative")]
 )
 def test_tpu_refuses_by_name(position: str, named: str) -> None:
     """Schemes the GPU kernels run but the TPU kernels do not yet are refused by name (the
@@ -304,14 +345,14 @@ def test_tpu_refuses_by_name(position: str, named: str) -> None:
     refusal = tpu_kernel_refusal(registry.make_scheme(position))
     assert refusal is not None
     assert f"on TPU has no kernel for scheme '{named}' yet" in refusal
-    covered = ["nope", "rope", "alibi", "t5", "kerple", "fire", "fox", "fox+t5"]
+    covered = ["nope", "rope", "alibi", "t5", "kerple", "fire", "fox", "fox+t5", "stickbreaking"]
     assert all(tpu_kernel_refusal(registry.make_scheme(name)) is None for name in covered)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"normalizer": "stickbreaking", "include_self": False}, "no 'stickbreaking' normalizer"),
+        ({"relative": object()}, "no 'relative' term yet"),
         ({"backend": "mosaic"}, "backend must be one of"),
         ({"cope": object()}, "no 'cope' term yet"),
     ],

@@ -182,24 +182,28 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
     kj = pl.program_id(1)
     k_first = kj * plan.size_k
     k_sel_KH, k_seg_K, k_starts_K = ksel_ref[...], kseg_ref[...], kstart_ref[...]
-    prefix_ref[...] = jnp.zeros(prefix_ref.shape, jnp.float32)  # rows no pair reads
+    first, end = plan.query_tiles(kj)  # with a window and no sinks, the tiles that see kj
 
     def step(qi: jax.Array, acc_K: jax.Array) -> jax.Array:
-        prefix_ref[pl.ds(qi, 1), :] = acc_K[None, :]  # what the older query tiles selected
+        # Every row is written once (no other store to race with on a GPU): what the older
+        # query tiles selected; rows past the tiles that see kj are never read.
+        prefix_ref[pl.ds(qi, 1), :] = acc_K[None, :]
         q_first = qi * plan.size_q
         queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-        q_seg_Q = qseg_ref[queries]
 
         def compute(acc_K: jax.Array) -> jax.Array:
-            keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
+            keep = keep_QK(q_first, k_first, qseg_ref[queries], k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
             return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity)[0], axis=0)
 
-        live = selection_live(plan, q_first, k_first, q_seg_Q, k_seg_K)
-        return jax.lax.cond(live, compute, lambda a: a, acc_K)
+        def band(acc_K: jax.Array) -> jax.Array:  # a query tile (qi < count_q) that sees kj
+            live = selection_live(plan, q_first, k_first, qseg_ref[queries], k_seg_K)
+            return jax.lax.cond(live, compute, lambda a: a, acc_K)
 
-    first, end = plan.query_tiles(kj)  # with a window and no sinks, the tiles that see kj
-    jax.lax.fori_loop(first, end, step, jnp.zeros((plan.size_k,), jnp.float32))
+        return jax.lax.cond((first <= qi) & (qi < end), band, lambda a: a, acc_K)
+
+    rows = prefix_ref.shape[0]
+    jax.lax.fori_loop(0, rows, step, jnp.zeros((plan.size_k,), jnp.float32))
 
 
 def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
@@ -254,7 +258,8 @@ def prefix_call(
     plan: Plan, nonlinearity: str, q_sel_BTH: jax.Array, k_sel_BSH: jax.Array, ints: dict
 ) -> jax.Array:
     """The prefix P (B, rows_of(count_q), S) float32: row g sums S over the queries of the
-    query tiles before g (zero in rows no pair reads)."""
+    query tiles before g (rows g >= count_q, and with a window those past the tiles that see
+    the key, hold sums no pair reads)."""
     batch, length_q, dim = q_sel_BTH.shape
     length_k, sk = k_sel_BSH.shape[1], plan.size_k
     rows = rows_of(plan.count_q)

@@ -206,7 +206,7 @@ def test_reference_is_the_naive_path(window) -> None:
 
 @SLOW
 def test_prefix_sums_the_older_query_tiles() -> None:
-    """P[g, j] = sum over the queries before query tile g of S_kj, and zero rows beyond."""
+    """P[g, j] = sum over the queries before query tile g of S_kj."""
     x = _inputs(LARGE, jnp.float32)
     ids, _ = _layout(LARGE)
     padded, size_q, size_k = 80, LARGE["block_q"], LARGE["block_k"]
@@ -227,7 +227,6 @@ def test_prefix_sums_the_older_query_tiles() -> None:
     f = penalty_BTS(x64["q"], x64["k"], ids, "relu", xp=np)  # F at the tiles' first queries
     for g in range(3):
         np.testing.assert_allclose(prefix[:, g, :72], f[:, g * size_q], atol=1e-4)
-    assert not prefix[:, 3:].any()
 
 
 def test_lowers_to_triton() -> None:

@@ -28,8 +28,8 @@ Backward: with ``dS`` of the pair, ``dz[i, r] = sum_{j: d_ij = start + r} dS_ij 
 (the same loop, transposed), then, with dz rounded to the inputs' dtype as the content
 gradients round dS, ``dq += dz . band`` and ``d band = dz^T . q`` (matmuls). The table's
 gradient is accumulated by the dq kernel in one (P', H) float32 slab per (batch row, head,
-query tile) program (P' the table padded by a band), read-modify-written band by band and
-summed outside: O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T
+query tile) program (P' the table padded by a band), read-modify-written band by band (on a
+GPU with a barrier after each write: the next pair's band overlaps it) and summed outside: O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T
 (as CoPE's per-program table gradients; an atomic add into one (P', H) buffer would make it
 O(T), at the price of a sum in no fixed order). Every other buffer is O(T).
 :mod:`copejax.ops.kernels.relative_kernels` holds the kernel bodies (the content logits, the
@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 Ref = Any  # a Pallas ref (a tile of an operand or output, read and written in place)
 
@@ -163,10 +164,12 @@ def relative_grads(
     *,
     de_ref: Ref,
     ds_QK: jax.Array,
+    barrier: bool,
 ) -> jax.Array:
     """The term's part of dq (float32 (Q, H)), given the pair's ``ds_QK``; adds the table's
     gradient to the rows of ``de_ref`` the pair read. As for the content matmuls, dz is
-    rounded to the inputs' dtype for ``dz . band`` and ``dz^T . q``."""
+    rounded to the inputs' dtype for ``dz . band`` and ``dz^T . q``. ``barrier``: on a GPU,
+    each read-modify-write of the slab ends with a barrier (:func:`sync_slab`)."""
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     ds_QK = jnp.where(rows.ok_QK, ds_QK, 0.0)
 
@@ -175,6 +178,7 @@ def relative_grads(
         dz_Q1 = jnp.sum(ds_QK, axis=1, keepdims=True) * scale
         q32_QH = q_QH.astype(jnp.float32)
         de_ref[rows_1, :] = de_ref[rows_1, :] + jnp.sum(dz_Q1 * q32_QH, axis=0, keepdims=True)
+        sync_slab(barrier)
         return dz_Q1 * table_ref[rows_1, :]
 
     def bands(_: None) -> jax.Array:
@@ -193,6 +197,7 @@ def relative_grads(
             dz_QR = dz_QR.astype(q_QH.dtype)
             window = pl.ds(start, static.band)
             de_ref[window, :] = de_ref[window, :] + _dot(dz_QR, q_QH, (0, 0))
+            sync_slab(barrier)
             return dq_QH + _band_dot(dz_QR, table_ref[window, :], (1, 0))
 
         return jax.lax.fori_loop(0, rows.bands, band, jnp.zeros(q_QH.shape, jnp.float32))
@@ -200,7 +205,16 @@ def relative_grads(
     return jax.lax.cond(rows.single, one_row, bands, None)
 
 
-def zero_slab(de_ref: Ref, band: int) -> None:
+def sync_slab(barrier: bool) -> None:
+    """After a write to the slab, with ``barrier`` (a GPU): the program's threads wait for
+    each other, so that the next read of rows another thread wrote sees them (the next
+    pair's band overlaps this one's, laid out on other threads). Interpret mode runs one
+    thread of control and has no barrier to lower."""
+    if barrier:
+        pltriton.debug_barrier()
+
+
+def zero_slab(de_ref: Ref, band: int, *, barrier: bool) -> None:
     """Zeros a program's table-gradient slab band by band (no (P', H) register tile)."""
 
     def clear(b: jax.Array, _: None) -> None:
@@ -209,6 +223,7 @@ def zero_slab(de_ref: Ref, band: int) -> None:
         )
 
     jax.lax.fori_loop(0, de_ref.shape[0] // band, clear, None)
+    sync_slab(barrier)
 
 
 def padded_rows(static: RelativeStatic) -> int:

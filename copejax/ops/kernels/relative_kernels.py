@@ -108,7 +108,7 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
-    zero_slab(de_ref, static.band)
+    zero_slab(de_ref, static.band, barrier=not plan.interpret)
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first = kj * plan.size_k
@@ -129,7 +129,13 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
             _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dq_QH = dq_QH + relative_grads(
-                static, q_QH, table_ref, rows, de_ref=de_ref, ds_QK=ds_QK
+                static,
+                q_QH,
+                table_ref,
+                rows,
+                de_ref=de_ref,
+                ds_QK=ds_QK,
+                barrier=not plan.interpret,
             )
             if dqv:
 

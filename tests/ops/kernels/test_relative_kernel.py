@@ -197,7 +197,7 @@ def test_gradients_tiny_jumping_positions() -> None:
 
 def test_lowers_to_triton() -> None:
     """The forward and both backward kernels, with the band walk, the one-row case and
-    the table-gradient slab, have a Triton lowering, checked from the CPU."""
+    the table-gradient slab (its barriers), have a Triton lowering, checked from the CPU."""
     x = _with_table(_inputs(jnp.bfloat16))
 
     def loss(x):
@@ -216,6 +216,7 @@ def test_lowers_to_triton() -> None:
     text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text
+    assert "barrier" in text  # the dq kernel's slab: each write, then the threads wait
 
 
 def test_refuses_other_normalizers() -> None:

@@ -29,9 +29,10 @@ Backward: with ``dS`` of the pair, ``dz[i, r] = sum_{j: d_ij = start + r} dS_ij 
 gradients round dS, ``dq += dz . band`` and ``d band = dz^T . q`` (matmuls). The table's
 gradient is accumulated by the dq kernel in one (P', H) float32 slab per (batch row, head,
 query tile) program (P' the table padded by a band), read-modify-written band by band (on a
-GPU with a barrier after each write: the next pair's band overlaps it) and summed outside: O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T
-(as CoPE's per-program table gradients; an atomic add into one (P', H) buffer would make it
-O(T), at the price of a sum in no fixed order). Every other buffer is O(T).
+GPU with a barrier after each write: the next pair's band overlaps it) and summed outside:
+O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T (as CoPE's
+per-program table gradients; an atomic add into one (P', H) buffer would make it O(T), at
+the price of a sum in no fixed order). Every other buffer is O(T).
 :mod:`copejax.ops.kernels.relative_kernels` holds the kernel bodies (the content logits, the
 other terms and the mask of :mod:`copejax.ops.kernels.forward`, softmax only) and
 :mod:`copejax.ops.kernels.relative_calls` launches them. Shape letters as in

@@ -50,7 +50,8 @@ from pathlib import Path
 from copejax.runtime.results_json import write_json
 from experiments import bench_measure
 from experiments.bench import ROOT
-from experiments.bench_gpu import fastest_nope, ratios
+from experiments.bench_gpu import ratios
+from experiments.bench_kernels_page import page
 
 KERNEL = {"attention_impl": "kernel"}
 # Each scheme's kernel arm; beside it runs the path auto's rules take for the scheme at the
@@ -127,7 +128,7 @@ def lever_arms() -> tuple:
 
 def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: int) -> dict:
     """One (shape, T) group of side-by-side rounds with its ratios to the fastest nope; the
-    group records each arm's scheme and explicit path (``dispatch_entries`` reads them)."""
+    group records each arm's scheme and explicit path (``bench_kernels_page.dispatch_entries`` reads them)."""
     arms = [(label, scheme, {**opts, "dtype": "bfloat16"}) for label, scheme, opts in arms]
     batch, heads, head_dim = shape
     group = {"B": batch, "N": heads, "H": head_dim, "T": length}
@@ -146,42 +147,6 @@ def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: i
             rows = bench_measure.side_by_side(length, others, rounds)
     ratios(rows)
     return {**group, "rows": rows}
-
-
-def dispatch_entries(result: dict, source: str) -> list:
-    """The measurements for ``copejax.model.measured_paths.MEASURED``: per scheme and T, the
-    path of its fastest arm (default blocks only: the table names a path, not its options),
-    where the same path won at every measured shape of that T and it is not what ``auto``'s
-    rules take there already. Its ratio is the worst over the shapes. A kernel whose check
-    failed on the device is no candidate."""
-    from copejax.model.measured_paths import Measurement
-
-    failed = {row["scheme"] for row in result.get("check", []) if not row["ok"]}
-    wins: dict[tuple[str, int], list] = {}
-    for group in result["layer"]:
-        best: dict[str, dict] = {}
-        for row in group["rows"]:
-            arm = group.get("arms", {}).get(row["scheme"])
-            if arm is None or "ratio_to_fastest_nope" not in row or arm["scheme"] == "dpa":
-                continue
-            if "attention_block" in arm["options"]:
-                continue
-            if arm["impl"] == "kernel" and arm["scheme"] in failed:
-                continue
-            if arm["scheme"] not in best or row["time_s"] < best[arm["scheme"]]["time_s"]:
-                best[arm["scheme"]] = {**row, "impl": arm["impl"]}
-        for scheme, row in best.items():
-            row["rule"] = group["rules"][scheme]
-            wins.setdefault((scheme, group["T"]), []).append(row)
-    entries = []
-    for (scheme, length), rows in sorted(wins.items()):
-        impls = {row["impl"] for row in rows}
-        if len(impls) == 1 and impls != {rows[0]["rule"]}:
-            ratio = max(row["ratio_to_fastest_nope"] for row in rows)
-            entries.append(
-                Measurement("gpu", "bfloat16", scheme, length, impls.pop(), ratio, source)
-            )
-    return entries
 
 
 def check_run(scheme: str) -> dict:
@@ -239,94 +204,6 @@ def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) 
     if done.returncode != 0 or not speeds:
         return {**row, "status": "error", "stderr_tail": done.stderr[-800:]}
     return {**row, "status": "ok", "tokens_per_s": speeds[-1]}
-
-
-def _check_line(row: dict) -> str:
-    if "error" in row:
-        return f"| {row['scheme']} | - | - | - | no: {row['error']} |"
-    return (
-        f"| {row['scheme']} | {row['logits_rel_error']:.2e} | {row['grad_rel_error']:.2e} | "
-        f"{row['bound']:.2e} | {'yes' if row['ok'] else 'NO'} |"
-    )
-
-
-def page(result: dict) -> str:
-    """The markdown page of one run."""
-    lines = [
-        "# Fused attention kernels on a GPU (issue 45)",
-        "",
-        f"Measured {result['date']} on {result['device']}; {result['wall_s']:.0f} s in all, "
-        "compilation included.",
-        "",
-        f"Command: `{result['command']}`",
-        "",
-        "## Kernel = naive on this device",
-        "",
-        "A one-layer bfloat16 model (GQA, packed documents, five key tiles) on the kernels and "
-        "on the naive path (`experiments/kernel_check.py`): max |kernel - naive| over max "
-        "|naive| of the logits and of the gradients. A scheme that fails here has no speed "
-        "worth reading below, and no entry for auto.",
-        "",
-        "| scheme | logits | gradients | bound | ok |",
-        "|---|---|---|---|---|",
-        *[_check_line(row) for row in result.get("check", [])],
-        "",
-        "## One layer, forward + backward, bfloat16",
-        "",
-        "Ratio = median over interleaved rounds of the arm's time over the round's fastest "
-        "nope arm (cuDNN's fused kernel, `dpa`). XLA temp = the compiled program's temporary "
-        "buffers. Targets (issue 45): FoX, ALiBi and T5 at most 1.5x, stick-breaking at most "
-        "2x, CoPE at most 2.5x; XLA temporaries at 16K within 1.2x of cuDNN nope's.",
-        "",
-        "| B | N | H | T | arm | path | time ms | ratio | XLA temp MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for group in result["layer"]:
-        for row in group["rows"]:
-            time_ms = f"{1e3 * row['time_s']:.2f}" if "time_s" in row else row["status"]
-            ratio = row.get("ratio_to_fastest_nope")
-            lines.append(
-                f"| {group['B']} | {group['N']} | {group['H']} | {group['T']} | "
-                f"{row['scheme']} | {row.get('path', '-')} | {time_ms} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
-                f"{row.get('xla_temp_bytes', 0) / 2**20:.0f} |"
-            )
-        lines.append(f"|  |  |  |  | fastest nope: {fastest_nope(group)} |  |  |  |  |")
-        if "error" in group:
-            lines.append(f"|  |  |  |  | kernel arms failed: {group['error']} |  |  |  |  |")
-    lines += ["", "## Through the command line", ""]
-    lines += [
-        "Steady-state tokens/s (the last progress line), as a fraction of RoPE's. Target: "
-        "CoPE, FoX and stick-breaking at least 0.6x at T = 2048.",
-        "",
-        "| scheme | attention_impl | status | tokens/s | vs rope |",
-        "|---|---|---|---|---|",
-    ]
-    rope = next((r for r in result["cli"] if r["scheme"] == "rope" and "tokens_per_s" in r), None)
-    for row in result["cli"]:
-        speed = row.get("tokens_per_s")
-        versus = f"{speed / rope['tokens_per_s']:.2f}x" if speed and rope else "-"
-        status = row["status"] if row["status"] != "refused" else f"refused: {row['reason']}"
-        shown = f"{speed:,.0f}" if speed else "-"
-        lines.append(
-            f"| {row['scheme']} | {row['attention_impl']} | {status} | {shown} | {versus} |"
-        )
-    if result["skipped"]:
-        lines += ["", "Skipped (time budget): " + "; ".join(result["skipped"]) + "."]
-    lines += ["", "## What auto should take", ""]
-    entries = dispatch_entries(result, f"experiments/results/bench_kernels_gpu.md {result['date']}")
-    if entries:
-        lines += [
-            "Where one path beat auto's rules at every measured shape of a length, the entry "
-            "for `MEASURED` in `copejax/model/measured_paths.py` (commit them with this page):",
-            "",
-            "```python",
-            *[f"    {entry!r}," for entry in entries],
-            "```",
-        ]
-    else:
-        lines.append("No path beat auto's rules at every measured shape of a length.")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

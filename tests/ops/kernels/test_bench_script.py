@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_kernels_gpu
+from experiments import bench_kernels_gpu, bench_kernels_page
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -28,7 +28,7 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
         bench_kernels_gpu.cli_run("path", "kernel", "paper", steps=1, timeout_s=1),
     ]
     result = {"date": "2026-11-27", "device": "NVIDIA H100", "command": "c", "wall_s": 400.0}
-    page = bench_kernels_gpu.page({**result, "layer": layer, "cli": cli, "skipped": ["x"]})
+    page = bench_kernels_page.page({**result, "layer": layer, "cli": cli, "skipped": ["x"]})
     assert "Measured 2026-11-27 on NVIDIA H100" in page
     assert "| 2 | 4 | 64 | 4096 | fox kernel | kernel | 2.00 | 1.25x | 1 |" in page
     assert "| fox | kernel | ok | 700 | 0.70x |" in page
@@ -110,7 +110,7 @@ def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
         "skipped": [],
     }
     source = "experiments/results/bench_kernels_gpu.md 2026-11-27"
-    (entry,) = bench_kernels_gpu.dispatch_entries(result, source)
+    (entry,) = bench_kernels_page.dispatch_entries(result, source)
     assert (entry.backend, entry.dtype, entry.scheme, entry.keys) == (
         "gpu",
         "bfloat16",
@@ -118,12 +118,12 @@ def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
         4096,
     )
     assert entry.impl == "kernel" and entry.ratio == pytest.approx(1.4)
-    page = bench_kernels_gpu.page(result)
+    page = bench_kernels_page.page(result)
     assert f"    {entry!r}," in page
     # A kernel that computed something else on the device is no candidate.
     bad = {"scheme": "fox", "ok": False, "error": "LoweringError: x"}
-    assert bench_kernels_gpu.dispatch_entries({**result, "check": [bad]}, source) == []
-    page = bench_kernels_gpu.page({**result, "check": [bad]})
+    assert bench_kernels_page.dispatch_entries({**result, "check": [bad]}, source) == []
+    page = bench_kernels_page.page({**result, "check": [bad]})
     assert "| fox | - | - | - | no: LoweringError: x |" in page
 
 

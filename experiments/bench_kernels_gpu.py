@@ -8,26 +8,29 @@ experiments.device_wheels`` downloads them here and prints the install line that
 device call (carry ``.whl``).
 
 Part ``check``: each kernel scheme's one-layer model against its naive path on this device
-(:mod:`experiments.kernel_check`); a scheme that fails is flagged and gets no dispatch entry.
+(:mod:`experiments.kernel_check`); a scheme that fails is flagged and gets no dispatch
+entry.
 Part ``layer``: one attention layer's forward + backward in bfloat16 (the layer and the
 interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as on
 ``bench_gpu.md``: the median over rounds of an arm's time over the round's fastest nope arm,
-here cuDNN's fused kernel, ``dpa``) at the issue's shapes, (B, N, H) = (2, 4, 64) (B x N = 8)
-and (4, 16, 128), T = 4096 and 16384. Arms: ``dpa`` (``jax.nn.dot_product_attention``,
-``implementation="cudnn"``), the kernels (``model.attention_impl="kernel"``: nope, ALiBi, T5,
-FoX, stick-breaking, CoPE), and beside each the path ``auto``'s rules take for that scheme
-there (``rule_arms``). A group of its own measures the cheaper lever of larger engine blocks
-(512 and 1024 keys) for the contextual schemes at the first shape and T = 4096.
+here cuDNN's fused kernel, ``dpa``) at the issue's shapes, (B, N, H) = (2, 4, 64) (B x N =
+8) and (4, 16, 128), T = 4096 and 16384. Arms: ``dpa`` (``jax.nn.dot_product_attention``,
+``implementation="cudnn"``), the kernels (``model.attention_impl="kernel"``: nope, ALiBi,
+T5, FoX, stick-breaking, CoPE, selective), and beside each the path ``auto``'s rules take
+for that scheme there (``rule_arms``). A group of its own measures the cheaper lever of
+larger engine blocks (512 and 1024 keys) for the contextual schemes at the first shape and T
+= 4096.
 Part ``cli``: steady-state tokens/s of ``python -m copejax.main`` on ``configs/lm.py:paper``
 with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"): RoPE
 with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
 Tasks run in priority order (the checks, the first shape's layer group, the CLI arms but
 CoPE's, CoPE's layer group (its own: its kernels may compile longest) and CLI arm, the lever
-group, the other shapes' groups) and none starts past ``--budget_s``, so that the whole call,
-compilation included, stays within 8 minutes; skipped ones are listed on the page, which is
-rewritten after every task. The page ends with the entries for
-``copejax.model.measured_paths.MEASURED`` that the measurements support.
+group, selective attention's group (its own, as CoPE's), the other shapes' groups) and none
+starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
+minutes; skipped ones are listed on the page, which is rewritten after every task. The page
+ends with the entries for ``copejax.model.measured_paths.MEASURED`` that the measurements
+support.
 
 Writes ``bench_kernels_gpu.md`` (dated, stating the device) and ``bench_kernels_gpu.json``
 under ``--out_dir`` (default ``experiments/results``). ``--smoke`` runs tiny shapes in
@@ -67,6 +70,8 @@ LAYER_ARMS = (
 # CoPE's kernels (an unrolled loop over its 64 table rows) may compile longest: a group of
 # their own beside cuDNN's nope, after the others, so that a slow compile delays no other arm.
 COPE_ARMS = (("dpa", "dpa", {}), ("cope kernel", "cope", KERNEL))
+# Selective attention's kernels (a prefix kernel, then penalties per tile pair): likewise.
+SELECTIVE_ARMS = (("dpa", "dpa", {}), ("selective kernel", "selective", KERNEL))
 # Issue 45's cheaper lever "larger engine blocks on accelerators": the contextual schemes'
 # blockwise engine with blocks of 512 and 1024 keys (fewer trips of the latency-bound walk;
 # auto's rules take 256 from T = 4096), beside their kernels, on the first shape.
@@ -76,7 +81,7 @@ LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 SHAPES = ((2, 4, 64), (4, 16, 128))
 LENGTHS = (4096, 16384)
 # Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme.
-CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "alibi", "t5", "nope")
+CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "alibi", "t5", "nope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 
@@ -128,7 +133,8 @@ def lever_arms() -> tuple:
 
 def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: int) -> dict:
     """One (shape, T) group of side-by-side rounds with its ratios to the fastest nope; the
-    group records each arm's scheme and explicit path (``bench_kernels_page.dispatch_entries`` reads them)."""
+    group records each arm's scheme and explicit path, which
+    ``bench_kernels_page.dispatch_entries`` reads."""
     arms = [(label, scheme, {**opts, "dtype": "bfloat16"}) for label, scheme, opts in arms]
     batch, heads, head_dim = shape
     group = {"B": batch, "N": heads, "H": head_dim, "T": length}
@@ -291,7 +297,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
             ("layer", (shape, t, arms + rule_arms(arms, shape, t)))
             for t in LENGTHS
             for shape in SHAPES
-            for arms in (LAYER_ARMS, COPE_ARMS)
+            for arms in (LAYER_ARMS, COPE_ARMS, SELECTIVE_ARMS)
         ]
         lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
         cli = [("cli", arm) for arm in CLI_ARMS]

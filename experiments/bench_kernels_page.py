@@ -77,7 +77,7 @@ def page(result: dict) -> str:
         "Ratio = median over interleaved rounds of the arm's time over the round's fastest "
         "nope arm (cuDNN's fused kernel, `dpa`). XLA temp = the compiled program's temporary "
         "buffers. Targets (issue 45): FoX, ALiBi and T5 at most 1.5x, stick-breaking at most "
-        "2x, CoPE at most 2.5x; XLA temporaries at 16K within 1.2x of cuDNN nope's.",
+        "2x, CoPE and selective at most 2.5x; XLA temporaries at 16K within 1.2x of cuDNN nope's.",
         "",
         "| B | N | H | T | arm | path | time ms | ratio | XLA temp MiB |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -54,12 +54,10 @@ def _avals(jaxpr: jax.extend.core.Jaxpr):
                     yield from _avals(sub)
 
 
-@pytest.mark.parametrize("position", SCHEMES)
-def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
-    """Every array in the jaxpr of the loss gradient has at most one dimension >= T."""
-    length = 192
+def gradient_jaxpr(position: str, length: int, impl: str) -> jax.extend.core.Jaxpr:
+    """The jaxpr of a one-layer model's loss gradient at ``length`` tokens, traced only."""
     cfg = tiny_config(
-        position, num_layers=1, max_len=length, attention_impl="blockwise", attention_block=32
+        position, num_layers=1, max_len=length, attention_impl=impl, attention_block=32
     )
     model = Transformer(cfg)
     tokens_BT = jnp.zeros((1, length), jnp.int32)
@@ -69,10 +67,20 @@ def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
     def loss(p: object) -> jax.Array:
         return jnp.sum(model.apply(p, tokens_BT, positions_BT))
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    return jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+
+
+def length_squared_shapes(jaxpr: jax.extend.core.Jaxpr, length: int) -> list[tuple[int, ...]]:
+    """The shapes in ``jaxpr`` (sub-jaxprs included) with two or more dimensions >= length."""
     shapes = [tuple(getattr(a, "shape", ())) for a in _avals(jaxpr)]
-    square = [s for s in shapes if sum(d >= length for d in s) >= 2]
-    assert not square, f"{position}: (T, S)-sized arrays {sorted(set(square))[:5]}"
+    return sorted({s for s in shapes if sum(d >= length for d in s) >= 2})
+
+
+@pytest.mark.parametrize("position", SCHEMES)
+def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
+    """Every array in the jaxpr of the loss gradient has at most one dimension >= T."""
+    square = length_squared_shapes(gradient_jaxpr(position, 192, "blockwise"), 192)
+    assert not square, f"{position}: (T, S)-sized arrays {square[:5]}"
 
 
 def test_auto_is_naive_while_short_or_sowing_and_blockwise_beyond() -> None:

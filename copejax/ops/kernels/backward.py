@@ -29,8 +29,13 @@ from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
 from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.pullbacks import (
+    key_tile_sums,
+    pull_key_values_and_params,
+    pull_query_values,
+    write_key_tile_sums,
+)
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
-from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
 
@@ -80,15 +85,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 inputs=inputs,
             )
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
-            if dqv:
-
-                def bias(qv: list) -> jax.Array:
-                    return tile_bias_QK(plan.biases, (params, qv, k_values), q_pos_Q, k_pos_K)
-
-                _, pull = jax.vjp(bias, q_values)
-                grads = pull(ds_QK)[0]
-                dqv = [d + g for d, g in zip(dqv, [g for g in grads if g is not None], strict=True)]
-            return dq_QH, dqv
+            return dq_QH, pull_query_values(plan, ds_QK, inputs, dqv)
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
@@ -141,33 +138,16 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             )
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
             dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
-            if dkv or dparams:
-
-                def bias(p: list, kv: list) -> jax.Array:
-                    return tile_bias_QK(plan.biases, (p, q_values, kv), q_pos_Q, k_pos_K)
-
-                _, pull = jax.vjp(bias, params, k_values)
-                g_params, g_kv = pull(ds_QK)
-                dkv = [d + g for d, g in zip(dkv, [g for g in g_kv if g is not None], strict=True)]
-                g_params = [g for g in g_params if g is not None]
-                dparams = [d + g for d, g in zip(dparams, g_params, strict=True)]
+            dkv, dparams = pull_key_values_and_params(plan, ds_QK, inputs, dkv, dparams)
             return dk_KH, dv_KW, dkv, dparams
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     first, end = plan.query_tiles(kj)
-    init = (
-        jnp.zeros(k_KH.shape, jnp.float32),
-        jnp.zeros(v_KW.shape, jnp.float32),
-        [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
-        [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
-    )
-    dk_KH, dv_KW, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
-    dk_ref[...] = dk_KH
-    dv_ref[...] = dv_KW
-    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
-        ref[...] = value
+    refs = (dkv_refs, dp_refs)
+    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, refs))
+    write_key_tile_sums(sums, dk_ref, dv_ref, refs)
 
 
 def backward_calls(

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.pullbacks import add_present
 from copejax.ops.kernels.selective import (
     keep_QK,
     newer_sum_QK,
@@ -113,9 +114,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
             dksel_KH = dksel_KH + dot_f32(dl_QK.astype(q_sel_QH.dtype), q_sel_QH, (0, 0))
             if dkv or dparams:
                 g_params, g_kv = pull(ds_QK)
-                dkv = [d + g for d, g in zip(dkv, [g for g in g_kv if g is not None], strict=True)]
-                g_params = [g for g in g_params if g is not None]
-                dparams = [d + g for d, g in zip(dparams, g_params, strict=True)]
+                dkv, dparams = add_present(dkv, g_kv), add_present(dparams, g_params)
             return dk_KH, dv_KW, dksel_KH, r_K - jnp.sum(ds_QK, axis=0), dkv, dparams
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
@@ -177,8 +176,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dqsel_QH = dqsel_QH + dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
             if dqv:
-                grads = [g for g in pull(ds_QK)[0] if g is not None]
-                dqv = [d + g for d, g in zip(dqv, grads, strict=True)]
+                dqv = add_present(dqv, pull(ds_QK)[0])
             return dq_QH, dqsel_QH, dqv
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)

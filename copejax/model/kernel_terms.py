@@ -31,8 +31,8 @@ functions, evaluated tile by tile in the kernels:
   content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw.
 
 On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes, the five terms
-above and stickbreaking run; cope (and the other schemes with kernels of their own) are
-refused by name (:func:`tpu_kernel_refusal`).
+above, stickbreaking and cope run; the schemes with GPU kernels of their own (Shaw's
+relative, selective) are refused there by name (:func:`tpu_kernel_refusal`).
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -323,22 +323,23 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
 
 def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
     """Why ``scheme`` cannot run on the TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`),
-    naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms and
-    stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`); a part the GPU kernels run with
-    kernels of its own (CoPE's carried count, Shaw's tables, selective attention's
+    naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms,
+    stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`) and CoPE's carried count
+    (:mod:`copejax.ops.kernels.tpu_cope`, the variants :func:`kernel_refusal` allows); a part
+    the GPU kernels run with kernels of its own (Shaw's tables, selective attention's
     penalties) has no Mosaic TPU kernel yet."""
     refusal = kernel_refusal(scheme, dims)
     if refusal is not None:
         return refusal
     for part in parts(scheme):
-        if part.name in TERM_BUILDERS or part.name in NORMALIZERS:
+        if part.name in TERM_BUILDERS or part.name in NORMALIZERS or part.name == "cope":
             continue
         if set(part.sites) <= CONTENT_SITES:
             continue
         return (
             f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
             f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
-            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)} and the terms "
+            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope and the terms "
             f"{list(TERM_BUILDERS)}); use "
             "attention_impl='auto', 'blockwise' or 'naive' on TPU"
         )

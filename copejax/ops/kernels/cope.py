@@ -59,8 +59,8 @@ def interpolate_QK(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
     rows_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
     out_QK = jnp.zeros(p_QK.shape, jnp.float32)
     for row in range(z_QP.shape[1]):
-        z_Q = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1)
-        out_QK = out_QK + z_Q[:, None] * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
+        z_Q1 = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1, keepdims=True)
+        out_QK = out_QK + z_Q1 * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
     return out_QK
 
 
@@ -74,14 +74,16 @@ def cope_scores_QK(
     allowed_QK: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
-    given its content logits and the newer tiles' count ``c_Q``; float32. The kernels take
-    the logits' cotangent through the content matmul themselves, in the inputs' dtype."""
+    given its content logits and the newer tiles' count ``c_Q``, (Q,) on a GPU or (Q, 1) on a
+    TPU (the total takes its shape); float32. The kernels take the logits' cotangent through
+    the content matmul themselves, in the inputs' dtype."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
         gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(logits_QK), 0.0)
     within_QK = tile_sum(gates_QK, newer_ones_KK(gates_QK.shape[1], inclusive=True))
-    p_QK = jnp.minimum(within_QK + c_Q[:, None], static.p_max - 1.0)
+    c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
+    p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
     z_QP = jax.lax.dot_general(
         q_QH.astype(jnp.float32),
         e_PH,
@@ -92,10 +94,10 @@ def cope_scores_QK(
     term_QK = interpolate_QK(z_QP, p_QK)
     if static.scale_term:
         term_QK = term_QK / math.sqrt(q_QH.shape[-1])
-    return logits_QK + term_QK, jnp.sum(gates_QK, axis=1)
+    return logits_QK + term_QK, jnp.sum(gates_QK, axis=1, keepdims=c_Q.ndim == 2)
 
 
-def _scores(plan: Plan, logits_QK, q_QH, e_PH, *, c_Q, allowed_QK, inputs) -> tuple:
+def pair_scores(plan: Plan, logits_QK, q_QH, e_PH, *, c_Q, allowed_QK, inputs) -> tuple:
     """The pair's masked scores (CoPE's and the other terms') and gate total."""
     s_QK, total_Q = cope_scores_QK(plan.cope, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK)
     if plan.biases:
@@ -128,7 +130,7 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             logits_QK = content_logits_QK(q_QH, k_ref[keys, :])
-            s_QK, total_Q = _scores(
+            s_QK, total_Q = pair_scores(
                 plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
@@ -187,7 +189,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
             def scores(logits_QK, q_QH, e_PH, c_Q, qv):
                 inputs = (params, qv, k_values, q_pos_Q, k_pos_K)
-                return _scores(
+                return pair_scores(
                     plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
                 )
 
@@ -246,7 +248,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             def scores(logits_QK, p, kv):
                 inputs = (p, q_values, kv, q_pos_Q, k_pos_K)
                 c_Q = c_in_ref[queries]
-                return _scores(
+                return pair_scores(
                     plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
                 )
 

@@ -28,6 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
+from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
 from copejax.ops.kernels.tpu_params import (
     NT,
     by_query_heads,
@@ -105,9 +106,10 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     main = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    num_carries = 2 if plan.stick else 0  # stick-breaking's r and u entering this key tile
-    carries = refs[11 + num_term_refs : 11 + num_term_refs + num_carries]
-    outs = refs[11 + num_term_refs + num_carries :]
+    # stick-breaking's r and u entering this key tile; CoPE's table, count and its cotangent
+    num_extra = 2 if plan.stick else 3 if plan.cope is not None else 0
+    extra = refs[11 + num_term_refs : 11 + num_term_refs + num_extra]
+    outs = refs[11 + num_term_refs + num_extra :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has)
     grad_refs, accs = outs[:num_grads], outs[num_grads:]
     kj, qi = pl.program_id(2), pl.program_id(3)
@@ -122,13 +124,14 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     @pl.when(live)
     def _compute() -> None:
         params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
-        terms = (params, q_values, k_values)
-        if plan.stick:
-            p_QK, ds_QK, inputs = stick_pair(
-                plan, (*main, qpos_ref, kpos_ref), mask_args, terms, carries
-            )
+        terms, term_grads = (params, q_values, k_values), None
+        pair_refs = (*main, qpos_ref, kpos_ref)
+        if plan.cope is not None:  # dS here is the content logits' cotangent
+            p_QK, ds_QK, term_grads = cope_pair(plan, pair_refs, mask_args, terms, extra)
+        elif plan.stick:
+            p_QK, ds_QK, inputs = stick_pair(plan, pair_refs, mask_args, terms, extra)
         else:
-            p_QK, ds_QK, inputs = _pair(plan, (*main, qpos_ref, kpos_ref), mask_args, terms)
+            p_QK, ds_QK, inputs = _pair(plan, pair_refs, mask_args, terms)
         q_QH, do_QW = main[0][...], main[3][...]
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         f32 = jnp.float32
@@ -141,7 +144,9 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             def bias(p: list, kv: list) -> jax.Array:
                 return tile_bias_QK(plan.biases, (p, q_values, kv), *inputs[3:])
 
-            g_params, g_kv = jax.vjp(bias, params, k_values)[1](ds_QK)
+            if term_grads is None:
+                term_grads = jax.vjp(bias, params, k_values)[1](ds_QK)
+            g_params, g_kv = term_grads
             grads = [g for g in g_kv if g is not None] + [g for g in g_params if g is not None]
             for acc, g in zip(accs[2:], grads, strict=True):
                 acc[...] += g
@@ -167,10 +172,9 @@ def tpu_backward_calls(
     cope_counts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], None]:
     """Runs both TPU backward kernels, with the arguments and results of
-    :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; no CoPE).
+    :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
+    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, T, 1)).
     """
-    if plan.cope is not None:
-        raise ValueError("kernel: the TPU kernels have no CoPE count")
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
@@ -200,7 +204,7 @@ def tpu_backward_calls(
 
     # dq: grid (b, n, query tile i, key tile j), key tiles clamped to those i may see.
     q_tile = lambda i, j: i
-    k_tile = lambda i, j: tile_index(plan, i, j, keys=True)
+    k_tile = lambda i, j: tile_index(plan, i, j, keys=True, newest_first=plan.stick)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     q_spec = pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0))
@@ -210,26 +214,50 @@ def tpu_backward_calls(
     out_shape = [jax.ShapeDtypeStruct((batch, heads, length_q, dim), q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
-    dq_body, num_carries = _dq_kernel, 0
-    if plan.stick:  # r and u entering each key tile, (B, N, count_k, T, 1), and their scratch
-        dq_body, num_carries = stick_dq_kernel, 2
-        carry = pl.BlockSpec(
-            (None, None, None, sq, 1), lambda b, n, i, j: (b, n, key_step(plan, j), i, 0)
-        )
-        out_specs += [carry] * 2
-        out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), f32)] * 2
+    # Per key tile, (B, N, count_k, T, 1): stick-breaking's r and u entering it (out),
+    # CoPE's count entering it (in) and its cotangent leaving it (out).
+    carry_shape = jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), f32)
+    carry_out = pl.BlockSpec(
+        (None, None, None, sq, 1),
+        lambda b, n, i, j: (b, n, key_step(plan, j, newest_first=plan.stick), i, 0),
+    )
+    dq_body, num_outs, extra_in, extra_specs = _dq_kernel, 0, [], []
+    if plan.stick:
+        dq_body, num_outs = stick_dq_kernel, 2
+        out_specs += [carry_out] * 2
+        out_shape += [carry_shape] * 2
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
+    if plan.cope is not None:  # also the table's gradient per query tile (B, N, count_q, P, H)
+        dq_body, num_outs = cope_dq_kernel, 2
+        rows = cope_NPH.shape[1:]
+        extra_in = [cope_NPH, cope_counts]
+        extra_specs = [
+            pl.BlockSpec((None, *rows), lambda b, n, i, j: (n, 0, 0)),
+            pl.BlockSpec((None, None, None, sq, 1), lambda b, n, i, j: (b, n, k_tile(i, j), i, 0)),
+        ]
+        out_specs += [
+            carry_out,
+            pl.BlockSpec((None, None, None, *rows), lambda b, n, i, j: (b, n, i, 0, 0)),
+        ]
+        out_shape += [carry_shape, jax.ShapeDtypeStruct((batch, heads, plan.count_q, *rows), f32)]
+        scratch += [pltpu.VMEM((sq, 1), f32), pltpu.VMEM(rows, f32)]
     dq_BNTH, *dqv = call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q, plan.count_k),
-        in_specs=specs(q_tile, k_tile) + term_specs,
+        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
         name="copejax_attention_dq_tpu",
-    )(*operands, *term_in)
-    carries = dqv[len(dqv) - num_carries :]
-    dqv = dqv[: len(dqv) - num_carries]
+    )(*operands, *term_in, *extra_in)
+    carries = dqv[len(dqv) - num_outs :]
+    dqv = dqv[: len(dqv) - num_outs]
+    d_cope_NPH, extra_in, extra_specs = None, [], []
+    if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
+        d_cope_NPH = jnp.sum(carries[1], axis=(0, 2))
+        carries = [cope_counts, carries[0]]
+        extra_in = [cope_NPH]
+        extra_specs = [pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, j, i: (n, 0, 0))]
 
     # dk, dv: grid (b, n, key tile j, query tile i), query tiles clamped to those seeing j.
     q_tile = lambda j, i: tile_index(plan, j, i, keys=False)
@@ -263,12 +291,12 @@ def tpu_backward_calls(
     dk_BNSH, dv_BNSW, *rest = call(
         functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k, plan.count_q),
-        in_specs=specs(q_tile, k_tile) + term_specs + [carry_spec] * len(carries),
+        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + [carry_spec] * len(carries),
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
         name="copejax_attention_dkdv_tpu",
-    )(*operands, *term_in, *carries)
+    )(*operands, *term_in, *extra_in, *carries)
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
@@ -282,5 +310,5 @@ def tpu_backward_calls(
         from_query_heads(dk_BNSH),
         from_query_heads(dv_BNSW),
         grads,
-        None,
+        d_cope_NPH,
     )

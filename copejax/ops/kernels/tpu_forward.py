@@ -24,14 +24,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from copejax.ops.kernels.cope import pair_scores
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, scores_QK
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
     from_query_heads,
     interpret_mode,
+    key_step,
     kv_head,
+    read_refs,
+    step_live,
     term_operands,
     tile_index,
     tpu_ints,
@@ -41,34 +45,49 @@ from copejax.ops.kernels.tpu_stick import stick_forward_kernel
 
 
 def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+    """One grid step of the softmax forward; with CoPE (``plan.cope``) the key tiles are
+    walked newest first, the count of the newer tiles' gates is carried in scratch and
+    written as it enters each key tile, and the scores are CoPE's
+    (:func:`copejax.ops.kernels.cope.pair_scores`)."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
-    o_ref, lse_ref, max_ref, sum_ref, acc_ref = refs[8 + num_term_refs :]
-    qi, kj = pl.program_id(2), pl.program_id(3)
-    q_first, k_first = qi * plan.size_q, kj * plan.size_k
+    rest = list(refs[8 + num_term_refs :])
+    cope = plan.cope is not None
+    e_ref = rest.pop(0) if cope else None
+    o_ref, lse_ref = rest[:2]
+    c_out, max_ref, sum_ref, acc_ref, c_acc = rest[2:] if cope else (None, *rest[2:], None)
+    qi, step = pl.program_id(2), pl.program_id(3)
+    kj = key_step(plan, step, newest_first=cope)
 
-    @pl.when(kj == 0)
+    @pl.when(step == 0)
     def _init() -> None:
         max_ref[...] = jnp.full(max_ref.shape, MASKED_LOGIT, jnp.float32)
-        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        for ref in (sum_ref, acc_ref, c_acc) if cope else (sum_ref, acc_ref):
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    q_seg_Q1, k_seg_1K, k_rank_1K = qseg_ref[...], kseg_ref[...], krank_ref[...]
-    first, end = plan.key_tiles(qi)
-    live = (kj >= first) & (kj < end)
-    live &= plan.live(q_first, k_first, q_seg_Q1, k_seg_1K, k_rank_1K)
+    if cope:  # every step writes its key tile's count (a skipped tile's is never read)
+        c_out[...] = c_acc[...]
+    live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
     def _compute() -> None:
-        allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q1, k_seg_1K, k_rank_1K)
-        inputs = (
-            [None if r is None else r[...] for r in p_refs],
-            [None if r is None else r[...] for r in qv_refs],
-            [None if r is None else r[...] for r in kv_refs],
-            qpos_ref[...],
-            kpos_ref[...],
-        )
-        s_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
+        allowed_QK = plan.allowed_QK(*mask_args)
+        terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
+        inputs = (*terms, qpos_ref[...], kpos_ref[...])
+        q_QH, k_KH = q_ref[...], k_ref[...]
+        if cope:
+            s_QK, total_Q1 = pair_scores(
+                plan,
+                content_logits_QK(q_QH, k_KH),
+                q_QH,
+                e_ref[...],
+                c_Q=c_acc[...],
+                allowed_QK=allowed_QK,
+                inputs=inputs,
+            )
+            c_acc[...] += total_Q1
+        else:
+            s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
         max_Q1 = max_ref[...]
         new_max_Q1 = jnp.maximum(max_Q1, jnp.max(s_QK, axis=1, keepdims=True))
         p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q1), 0.0)
@@ -79,7 +98,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         sum_ref[...] = sum_ref[...] * rescale_Q1 + jnp.sum(p_QK, axis=1, keepdims=True)
         max_ref[...] = new_max_Q1
 
-    @pl.when(kj == pl.num_programs(3) - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _finish() -> None:
         sum_Q1 = sum_ref[...]
         seen_Q1 = sum_Q1 > 0
@@ -103,16 +122,17 @@ def tpu_forward_call(
     :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside).
 
     Returns:
-      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), []).
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
+      with CoPE [the count entering each key tile, (B, N, count_k, T, 1)]).
     """
-    if plan.cope is not None:
-        raise ValueError("kernel: the TPU kernels have no CoPE count")
     batch, length_q, heads, dim = q_BTNH.shape
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
+    cope = plan.cope is not None
+    newest_first = plan.stick or cope  # the tiles the carries sum over come first
 
     def k_tile(i: jax.Array, j: jax.Array) -> jax.Array:
-        return tile_index(plan, i, j, keys=True)
+        return tile_index(plan, i, j, keys=True, newest_first=newest_first)
 
     ints = tpu_ints(ints)
     specs = [
@@ -131,20 +151,40 @@ def tpu_forward_call(
     )
     body = stick_forward_kernel if plan.stick else _forward_kernel
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_in))
-    stats = [pltpu.VMEM((sq, 1), jnp.float32)] * (1 if plan.stick else 2)  # r, or max and sum
-    o_BNTW, lse_BNT1 = pl.pallas_call(
+    column = pltpu.VMEM((sq, 1), jnp.float32)
+    stats = [column] * (1 if plan.stick else 2)  # r, or max and sum
+    out_specs = [
+        pl.BlockSpec((None, None, sq, width), lambda b, n, i, j: (b, n, i, 0)),
+        pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, length_q, width), jnp.float32),
+        jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
+    ]
+    scratch, extra = [*stats, pltpu.VMEM((sq, width), jnp.float32)], []
+    if cope:  # the table (N, P, H); the count entering each key tile out, and in scratch
+        extra = [cope_NPH]
+        term_specs = [
+            *term_specs,
+            pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i, j: (n, 0, 0)),
+        ]
+        out_specs.append(
+            pl.BlockSpec(
+                (None, None, None, sq, 1),
+                lambda b, n, i, j: (b, n, key_step(plan, j, newest_first=True), i, 0),
+            )
+        )
+        out_shape.append(
+            jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), jnp.float32)
+        )
+        scratch.append(column)
+    o_BNTW, lse_BNT1, *carries = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),
         in_specs=specs + term_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, sq, width), lambda b, n, i, j: (b, n, i, 0)),
-            pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, length_q, width), jnp.float32),
-            jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
-        ],
-        scratch_shapes=[*stats, pltpu.VMEM((sq, width), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        scratch_shapes=scratch,
         interpret=interpret_mode(plan),
         compiler_params=compiler_params(),
         name="copejax_attention_forward_tpu",
@@ -158,5 +198,6 @@ def tpu_forward_call(
         ints["k_seg"],
         ints["k_rank"],
         *term_in,
+        *extra,
     )
-    return from_query_heads(o_BNTW), lse_BNT1[..., 0], []
+    return from_query_heads(o_BNTW), lse_BNT1[..., 0], carries

@@ -2,8 +2,9 @@
 
 Backend: :mod:`copejax.ops.kernels.tpu_forward` and :mod:`~copejax.ops.kernels.tpu_backward`
 are FlashAttention-2 (Dao 2023, arXiv 2307.08691) written for Mosaic TPU, the only Pallas
-backend a TPU has, with the terms' tile functions and stick-breaking
-(:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax; the GPU kernels
+backend a TPU has, with the terms' tile functions, stick-breaking
+(:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax and CoPE's carried count
+(:mod:`~copejax.ops.kernels.tpu_cope`); the GPU kernels
 (:mod:`copejax.ops.kernels.forward`) are Triton-shaped and Mosaic refuses their blocks. What
 differs from the GPU kernels, and why:
 
@@ -67,13 +68,13 @@ def kernel_backend(backend: str | None = None) -> str:
 
 def check_tpu_call(backend: str, extras: dict[str, object]) -> None:
     """Refuses, by name, what the TPU kernels do not run yet: the terms with kernels of their
-    own on the GPU (``extras``: CoPE's carried count, Shaw's relative term, ...; a name maps
+    own on the GPU (``extras``: Shaw's relative term, selective attention's; a name maps
     to the term, or None when not given)."""
     missing = [f"{name!r} term" for name, value in extras.items() if value is not None]
     if backend == "tpu" and missing:
         raise ValueError(
             f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax or "
-            "stick-breaking with the KernelTerm terms only); use backend='triton' or "
+            "stick-breaking with the KernelTerm terms and CoPE); use backend='triton' or "
             "attention_impl='blockwise'"
         )
 
@@ -95,19 +96,21 @@ def interpret_mode(plan: Plan) -> pltpu.InterpretParams | bool:
 NT = (((1,), (1,)), ((), ()))  # a . b^T, the form Mosaic's matmul takes transposed
 
 
-def key_step(plan: Plan, step: jax.Array) -> jax.Array:
-    """The key tile a forward / dq grid step walks: in order, or newest first for
-    stick-breaking (whose carry is the newer tiles' softplus total)."""
-    return plan.count_k - 1 - step if plan.stick else step
+def key_step(plan: Plan, step: jax.Array, newest_first: bool) -> jax.Array:
+    """The key tile a forward / dq grid step walks: in order, or newest first (the carries of
+    stick-breaking's forward and dq and of CoPE's forward sum over the newer tiles)."""
+    return plan.count_k - 1 - step if newest_first else step
 
 
-def tile_index(plan: Plan, outer: jax.Array, walked: jax.Array, *, keys: bool) -> jax.Array:
+def tile_index(
+    plan: Plan, outer: jax.Array, walked: jax.Array, *, keys: bool, newest_first: bool = False
+) -> jax.Array:
     """The walked tile a block index map fetches: the step's tile (:func:`key_step` when
     ``keys``) clamped to the tiles that may be live for the outer tile (key tiles of query
     tile ``outer`` when ``keys``, else the query tiles of key tile ``outer``), so a skipped
     step refetches nothing."""
     if keys:
-        walked = key_step(plan, walked)
+        walked = key_step(plan, walked, newest_first)
     first, end = plan.key_tiles(outer) if keys else plan.query_tiles(outer)
     return jnp.clip(walked, first, end - 1)
 

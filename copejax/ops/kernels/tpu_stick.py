@@ -34,7 +34,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
     o_ref, stat_ref, r_acc, o_acc = refs[8 + num_term_refs :]
     qi, step = pl.program_id(2), pl.program_id(3)
-    kj = key_step(plan, step)
+    kj = key_step(plan, step, newest_first=True)
 
     @pl.when(step == 0)
     def _init() -> None:
@@ -71,7 +71,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     dq_ref, dqv_refs, r_out, u_out = outs[0], outs[1 : 1 + num_q], *outs[1 + num_q : 3 + num_q]
     dq_acc, *dqv_accs, r_acc, u_acc = outs[3 + num_q :]
     qi, step = pl.program_id(2), pl.program_id(3)
-    kj = key_step(plan, step)
+    kj = key_step(plan, step, newest_first=True)
 
     @pl.when(step == 0)
     def _init() -> None:

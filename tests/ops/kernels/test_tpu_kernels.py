@@ -336,7 +336,12 @@ def test_model_on_tpu_kernels_equals_naive_bfloat16(position: str, monkeypatch) 
 
 
 @pytest.mark.parametrize(
-    ("position", "named"), [("cope", "cope"), ("cope+rope", "cope"), ("alibi+relative", "relative")]
+    ("position", "named"),
+    [
+        ("relative", "relative"),
+        ("alibi+relative_capped", "relative_capped"),
+        ("selective", "selective"),
+    ],
 )
 def test_tpu_refuses_by_name(position: str, named: str) -> None:
     """Schemes the GPU kernels run but the TPU kernels do not yet are refused by name (the
@@ -345,7 +350,7 @@ def test_tpu_refuses_by_name(position: str, named: str) -> None:
     refusal = tpu_kernel_refusal(registry.make_scheme(position))
     assert refusal is not None
     assert f"on TPU has no kernel for scheme '{named}' yet" in refusal
-    covered = ["nope", "rope", "alibi", "t5", "kerple", "fire", "fox", "fox+t5", "stickbreaking"]
+    covered = ["nope", "alibi", "t5", "kerple", "fire", "fox+t5", "stickbreaking", "cope+rope"]
     assert all(tpu_kernel_refusal(registry.make_scheme(name)) is None for name in covered)
 
 
@@ -354,7 +359,7 @@ def test_tpu_refuses_by_name(position: str, named: str) -> None:
     [
         ({"relative": object()}, "no 'relative' term yet"),
         ({"backend": "mosaic"}, "backend must be one of"),
-        ({"cope": object()}, "no 'cope' term yet"),
+        ({"selective": object()}, "no 'selective' term yet"),
     ],
 )
 def test_fused_attention_refuses_on_tpu(kwargs: dict, message: str) -> None:

@@ -1,0 +1,133 @@
+"""CoPE's carried count in the TPU kernels (arXiv 2405.18719), from the CPU.
+
+In TPU interpret mode, values against NumPy in float64 and gradients of q, k, v, the table and
+another term's per-token values against ``jax.grad`` of the dense float32 maths; grouped KV
+heads, packed segments, a window with sinks, 2 key x 4 query tiles and enough keys per query
+that positions reach the cap. The Mosaic export of forward and backward, and CoPE's model on
+the TPU kernels against the naive path. Interpret mode costs seconds per call: only the
+export is in the default set.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.terms import KernelTerm
+from tests.ops.kernels.reference import attention_jnp, attention_numpy, cope_term, mask_BTS
+from tests.ops.kernels.test_tpu_kernels import (
+    POSITIONS_BT,
+    RANK_BT,
+    SEGMENTS_BT,
+    SINKS,
+    WINDOW,
+    B,
+    H,
+    N,
+    T,
+    _decay,
+    _inputs,
+    _on_tpu_kernels,
+)
+from tests.ops.kernels.tolerances import assert_close
+
+P_MAX = 8  # far below the segments' lengths: the cap is reached
+SLOW = pytest.mark.slow
+
+
+def _with_table(x: dict) -> dict:
+    table = np.random.default_rng(3).normal(size=(P_MAX, H))
+    return {**x, "table": jnp.asarray(table, jnp.float32)}
+
+
+def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None = None):
+    return fused_attention(
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
+        window=window,
+        sink_tokens=sinks,
+        k_rank_BT=jnp.asarray(RANK_BT),
+        block_q=64,
+        block_k=128,
+        cope=CopeTerm(x["table"], CopeStatic(P_MAX)),
+        interpret=interpret,
+        backend="tpu",
+    )
+
+
+def _bias(x: dict, allowed, xp):
+    c = xp.moveaxis(xp.asarray(x["c"]), 2, 1)
+    decay = c[:, :, :, None] - c[:, :, None, :]
+    return decay + cope_term(x["q"], x["k"], x["table"], allowed, P_MAX, xp=xp)
+
+
+@SLOW
+@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (WINDOW, SINKS)])
+def test_values_equal_numpy(window: int | None, sinks: int) -> None:
+    x = _with_table(_inputs(jnp.float32))
+    y = jax.jit(lambda x: _kernel(x, window=window, sinks=sinks))(x)
+    allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    expected = attention_numpy(x["q"], x["k"], x["v"], _bias(x64, allowed, np), allowed)
+    assert_close(y, expected, dtype="float32", summands=T, roundings=0)
+
+
+@SLOW
+@pytest.mark.parametrize(
+    ("dtype", "window", "sinks"), [("float32", WINDOW, SINKS), ("bfloat16", None, 0)]
+)
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
+    x = _with_table(_inputs(jnp.dtype(dtype)))
+    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def kernel(x):
+        return _kernel(x, window=window, sinks=sinks).astype(jnp.float32)
+
+    def dense(x):
+        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
+        return attention_jnp(x32["q"], x32["k"], x32["v"], _bias(x32, allowed, jnp), allowed)
+
+    y, pull = jax.vjp(jax.jit(kernel), x)
+    y_ref, pull_ref = jax.vjp(dense, x)
+    (grads,), (grads_ref,) = jax.jit(pull)(cot), pull_ref(cot)
+    assert_close(y, y_ref, dtype=dtype, summands=T, roundings=2)
+    for key in ("q", "k", "v", "c"):
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=T, roundings=4)
+    assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=B * T * T, roundings=4)
+
+
+def test_lowers_to_mosaic_tpu() -> None:
+    """CoPE's forward and both backward kernels pass Pallas's Mosaic TPU lowering (exported
+    from the CPU; Mosaic's layout passes run only on a TPU)."""
+    x = _with_table(_inputs(jnp.bfloat16))
+
+    def loss(x):
+        y = _kernel(x, window=WINDOW, sinks=SINKS, interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(x).mlir_module()
+    assert text.count("tpu_custom_call") == 3
+    for name in ("forward", "dq", "dkdv"):
+        assert f"copejax_attention_{name}_tpu" in text
+
+
+@SLOW
+@pytest.mark.parametrize("position", ["cope", "cope+rope"])
+def test_model_on_tpu_kernels_equals_naive(position: str, monkeypatch) -> None:
+    """CoPE's whole model on the TPU kernels equals the naive path (values and every
+    parameter's gradient), float32, GQA, window with sinks, packed segments."""
+    from tests.ops.kernels import test_kernel_registry
+
+    traced = _on_tpu_kernels(monkeypatch)
+    test_kernel_registry._compare(position, "float32", window=12, sinks=2)
+    assert traced

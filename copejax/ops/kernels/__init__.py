@@ -10,7 +10,11 @@ entry point and custom VJP (``attention``), the forward (``forward``) and backwa
 penalties have their own prefix and forward kernels (``selective``), backward kernels
 (``selective_backward``) and custom VJP (``selective_attention``); Shaw's relative positions
 read a band of their table per tile pair (``relative``: the band maths, ``relative_kernels``:
-the kernel bodies, ``relative_calls``: their launches). This package imports only
+the kernel bodies, ``relative_calls``: their launches). On a TPU (``backend="tpu"``) the
+Mosaic TPU kernels run the softmax, stick-breaking and CoPE with the same terms: the forward
+(``tpu_forward``), the backward (``tpu_backward``), stick-breaking's and CoPE's bodies
+(``tpu_stick``, ``tpu_cope``) and their layouts, grid and VMEM budget (``tpu_params``).
+This package imports only
 ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
 (``copejax.model.kernel_terms``).
 """

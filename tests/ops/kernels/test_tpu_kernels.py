@@ -354,6 +354,22 @@ def test_tpu_refuses_by_name(position: str, named: str) -> None:
     assert all(tpu_kernel_refusal(registry.make_scheme(name)) is None for name in covered)
 
 
+def test_every_scheme_runs_on_tpu_kernels_or_is_refused_by_name() -> None:
+    """Registry-wide: a scheme the kernels refuse keeps that refusal on TPU; one they run
+    either runs on the TPU kernels too or is refused there naming one of its parts."""
+    on_tpu = []
+    for name in registry.names():
+        scheme = registry.make_scheme(name)
+        refusal, tpu_refusal = kernel_terms.kernel_refusal(scheme), tpu_kernel_refusal(scheme)
+        if refusal is not None:
+            assert tpu_refusal == refusal
+        elif tpu_refusal is None:
+            on_tpu.append(name)
+        else:
+            assert f"on TPU has no kernel for scheme '{name}' yet" in tpu_refusal
+    assert {"alibi", "t5", "kerple", "fire", "fox", "cope", "stickbreaking", "nope"} <= set(on_tpu)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -32,7 +32,11 @@ Q = K = 128 and H = W = 128 the forward needs about 1.2 MiB in bfloat16 and 1.4 
 float32, the dq kernel 1.3 / 1.5 MiB, the dk / dv kernel 1.5 / 1.8 MiB (each term adds at
 most 0.2 MiB); at Q = K = 256 and H = 256 about 4.5 MiB in float32. None of it grows with
 T: every operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N, T)
-statistics), not by VMEM, for H = 128 in bfloat16 and float32 alike, within the 16 MiB
+statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
+(q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
+float32 dk, dv per query head), plus CoPE's and stick-breaking's per-key-tile carries,
+O(T^2 / K)) and by
+int32 positions (below 2**30, the padding keys' rank), not by VMEM, within the 16 MiB
 default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
 
 Checked without a TPU: the tests run the kernels in TPU interpret mode

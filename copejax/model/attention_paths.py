@@ -83,9 +83,12 @@ def _can_take(cfg: ModelConfig, impl: str, backend: str, decoding: bool) -> bool
         return cfg.dot_product_attention_allowed()
     if impl != "kernel":
         return True
+    if decoding or kernel_config_refusal(cfg) is not None:
+        return False
+    if backend == "tpu":  # the Mosaic TPU kernels run fewer schemes
+        return tpu_kernel_refusal(cfg.scheme, cfg.dims) is None
     head_dim = cfg.resolved_head_dim
-    gpu_shapes = head_dim >= MIN_BLOCK and not head_dim & (head_dim - 1)
-    return not decoding and kernel_config_refusal(cfg) is None and (backend != "gpu" or gpu_shapes)
+    return backend != "gpu" or (head_dim >= MIN_BLOCK and not head_dim & (head_dim - 1))
 
 
 def rule_impl(cfg: ModelConfig, length_k: int, backend: str, pairs: int | None = None) -> str:

@@ -6,7 +6,8 @@ stick-breaking in place of the softmax (:mod:`copejax.ops.kernels.stick`). Modul
 entry point and custom VJP (``attention``), the forward (``forward``) and backward
 (``backward``) kernels, stick-breaking's three (``stick``), what they share about a tile pair
 (``tiles``), the terms' operands (``operands``) and the GPU backend's parameters
-(``triton_params``: Triton on GPUs, interpret mode elsewhere); selective attention's
+(``triton_params``: Triton on GPUs, interpret mode elsewhere), the backward programs'
+pull-backs of dS through the terms (``pullbacks``); selective attention's
 penalties have their own prefix and forward kernels (``selective``), backward kernels
 (``selective_backward``) and custom VJP (``selective_attention``); Shaw's relative positions
 read a band of their table per tile pair (``relative``: the band maths, ``relative_kernels``:
@@ -14,7 +15,6 @@ the kernel bodies, ``relative_calls``: their launches). On a TPU (``backend="tpu
 Mosaic TPU kernels run the softmax, stick-breaking and CoPE with the same terms: the forward
 (``tpu_forward``), the backward (``tpu_backward``), stick-breaking's and CoPE's bodies
 (``tpu_stick``, ``tpu_cope``) and their layouts, grid and VMEM budget (``tpu_params``).
-This package imports only
-``copejax.ops`` and JAX; the schemes' terms are built by the model layer
+This package imports only ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
 (``copejax.model.kernel_terms``).
 """

@@ -5,16 +5,20 @@ API (block specs, ``pl.ds`` slices of refs, ``lax.fori_loop`` / ``lax.cond``, ``
 with a float32 accumulator), which runs in interpret mode on the CPU, where CI tests it, and
 lowers to Triton on GPUs. Mosaic GPU in jax 0.10.2 takes ``pl.pallas_call`` kernels only as a
 deprecated path and wants ``plgpu.kernel`` with explicit warpgroup matmuls, shared-memory
-layouts and barriers, which interpret mode on a CPU cannot run (jax 0.11 deprecates the
-Triton backend in favour of it). Passing ``CompilerParams`` of the Triton backend pins the
-backend whatever ``jax_pallas_use_mosaic_gpu`` says. A Mosaic GPU port of the same tiles
-(a Hopper ``wgmma`` pipeline) is the next step once a GPU measures the Triton one. The TPU
-runs its own Mosaic kernels of the same maths (:mod:`copejax.ops.kernels.tpu_params`: a
-(B, N, T, H) layout, since Mosaic refuses the (None, Q, None, H) blocks used here, and a
-grid axis over key tiles instead of the in-kernel loop). Triton also wants
-power-of-two block shapes: the head dim and value width must be powers of two on a GPU
-(:func:`copejax.ops.kernels.attention.fused_attention` refuses others there), and parameter
-rows are padded to one.
+layouts and barriers, which interpret mode on a CPU cannot run (jax 0.11 deprecates the Triton
+backend in favour of it). jax 0.11.2, the GPU machine's (Python 3.12 or later, so not CI's
+3.11), still registers the Triton lowering for ``triton.CompilerParams`` with the same
+``num_warps`` / ``num_stages`` and the same ``pallas_call`` / ``BlockSpec`` / ``pl.ds`` API
+(read from its source), warning ``jax-pallas-triton``; it needs a GPU (or an abstract one) to
+lower, where 0.10.2 lowers from the CPU for compute capability 9.0, which the tests use.
+Passing ``CompilerParams`` of the Triton backend pins the backend whatever
+``jax_pallas_use_mosaic_gpu`` says. A Mosaic GPU port of the same tiles (a Hopper ``wgmma``
+pipeline) is the next step once a GPU measures the Triton one. The TPU runs its own Mosaic
+kernels of the same maths (:mod:`copejax.ops.kernels.tpu_params`: a (B, N, T, H) layout, since
+Mosaic refuses the (None, Q, None, H) blocks used here, and a grid axis over key tiles instead
+of the in-kernel loop). Triton also wants power-of-two block shapes: the head dim and value
+width must be powers of two on a GPU (:func:`copejax.ops.kernels.attention.fused_attention`
+refuses others there), and parameter rows are padded to one.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
 from copejax.ops.kernels.stick import newer_ones_KK, tile_sum
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
@@ -200,7 +201,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             d_logits, d_q, d_e, d_c, d_qv = pull((ds_QK, dc_Q))
             d_logits = (d_logits * scale).astype(k_KH.dtype)
             d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
-            dqv = [d + g for d, g in zip(dqv, [g for g in d_qv if g is not None], strict=True)]
+            dqv = add_present(dqv, d_qv)
             # the carry entering this tile left the newer one: its cotangent, d c, passes on
             return dq_QH + d_q, de_PH + d_e, dqv, dc_Q + d_c
 
@@ -261,24 +262,13 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             d_logits = (d_logits * scale).astype(q_QH.dtype)
             d_k = dot_f32(d_logits, q_QH, (0, 0))
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
-            dkv = [d + g for d, g in zip(dkv, [g for g in d_kv if g is not None], strict=True)]
-            dparams = [
-                d + g for d, g in zip(dparams, [g for g in d_p if g is not None], strict=True)
-            ]
+            dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
             return dk_KH + d_k, dv_KW, dkv, dparams
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     first, end = plan.query_tiles(kj)
-    init = (
-        jnp.zeros(k_KH.shape, jnp.float32),
-        jnp.zeros(v_KW.shape, jnp.float32),
-        [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
-        [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
-    )
-    dk_KH, dv_KW, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
-    dk_ref[...] = dk_KH
-    dv_ref[...] = dv_KW
-    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
-        ref[...] = value
+    refs = (dkv_refs, dp_refs)
+    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, refs))
+    write_key_tile_sums(sums, dk_ref, dv_ref, refs)

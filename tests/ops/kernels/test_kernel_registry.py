@@ -15,12 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model import decode, kernel_terms
+from copejax.model import decode
 from copejax.model.attention_paths import choose_impl
 from copejax.model.kernel_terms import kernel_refusal
 from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import perturbed, tiny_config
+from tests.ops.kernels.every_term import every_term
 from tests.ops.kernels.tolerances import assert_close
 
 LENGTH, BLOCK = 40, 16  # three key tiles, the last one padded
@@ -172,35 +173,10 @@ def test_auto_never_takes_the_kernels() -> None:
 def test_every_term_lowers_to_triton() -> None:
     """Every scheme's tile function (kernel_terms.TERM_BUILDERS, Kerple in both variants)
     lowers to Triton, all of them summed in one kernel, checked from the CPU."""
-    from copejax.ops.engine_blocks import BlockTerm
     from copejax.ops.kernels.attention import fused_attention
 
-    heads, length, width = 2, 32, 8
-    dims = tiny_config("nope", num_heads=heads).dims
-    ones_N = jnp.ones((heads,), jnp.float32)
-    c_BTN = jnp.zeros((1, length, heads), jnp.float32)
-    fire = {
-        "c": jnp.asarray(0.1),
-        "threshold": jnp.asarray(32.0),
-        "w1_1F": jnp.ones((1, width)),
-        "b1_F": jnp.zeros((width,)),
-        "w2_FN": jnp.ones((width, heads)),
-        "b2_N": ones_N,
-    }
-    block_terms = {
-        "alibi": BlockTerm(None),
-        "t5": BlockTerm(None, params=jnp.ones((32, heads))),
-        "kerple": BlockTerm(None, params=(ones_N, ones_N)),
-        "fox": BlockTerm(None, q_arrays={"c": c_BTN}, k_arrays={"c": c_BTN}),
-        "fire": BlockTerm(None, params=fire),
-    }
-    assert set(block_terms) == set(kernel_terms.TERM_BUILDERS)
-    terms = [
-        kernel_terms.TERM_BUILDERS[name](registry.make_scheme(name), term, dims)
-        for name, term in block_terms.items()
-    ]
-    kerple_power = registry.make_scheme("kerple", {"variant": "power"})
-    terms.append(kernel_terms._kerple(kerple_power, block_terms["kerple"], dims))
+    heads, length = 2, 32
+    terms = every_term(heads, length)
     q_BTNH = jnp.ones((1, length, heads, 16), jnp.bfloat16)
     positions_BT = jnp.arange(length)[None]
 

@@ -30,6 +30,7 @@ from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.positions import registry
 from copejax.positions.t5 import t5_bucket
 from tests.conftest import tiny_config
+from tests.ops.kernels.every_term import every_term
 from tests.ops.kernels.reference import (
     attention_jnp,
     attention_numpy,
@@ -172,36 +173,6 @@ def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, stick
     assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=pairs, roundings=4)
 
 
-def _every_term(heads: int, length: int) -> list[KernelTerm]:
-    """Every scheme's kernel term (kernel_terms.TERM_BUILDERS, Kerple in both variants)."""
-    width = 8
-    dims = tiny_config("nope", num_heads=heads).dims
-    ones_N = jnp.ones((heads,), jnp.float32)
-    c_BTN = jnp.zeros((1, length, heads), jnp.float32)
-    fire = {
-        "c": jnp.asarray(0.1),
-        "threshold": jnp.asarray(32.0),
-        "w1_1F": jnp.ones((1, width)),
-        "b1_F": jnp.zeros((width,)),
-        "w2_FN": jnp.ones((width, heads)),
-        "b2_N": ones_N,
-    }
-    block_terms = {
-        "alibi": BlockTerm(None),
-        "t5": BlockTerm(None, params=jnp.ones((32, heads))),
-        "kerple": BlockTerm(None, params=(ones_N, ones_N)),
-        "fox": BlockTerm(None, q_arrays={"c": c_BTN}, k_arrays={"c": c_BTN}),
-        "fire": BlockTerm(None, params=fire),
-    }
-    assert set(block_terms) == set(kernel_terms.TERM_BUILDERS)
-    terms = [
-        kernel_terms.TERM_BUILDERS[name](registry.make_scheme(name), term, dims)
-        for name, term in block_terms.items()
-    ]
-    kerple_power = registry.make_scheme("kerple", {"variant": "power"})
-    return [*terms, kernel_terms._kerple(kerple_power, block_terms["kerple"], dims)]
-
-
 def test_tile_functions_agree_across_layouts() -> None:
     """Every scheme's tile function gives one (Q, K) bias from the GPU kernels' operands
     ((Q,) and (K,) positions and values, a (P,) row padded as the kernels pad it) and from the
@@ -214,7 +185,7 @@ def test_tile_functions_agree_across_layouts() -> None:
     t5 = registry.make_scheme("t5", {"num_buckets": 12, "max_distance": 20})
     table_PN = jnp.asarray(rng.normal(size=(12, heads)), jnp.float32)
     dims = tiny_config("nope", num_heads=heads).dims
-    terms = [*_every_term(heads, length), kernel_terms._t5(t5, BlockTerm(None, table_PN), dims)]
+    terms = [*every_term(heads, length), kernel_terms._t5(t5, BlockTerm(None, table_PN), dims)]
     gpu_tile = TermTile(q_pos, k_pos, values[0], values[1])
     tpu_tile = TermTile(q_pos[:, None], k_pos[None], values[0][:, None], values[1][None])
 
@@ -252,7 +223,7 @@ def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
     summed in one kernel, and with none; exported from the CPU. Mosaic's layout passes run
     only on a TPU (see copejax.ops.kernels.tpu_params)."""
     heads, length = 2, 256  # two key tiles
-    terms = _every_term(heads, length) if with_terms else []
+    terms = every_term(heads, length) if with_terms else []
     q_BTNH = jnp.ones((1, length, heads, 16), jnp.bfloat16)
     positions_BT = jnp.arange(length)[None]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
-from copejax.ops.kernels.terms import KernelTerm, table_lookup
+from copejax.ops.kernels.terms import KernelTerm, pair_grid, table_lookup
 from copejax.ops.kernels.tiles import Plan
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.tolerances import assert_close
@@ -28,17 +28,20 @@ RANK_BT = POSITIONS_BT.astype(np.int32)
 
 
 def _slope(p, tile):  # ALiBi-like: a parameter per head times the distance
-    distance = tile.q_positions_Q[:, None] - tile.k_positions_K[None, :]
-    return -p[0] * distance.astype(jnp.float32)
+    # (either tile layout: the GPU kernels' (Q,) / (K,), the TPU kernels' (Q, 1) / (1, K))
+    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+    slope = jnp.sum(p, axis=-1, keepdims=p.ndim == 2)  # the row's single entry
+    return -slope * (q_Q1 - k_1K).astype(jnp.float32)
 
 
 def _table(p, tile):  # a bucket table read by distance, clipped to P - 1
-    distance = tile.q_positions_Q[:, None] - tile.k_positions_K[None, :]
-    return table_lookup(jnp.clip(distance, 0, P - 1), p)
+    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+    return table_lookup(jnp.clip(q_Q1 - k_1K, 0, P - 1), p)
 
 
 def _decay(p, tile):  # FoX-like: per-token values, c_i - c_j
-    return tile.q_values_Q[:, None] - tile.k_values_K[None, :]
+    q_Q1, k_1K = pair_grid(tile.q_values_Q, tile.k_values_K)
+    return q_Q1 - k_1K
 
 
 def _inputs(dtype, seed: int = 0) -> dict:

@@ -25,7 +25,7 @@ from copejax.model.kernel_terms import tpu_kernel_refusal
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels import attention as kernels_attention
 from copejax.ops.kernels.attention import fused_attention
-from copejax.ops.kernels.terms import KernelTerm, TermTile, pair_grid, table_lookup
+from copejax.ops.kernels.terms import KernelTerm, TermTile
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.positions import registry
 from copejax.positions.t5 import t5_bucket
@@ -37,6 +37,7 @@ from tests.ops.kernels.reference import (
     mask_BTS,
     stick_attention,
 )
+from tests.ops.kernels.test_fused_attention import _decay, _slope, _table
 from tests.ops.kernels.tolerances import assert_close
 
 # T: 2 key tiles of 128 (the TPU's smallest multi-tile key block) and 4 query tiles of 64,
@@ -47,22 +48,6 @@ POSITIONS_BT = np.array([np.arange(T), np.r_[np.arange(90), np.arange(70), np.ar
 RANK_BT = POSITIONS_BT.astype(np.int32)
 WINDOW, SINKS = 100, 3  # the window spans tiles, sinks reach back past it
 SLOW = pytest.mark.slow
-
-
-def _slope(p, tile):  # ALiBi-like: a parameter per head times the distance
-    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
-    slope = jnp.sum(p, axis=-1, keepdims=p.ndim == 2)  # the row's single entry
-    return -slope * (q_Q1 - k_1K).astype(jnp.float32)
-
-
-def _table(p, tile):  # a bucket table read by distance, clipped to P - 1
-    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
-    return table_lookup(jnp.clip(q_Q1 - k_1K, 0, P - 1), p)
-
-
-def _decay(p, tile):  # FoX-like: per-token values, c_i - c_j
-    q_Q1, k_1K = pair_grid(tile.q_values_Q, tile.k_values_K)
-    return q_Q1 - k_1K
 
 
 def _inputs(dtype) -> dict:

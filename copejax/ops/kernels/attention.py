@@ -34,6 +34,13 @@ import jax.numpy as jnp
 from copejax.ops.kernels.backward import backward_calls
 from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
+from copejax.ops.kernels.padding import (
+    MIN_BLOCK,
+    pad_tokens,
+    power_of_two,
+    tile_length,
+    token_ints,
+)
 from copejax.ops.kernels.relative import RelativeStatic, RelativeTerm, padded_rows
 from copejax.ops.kernels.relative_calls import relative_backward_calls, relative_forward_call
 from copejax.ops.kernels.selective import SelectiveTerm
@@ -45,37 +52,7 @@ from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.ops.kernels.tpu_params import LANES, check_tpu_call, kernel_backend
 
 DEFAULT_BLOCK = 128
-MIN_BLOCK = 16  # Triton's smallest matmul tile
-NOT_A_SINK = 2**30  # the rank given to padding keys
 NORMALIZERS = ("softmax", "stickbreaking")
-
-
-def _tile(block: int, length: int) -> int:
-    """A power-of-two tile of at most ``block``, no longer than needed for ``length``."""
-    if isinstance(block, bool) or not isinstance(block, int) or block < MIN_BLOCK:
-        raise ValueError(f"kernel: block must be an integer >= {MIN_BLOCK}, got {block!r}")
-    if block & (block - 1):
-        raise ValueError(f"kernel: block must be a power of two, got {block}")
-    size = MIN_BLOCK
-    while size < min(block, length):
-        size *= 2
-    return size
-
-
-def _power_of_two(size: int) -> int:
-    return 1 << max(size - 1, 0).bit_length()
-
-
-def _pad(x: jax.Array, length: int, value: jax.Array | float | None = None) -> jax.Array:
-    """Pads axis 1 to ``length``: with ``value``, or repeating the last entry (None)."""
-    extra = length - x.shape[1]
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, extra)
-    if value is None:
-        return jnp.pad(x, widths, mode="edge")
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def fused_attention(
@@ -161,15 +138,15 @@ def fused_attention(
     if (
         backend == "triton"
         and not interpret
-        and any(w < MIN_BLOCK or w != _power_of_two(w) for w in widths)
+        and any(w < MIN_BLOCK or w != power_of_two(w) for w in widths)
     ):
         raise ValueError(
             f"kernel: on a GPU the head dim and value width must be powers of two >= "
             f"{MIN_BLOCK} (Triton's block shapes), got {widths}"
         )
-    size_q, size_k = _tile(block_q, length), _tile(block_k, length)
+    size_q, size_k = tile_length(block_q, length), tile_length(block_k, length)
     if backend == "tpu":  # a (1, K) block of per-key integers: K % 128 == 0, or K >= S
-        size_k = _tile(max(block_k, LANES), length)
+        size_k = tile_length(max(block_k, LANES), length)
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
     terms = tuple(terms)
     plan = Plan(
@@ -187,27 +164,18 @@ def fused_attention(
         cope=None if cope is None else cope.static,
         backend=backend,
     )
-    segments_BT = segment_ids_BT.astype(jnp.int32)
-    lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
-    rank_BT = jnp.zeros_like(segments_BT) if k_rank_BT is None else k_rank_BT
-    ints = {
-        "q_pos": _pad(q_positions_BT.astype(jnp.int32), padded),
-        "k_pos": _pad(k_positions_BT.astype(jnp.int32), padded),
-        "q_seg": _pad(segments_BT, padded, lowest - 1),
-        "k_seg": _pad(segments_BT, padded, lowest - 2),
-        "k_rank": _pad(rank_BT.astype(jnp.int32), padded, NOT_A_SINK),
-    }
+    ints = token_ints(q_positions_BT, k_positions_BT, segment_ids_BT, k_rank_BT, padded)
     arrays = {
-        "q": _pad(q_BTNH, padded, 0),
-        "k": _pad(k_BTGH, padded, 0),
-        "v": _pad(v_BTGW, padded, 0),
+        "q": pad_tokens(q_BTNH, padded, 0),
+        "k": pad_tokens(k_BTGH, padded, 0),
+        "v": pad_tokens(v_BTGW, padded, 0),
         "terms": [_term_arrays(t, padded) for t in terms],
         "cope": None if cope is None else _cope_table(cope.table, heads),
     }
     rel = None
     if relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
         rows = relative.table.shape[0]
-        rel = RelativeStatic(rows, relative.capped, _power_of_two(size_q + size_k - 1))
+        rel = RelativeStatic(rows, relative.capped, power_of_two(size_q + size_k - 1))
         table = relative.table.astype(jnp.float32)
         arrays["relative"] = jnp.pad(table, ((0, padded_rows(rel) - rows), (0, 0)))
     if selective is not None:  # its own kernels
@@ -223,11 +191,11 @@ def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
     if term.params_NP is not None:  # rows padded to a power of two (Triton's block shapes)
         size = term.params_NP.shape[1]
         out["params"] = jnp.pad(
-            term.params_NP.astype(jnp.float32), ((0, 0), (0, _power_of_two(size) - size))
+            term.params_NP.astype(jnp.float32), ((0, 0), (0, power_of_two(size) - size))
         )
     for key, values_BTN in (("q", term.q_values_BTN), ("k", term.k_values_BSN)):
         if values_BTN is not None:
-            out[key] = jnp.moveaxis(_pad(values_BTN.astype(jnp.float32), padded, 0), 2, 1)
+            out[key] = jnp.moveaxis(pad_tokens(values_BTN.astype(jnp.float32), padded, 0), 2, 1)
     return out
 
 
@@ -236,7 +204,7 @@ def _cope_table(table: jax.Array, heads: int) -> jax.Array:
     positions never reach them)."""
     table = jnp.broadcast_to(table.astype(jnp.float32), (heads, *table.shape[-2:]))
     rows = table.shape[1]
-    return jnp.pad(table, ((0, 0), (0, _power_of_two(rows) - rows), (0, 0)))
+    return jnp.pad(table, ((0, 0), (0, power_of_two(rows) - rows), (0, 0)))
 
 
 def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None) -> jax.Array:

@@ -1,0 +1,67 @@
+"""Tile lengths and the padding of the fused kernels' operands (issue 45).
+
+The kernels read whole tiles, so T and S are padded to a multiple of them: queries, keys and
+values with zeros; positions repeat the last one; padding tokens get segment ids no real
+token has (different for queries and keys, so a padding query sees no key) and a rank
+that makes no padding key a sink.
+
+Shape letters: B batch, T tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MIN_BLOCK = 16  # Triton's smallest matmul tile
+NOT_A_SINK = 2**30  # the rank given to padding keys
+
+
+def tile_length(block: int, length: int) -> int:
+    """A power-of-two tile of at most ``block``, no longer than needed for ``length``."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < MIN_BLOCK:
+        raise ValueError(f"kernel: block must be an integer >= {MIN_BLOCK}, got {block!r}")
+    if block & (block - 1):
+        raise ValueError(f"kernel: block must be a power of two, got {block}")
+    size = MIN_BLOCK
+    while size < min(block, length):
+        size *= 2
+    return size
+
+
+def power_of_two(size: int) -> int:
+    """The smallest power of two at least ``size`` (1 for 0)."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def pad_tokens(x: jax.Array, length: int, value: jax.Array | float | None = None) -> jax.Array:
+    """Pads axis 1 to ``length``: with ``value``, or repeating the last entry (None)."""
+    extra = length - x.shape[1]
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, extra)
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def token_ints(
+    q_positions_BT: jax.Array,
+    k_positions_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    k_rank_BT: jax.Array | None,
+    padded: int,
+) -> dict[str, jax.Array]:
+    """The kernels' int32 (B, padded) operands: "q_pos", "k_pos", "q_seg", "k_seg" and
+    "k_rank" (each key's rank in its segment; zeros when None, no sink tokens)."""
+    segments_BT = segment_ids_BT.astype(jnp.int32)
+    lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
+    rank_BT = jnp.zeros_like(segments_BT) if k_rank_BT is None else k_rank_BT
+    return {
+        "q_pos": pad_tokens(q_positions_BT.astype(jnp.int32), padded),
+        "k_pos": pad_tokens(k_positions_BT.astype(jnp.int32), padded),
+        "q_seg": pad_tokens(segments_BT, padded, lowest - 1),
+        "k_seg": pad_tokens(segments_BT, padded, lowest - 2),
+        "k_rank": pad_tokens(rank_BT.astype(jnp.int32), padded, NOT_A_SINK),
+    }

@@ -169,7 +169,7 @@ def fused_attention(
         "q": pad_tokens(q_BTNH, padded, 0),
         "k": pad_tokens(k_BTGH, padded, 0),
         "v": pad_tokens(v_BTGW, padded, 0),
-        "terms": [_term_arrays(t, padded) for t in terms],
+        "terms": [term_arrays(t, padded) for t in terms],
         "cope": None if cope is None else _cope_table(cope.table, heads),
     }
     rel = None
@@ -181,11 +181,11 @@ def fused_attention(
     if selective is not None:  # its own kernels
         y_BTNW = selective_attention(plan, selective, arrays, ints)
         return y_BTNW[:, :length].astype(v_BTGW.dtype)
-    y_BTNW = _attention(plan, arrays, ints, rel)
+    y_BTNW, _ = attend(plan, arrays, ints, rel)
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
 
 
-def _term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
+def term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
     """A term's arrays as the kernels read them: (N, P) params, (B, N, T) values."""
     out = {"params": None, "q": None, "k": None}
     if term.params_NP is not None:  # rows padded to a power of two (Triton's block shapes)
@@ -207,12 +207,19 @@ def _cope_table(table: jax.Array, heads: int) -> jax.Array:
     return jnp.pad(table, ((0, 0), (0, power_of_two(rows) - rows), (0, 0)))
 
 
-def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None) -> jax.Array:
+def attend(
+    plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The kernels as one differentiable function of ``arrays`` (the integer ``ints`` get
-    no gradient); ``rel``: Shaw's term, whose table is ``arrays["relative"]``."""
+    no gradient); ``rel``: Shaw's term, whose table is ``arrays["relative"]``.
+
+    Returns (o_BTNW float32, lse_BNT float32), both differentiable: a cotangent of the
+    log-sum-exp enters the backward as ``D_i - dL_i`` (``dL_i / ds_ij = P_ij``), which is
+    how PaTH's chunks (:mod:`copejax.ops.kernels.chunked`) merge two softmaxes of a row.
+    """
 
     @jax.custom_vjp
-    def attend(arrays: dict, ints: dict) -> jax.Array:
+    def differentiable(arrays: dict, ints: dict) -> tuple[jax.Array, jax.Array]:
         return forward(arrays, ints)[0]
 
     tpu = plan.backend == "tpu"
@@ -229,7 +236,7 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
                 terms=arrays["terms"],
                 table_PH=arrays["relative"],
             )
-            return o_BTNW, (arrays, ints, o_BTNW, lse_BNT, [])
+            return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, [])
         o_BTNW, lse_BNT, carries = forward_kernel(
             plan,
             arrays["q"],
@@ -239,17 +246,19 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
             terms=arrays["terms"],
             cope_NPH=arrays["cope"],
         )
-        return o_BTNW, (arrays, ints, o_BTNW, lse_BNT, carries)
+        return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, carries)
 
-    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[dict, None]:
+    def backward(residuals: tuple, cotangents: tuple) -> tuple[dict, None]:
         arrays, ints, o_BTNW, lse_BNT, carries = residuals
         q_BTNH, k_BTGH, v_BTGW = arrays["q"], arrays["k"], arrays["v"]
         # The matmuls take the inputs' dtype; D from the same rounded cotangent, so that
         # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
+        do_BTNW, dlse_BNT = cotangents
         do_BTNW = do_BTNW.astype(v_BTGW.dtype)
         delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
         inputs = (q_BTNH, k_BTGH, v_BTGW, do_BTNW)
-        stats = {"lse_BNT": lse_BNT, "delta_BNT": jnp.moveaxis(delta_BTN, 2, 1)}
+        delta_BNT = jnp.moveaxis(delta_BTN, 2, 1) - dlse_BNT
+        stats = {"lse_BNT": lse_BNT, "delta_BNT": delta_BNT}
         d_cope_NPH = d_relative_PH = None
         if rel is not None:
             dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_relative_PH = relative_backward_calls(
@@ -271,7 +280,7 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
                 cope_NPH=arrays["cope"],
                 cope_counts=carries[0] if carries else None,
             )
-        batch, length, heads = q_BTNH.shape[:3]
+        (batch, length), heads = k_BTGH.shape[:2], q_BTNH.shape[-2]
         kv_heads = k_BTGH.shape[2]
 
         def per_kv_head(x_BTNW: jax.Array, like: jax.Array) -> jax.Array:
@@ -296,5 +305,5 @@ def _attention(plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None)
             grads["relative"] = d_relative_PH
         return grads, None
 
-    attend.defvjp(forward, backward)
-    return attend(arrays, ints)
+    differentiable.defvjp(forward, backward)
+    return differentiable(arrays, ints)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
-from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.operands import query_spec, term_operands, term_refs
 from copejax.ops.kernels.pullbacks import (
     key_tile_sums,
     pull_key_values_and_params,
@@ -55,14 +55,14 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     dq_ref, *dqv_refs = refs[11 + num_term_refs :]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
-    q_QH, do_QW = q_ref[...], do_ref[...]
+    do_QW = do_ref[...]
     lse_Q, delta_Q = lse_ref[...], delta_ref[...]
     q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
-    scale = 1.0 / math.sqrt(q_QH.shape[-1])
+    scale = 1.0 / math.sqrt(q_ref.shape[-1])
 
-    def pair(kj: jax.Array, state: tuple) -> tuple:
+    def pair(q_QH: jax.Array, kj: jax.Array, state: tuple) -> tuple:
         k_first = kj * plan.size_k
         keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
         k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
@@ -91,10 +91,24 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     first, end = plan.key_tiles(qi)
-    init_dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
-    init = (jnp.zeros(q_QH.shape, jnp.float32), init_dqv)
-    dq_QH, dqv = jax.lax.fori_loop(first, end, pair, init)
-    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
+    dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
+    zeros_QH = jnp.zeros((plan.size_q, q_ref.shape[-1]), jnp.float32)
+    if plan.chunk is None:
+        walk = functools.partial(pair, q_ref[...])
+        dq_QH, dqv = jax.lax.fori_loop(first, end, walk, (zeros_QH, dqv))
+        dq_ref[...] = dq_QH.astype(dq_ref.dtype)
+    else:  # the key tiles of each chunk with that chunk's queries, into its dq rows
+        per = plan.chunk // plan.size_k
+
+        def chunk_walk(m: jax.Array, dqv: list) -> list:
+            low = jnp.maximum(first, m * per)
+            high = jnp.maximum(low, jnp.minimum(end, (m + 1) * per))
+            walk = functools.partial(pair, q_ref[m])
+            dq_QH, dqv = jax.lax.fori_loop(low, high, walk, (zeros_QH, dqv))
+            dq_ref[m] = dq_QH.astype(dq_ref.dtype)
+            return dqv
+
+        dqv = jax.lax.fori_loop(0, q_ref.shape[0], chunk_walk, dqv)
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value
 
@@ -172,7 +186,7 @@ def backward_calls(
       gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)},
       CoPE's table gradient (N, P, H) or None).
     """
-    batch, length_q, heads, dim = q_BTNH.shape
+    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk = plan.groups, plan.size_q, plan.size_k
     ints_in = [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
@@ -181,7 +195,7 @@ def backward_calls(
     # dq: programs over query tiles; keys, values and key ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
     specs = [
-        pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0)),
+        query_spec(plan, q_BTNH.shape, sq, lambda b, n, i: (b, i, n, 0)),
         pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, sq, None, width), lambda b, n, i: (b, i, n, 0)),
@@ -191,7 +205,7 @@ def backward_calls(
         pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
     ] + [pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))] * 3
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
-    out_specs = [pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
+    out_specs = [query_spec(plan, q_BTNH.shape, sq, lambda b, n, i: (b, i, n, 0))]
     out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
     out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
@@ -234,8 +248,15 @@ def backward_calls(
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
+    if plan.chunk is None:
+        q_spec = pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0))
+    else:  # the queries of the key tile's chunk
+        chunk_tiles = plan.chunk // sk
+        q_spec = pl.BlockSpec(
+            (None, None, length_q, None, dim), lambda b, n, j: (b, j // chunk_tiles, 0, n, 0)
+        )
     specs = [
-        pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0)),
+        q_spec,
         pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n // groups, 0)),
         pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n // groups, 0)),
         pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),

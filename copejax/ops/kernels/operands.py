@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.tiles import Plan
@@ -45,3 +47,19 @@ def term_operands(
                 whole = term[key].shape[2]
                 specs.append(pl.BlockSpec((None, None, whole), lambda b, n, i: (b, n, 0)))
     return tuple(has), operands, specs
+
+
+def query_spec(
+    plan: Plan, shape: tuple[int, ...], rows: int, index: Callable[..., tuple]
+) -> pl.BlockSpec:
+    """The queries' (or their gradient's) block spec for a grid (b, n, tile): ``rows`` of one
+    head of (B, T, N, H) at ``index`` (which gives (b, t, n, 0)), or with ``plan.chunk`` those
+    rows of every key chunk of (B, M, T, N, H), read per key tile inside the kernel."""
+    if plan.chunk is None:
+        return pl.BlockSpec((None, rows, None, shape[-1]), index)
+
+    def chunked(*grid: int) -> tuple:
+        b, *rest = index(*grid)
+        return (b, 0, *rest)
+
+    return pl.BlockSpec((None, shape[1], rows, None, shape[-1]), chunked)

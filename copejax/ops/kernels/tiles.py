@@ -42,6 +42,9 @@ class Plan:
         (:class:`copejax.ops.kernels.cope.CopeStatic`), else None.
       backend: "triton" (:mod:`copejax.ops.kernels.forward`, lowered to Triton on a GPU) or
         "tpu" (:mod:`copejax.ops.kernels.tpu_forward`, lowered to Mosaic TPU).
+      chunk: PaTH's key chunks (:mod:`copejax.ops.kernels.chunked`): a query sees only the
+        keys of the chunks of ``chunk`` keys before its own (a multiple of both tiles), with
+        queries given per key chunk; None: every key.
     """
 
     size_q: int
@@ -57,6 +60,7 @@ class Plan:
     include_self: bool = True
     cope: Any = None
     backend: str = "triton"
+    chunk: int | None = None
 
     @property
     def carry_rows(self) -> int:
@@ -68,11 +72,20 @@ class Plan:
     def sinks(self) -> int:
         return self.sink_tokens if self.window is not None else 0
 
+    @property
+    def unseen_lse(self) -> float:
+        """The log-sum-exp written for a query with no allowed key: 0 (its output is 0 and
+        its backward weights are 0 either way), or with key chunks ``MASKED_LOGIT``, so that
+        the caller's merge with the rest of the row gives it no weight."""
+        return 0.0 if self.chunk is None else MASKED_LOGIT
+
     def key_tiles(self, qi: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[first, end) of the key tiles query tile qi may see: every older tile (and the
         diagonal one), or with a window and no sinks the band that meets the window."""
         q_last = qi * self.size_q + self.size_q - 1
         end = jnp.minimum(_div(q_last, self.size_k) + 1, self.count_k)
+        if self.chunk is not None:  # the key tiles before the query tile's chunk
+            end = _div(qi * self.size_q, self.chunk) * (self.chunk // self.size_k)
         if self.window is None or self.sinks:
             return jnp.int32(0), end
         first = _div(jnp.maximum(qi * self.size_q - self.window + 1, 0), self.size_k)
@@ -81,6 +94,8 @@ class Plan:
     def query_tiles(self, kj: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[first, end) of the query tiles that may see key tile kj."""
         first = _div(kj * self.size_k, self.size_q)
+        if self.chunk is not None:  # the query tiles after the key tile's chunk
+            first = (_div(kj * self.size_k, self.chunk) + 1) * (self.chunk // self.size_q)
         if self.window is None or self.sinks:
             return first, jnp.int32(self.count_q)
         k_last = kj * self.size_k + self.size_k - 1

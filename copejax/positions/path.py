@@ -265,7 +265,9 @@ class _PaTHSite(AttentionSite):
     def block_terms(
         self, q_BTNH: jax.Array, k_BSNH: jax.Array, v_BSNH: jax.Array, ctx: AttentionContext
     ) -> tuple[BlockTerm, ...]:
-        """One term with a walk carry: the queries transformed by the newer key blocks."""
+        """One term with a walk carry: the queries transformed by the newer key blocks (its
+        ``k_arrays`` also hold beta, which the fused kernels' chunks read:
+        :mod:`copejax.model.kernel_path`)."""
         w_BSNH, beta_BSN = self._w_beta(ctx)
         width = q_BTNH.shape[-1]
         t_BSNK, kp_BSNH = path_wy(k_BSNH, w_BSNH, beta_BSN, min(ctx.block, k_BSNH.shape[1]))
@@ -276,7 +278,7 @@ class _PaTHSite(AttentionSite):
         return (
             BlockTerm(
                 path_pair,
-                k_arrays={"w": w_BSNH, "t": t_BSNK, "k_suffix": kp_BSNH},
+                k_arrays={"w": w_BSNH, "t": t_BSNK, "k_suffix": kp_BSNH, "beta": beta_BSN},
                 init=init,
             ),
         )

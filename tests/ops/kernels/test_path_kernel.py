@@ -1,0 +1,292 @@
+"""PaTH on the fused kernels (Yang et al. 2025, arXiv 2505.16381), in interpret mode.
+
+- ``chunked_attention`` (the kernels with ``Plan.chunk``) against dense attention whose query
+  depends on the key's chunk: output and log-sum-exp against NumPy (float64); gradients, the
+  log-sum-exp's cotangent included, against ``jax.grad`` of the dense float32 maths.
+- ``path_attention`` (:mod:`copejax.model.kernel_path`: kernels between chunks, XLA within)
+  against PaTH's logits from explicit products of the matrices ``I - beta w w^T`` in NumPy
+  (float64); gradients of q, k, v, w and beta against ``jax.grad`` of the naive path's walk
+  over keys (``path_logits_BNQK``).
+
+With grouped KV heads, packed segments, a window, a per-token term (PaTH-FoX's decay) and a
+length that needs padding. The whole model on the kernels against the naive path:
+``test_kernel_registry.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model.kernel_path import path_attention, path_chunk
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kernels.chunked import chunked_attention
+from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.tiles import MASKED_LOGIT
+from copejax.positions.path import path_logits_BNQK
+from tests.ops.kernels.reference import mask_BTS
+from tests.ops.kernels.test_fused_attention import _decay
+from tests.ops.kernels.tolerances import assert_close
+
+B, T, N, G, H, TILE = 1, 40, 2, 1, 16, 16  # T: three tiles, the last one padded
+SEGMENTS_BT = np.array([[0] * 17 + [1] * 15 + [2] * 8], np.int32)
+POSITIONS_BT = np.array([np.r_[np.arange(17), np.arange(15), np.arange(8)]])
+NO_RANK_BT = np.zeros((B, T), np.int32)
+SLOW = pytest.mark.slow
+
+
+def _inputs(dtype, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.normal(size=shape)
+    w = normal(B, T, G, H)
+    return {
+        "q": jnp.asarray(normal(B, T, N, H), dtype),
+        "k": jnp.asarray(normal(B, T, G, H), dtype),
+        "v": jnp.asarray(normal(B, T, G, H), dtype),
+        "w": jnp.asarray(w / np.linalg.norm(w, axis=-1, keepdims=True), jnp.float32),
+        "beta": jnp.asarray(rng.uniform(0.0, 2.0, (B, T, G)), jnp.float32),
+        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, T, N)), axis=1), jnp.float32),
+    }
+
+
+def _decay_term(c_BTN: jax.Array) -> KernelTerm:
+    return KernelTerm("decay", _decay, q_values_BTN=c_BTN, k_values_BSN=c_BTN)
+
+
+def _decay_BNTS(c_BTN, xp=jnp):
+    c_BNT = xp.moveaxis(c_BTN, 2, 1)
+    return c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
+
+
+# ------------------------------------------------------------------ chunked attention
+
+
+def _per_chunk_queries(chunk: int, seed: int = 3) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.normal(size=(B, -(-T // chunk), T, N, H)), jnp.float32)
+
+
+def _chunked(q_BMTNH, x: dict, *, chunk: int, window: int | None, interpret=None):
+    return chunked_attention(
+        q_BMTNH,
+        x["k"],
+        x["v"],
+        chunk=chunk,
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=[_decay_term(x["c"])],
+        window=window,
+        block_q=TILE,
+        block_k=TILE,
+        interpret=interpret,
+    )
+
+
+def _chunked_dense(q_BMTNH, x: dict, *, chunk: int, window: int | None, xp=jnp):
+    """Dense attention of query i to the keys of older chunks, with i's row of the key's
+    chunk: (output (B, T, N, H), log-sum-exp (B, T, N) with MASKED_LOGIT where no key)."""
+    chunk_T = np.arange(T) // chunk
+    allowed_BTS = mask_BTS(SEGMENTS_BT, window, 0, NO_RANK_BT) & (chunk_T[None, :, None] > chunk_T)
+    f32 = xp.float64 if xp is np else xp.float32
+    q, k, v, c = (xp.asarray(x_, f32) for x_ in (q_BMTNH, x["k"], x["v"], x["c"]))
+    k, v = (xp.repeat(a, N // G, axis=2) for a in (k, v))
+    q_BTSNH = q[:, chunk_T[None, :], np.arange(T)[:, None]]  # query i as key j's chunk sees it
+    s = xp.einsum("btsnh,bsnh->bnts", q_BTSNH, k) / np.sqrt(H) + _decay_BNTS(c, xp)
+    allowed = allowed_BTS[:, None]
+    s = xp.where(allowed, s, MASKED_LOGIT)
+    top = xp.max(s, axis=-1, keepdims=True)
+    p = xp.where(allowed, xp.exp(s - top), 0.0)
+    total = xp.sum(p, axis=-1)
+    seen = total > 0
+    safe = xp.where(seen, total, 1.0)
+    out = xp.einsum("bnts,bsnh->btnh", p / safe[..., None], v)
+    lse = xp.where(seen, top[..., 0] + xp.log(safe), MASKED_LOGIT)
+    return out, xp.moveaxis(lse, 1, 2)
+
+
+def test_chunked_attention_equals_numpy() -> None:
+    x = _inputs(jnp.float32)
+    q_BMTNH = _per_chunk_queries(16)
+    run = jax.jit(functools.partial(_chunked, chunk=16, window=20))
+    out, lse = run(q_BMTNH, x)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    q64 = np.asarray(q_BMTNH, np.float64)
+    want_out, want_lse = _chunked_dense(q64, x64, chunk=16, window=20, xp=np)
+    assert_close(out, want_out, dtype="float32", summands=T, roundings=0)
+    seen = want_lse > MASKED_LOGIT / 2
+    assert seen.any() and (~seen).any()  # chunk 0 and segment 2's first rows see no key
+    np.testing.assert_array_equal(np.asarray(lse) > MASKED_LOGIT / 2, seen)
+    assert_close(lse[seen], want_lse[seen], dtype="float32", summands=T, roundings=0)
+
+
+def test_chunked_attention_gradients_with_the_lse_cotangent() -> None:
+    x = _inputs(jnp.float32)
+    q_BMTNH = _per_chunk_queries(16)
+    rng = np.random.default_rng(7)
+    cot_out = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    cot_lse = jnp.asarray(rng.normal(size=(B, T, N)), jnp.float32)
+
+    def loss(run):
+        def value(q_BMTNH, x):
+            out, lse = run(q_BMTNH, x, chunk=16, window=None)
+            seen = lse > MASKED_LOGIT / 2  # a constant where no key: no cotangent there
+            return jnp.sum(out * cot_out) + jnp.sum(jnp.where(seen, lse, 0.0) * cot_lse)
+
+        return jax.grad(value, argnums=(0, 1))
+
+    (dq, dx), (dq_ref, dx_ref) = (
+        jax.jit(loss(_chunked))(q_BMTNH, x),
+        loss(_chunked_dense)(q_BMTNH, x),
+    )
+    assert_close(dq, dq_ref, dtype="float32", summands=T, roundings=0)
+    for key in ("k", "v", "c"):
+        assert_close(dx[key], dx_ref[key], dtype="float32", summands=T, roundings=0)
+
+
+def test_chunked_attention_lowers_to_triton() -> None:
+    """The chunk-indexed query loads and dq stores have a Triton lowering (from the CPU)."""
+    x = {key: value.astype(jnp.bfloat16) for key, value in _inputs(jnp.float32).items()}
+    q_BMTNH = _per_chunk_queries(16).astype(jnp.bfloat16)
+
+    def loss(q_BMTNH):
+        out, lse = _chunked(q_BMTNH, x, chunk=16, window=20, interpret=False)
+        return jnp.sum(out) + jnp.sum(jnp.where(lse > MASKED_LOGIT / 2, lse, 0.0))
+
+    lowered = jax.jit(jax.grad(loss)).trace(q_BMTNH).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
+        assert name in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chunk": 24}, "chunk must be a power of two"),
+        ({"chunk": 16, "block_q": 32}, "must be a multiple of the tiles"),
+        ({"chunk": 32}, "need 2 chunks of queries, got 3"),
+        ({"chunk": 16, "backend": "tpu"}, "no Mosaic TPU kernel yet"),
+    ],
+)
+def test_chunked_attention_refuses_bad_arguments(kwargs: dict, message: str) -> None:
+    x = _inputs(jnp.float32)
+    args = {
+        "q_positions_BT": jnp.asarray(POSITIONS_BT),
+        "k_positions_BT": jnp.asarray(POSITIONS_BT),
+        "segment_ids_BT": jnp.asarray(SEGMENTS_BT),
+        "block_q": TILE,
+        "block_k": TILE,
+    }
+    with pytest.raises(ValueError, match=message):
+        chunked_attention(_per_chunk_queries(16), x["k"], x["v"], **{**args, **kwargs})
+
+
+# ------------------------------------------------------------------ PaTH through the chunks
+
+
+def _path_scores_numpy(x: dict) -> np.ndarray:
+    """PaTH's q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(H) (j <= i) from explicit (H, H)
+    matrices ``I - beta_s w_s w_s^T`` of the query head's key/value head, float64."""
+    q, k, w, beta = (np.asarray(x[key], np.float64) for key in ("q", "k", "w", "beta"))
+    householder = np.eye(H) - beta[..., None, None] * w[..., :, None] * w[..., None, :]
+    scores = np.zeros((B, N, T, T))
+    for b in range(B):
+        for n in range(N):
+            g = n // (N // G)
+            for i in range(T):
+                product = np.eye(H)
+                for j in range(i, -1, -1):
+                    scores[b, n, i, j] = q[b, i, n] @ product @ k[b, j, g]
+                    product = product @ householder[b, j, g]
+    return scores / np.sqrt(H)
+
+
+def _path(x: dict, *, chunk: int, window: int | None) -> jax.Array:
+    groups = N // G
+    term = BlockTerm(
+        None,
+        k_arrays={
+            "w": jnp.repeat(x["w"], groups, axis=2),
+            "beta": jnp.repeat(x["beta"], groups, axis=2),
+        },
+    )
+    return path_attention(
+        term,
+        x["q"],
+        x["k"],
+        x["v"],
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=(_decay_term(x["c"]),),
+        window=window,
+        block=TILE,
+        chunk=chunk,
+    )
+
+
+def _path_naive(x: dict, *, window: int | None) -> jax.Array:
+    """The naive path's walk over keys, dense softmax, float32."""
+    x = {key: value.astype(jnp.float32) for key, value in x.items()}
+    repeat = lambda a: jnp.repeat(a, N // G, axis=2)
+    logits_BNTS, _ = path_logits_BNQK(
+        x["q"],
+        repeat(x["k"]),
+        repeat(x["w"]),
+        repeat(x["beta"][..., None])[..., 0],
+        q_index_Q=jnp.arange(T),
+        k_index_K=jnp.arange(T),
+    )
+    s = logits_BNTS / np.sqrt(H) + _decay_BNTS(x["c"])
+    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, 0, NO_RANK_BT))[:, None]
+    weights = jax.nn.softmax(jnp.where(allowed, s, MASKED_LOGIT), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights, repeat(x["v"]))
+
+
+@pytest.mark.parametrize(("chunk", "window"), [(16, 12), pytest.param(32, None, marks=SLOW)])
+def test_path_attention_equals_householder_products(chunk: int, window: int | None) -> None:
+    x = _inputs(jnp.float32)
+    y = jax.jit(functools.partial(_path, chunk=chunk, window=window))(x)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    s = _path_scores_numpy(x64) + _decay_BNTS(x64["c"], np)
+    allowed = mask_BTS(SEGMENTS_BT, window, 0, NO_RANK_BT)[:, None]
+    s = np.where(allowed, s, -np.inf)
+    weights = np.exp(s - s.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("bnts,bsnh->btnh", weights, np.repeat(x64["v"], N // G, axis=2))
+    # Each logit is a product of up to T matrices: T more reorderings than a dot product.
+    assert_close(y, want, dtype="float32", summands=2 * T, roundings=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=SLOW)])
+def test_path_attention_gradients_equal_the_naive_walk(dtype: str) -> None:
+    x = _inputs(jnp.dtype(dtype))
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def kernel(x):
+        return _path(x, chunk=16, window=12).astype(jnp.float32)
+
+    y, pull = jax.vjp(jax.jit(kernel), x)
+    y_ref, pull_ref = jax.vjp(functools.partial(_path_naive, window=12), x)
+    (grads,), (grads_ref,) = jax.jit(pull)(cot), pull_ref(cot)
+    # bfloat16: q, k, v and the queries per chunk are rounded before the kernels' matmuls.
+    assert_close(y, y_ref, dtype=dtype, summands=2 * T, roundings=3)
+    for key in ("q", "k", "v", "w", "beta", "c"):
+        assert grads[key].dtype == x[key].dtype
+        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=2 * T, roundings=6)
+
+
+def test_path_chunk_balances_the_two_parts() -> None:
+    """C is a power of two near sqrt(T H / 8) (queries per chunk T^2 H / C against the
+    chunks' dense pairs T C), never below the kernels' tile."""
+    assert path_chunk(4096, 64, 64) == 256
+    assert path_chunk(16384, 128, 64) == 512
+    assert path_chunk(64, 16, 16) == 16
+    for length in (100, 1000, 5000):
+        chunk = path_chunk(length, 64, 16)
+        assert chunk & (chunk - 1) == 0
+        assert 0.5 < chunk / np.sqrt(length * 64 / 8) < 2.0

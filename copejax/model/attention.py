@@ -206,7 +206,8 @@ class Attention(nn.Module):
             mixed_BTNC = None
         elif impl == "kernel":  # validated: a scheme the fused kernels cover, no mixed values
             qkv = (q_BTNH, k_BSKH, v_BSKH)
-            y_BTNH = kernel_attention(cfg, site, qkv, (k_BSNH, v_BSNH), ctx)
+            kv = (k_BSNH, v_BSNH)
+            y_BTNH = kernel_attention(cfg, site, qkv, kv, ctx, sink_N=self._sink())
             mixed_BTNC = None
         else:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)

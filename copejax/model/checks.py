@@ -140,15 +140,17 @@ def check_scheme(cfg: ModelConfig) -> None:
 
 
 def check_kernel(cfg: ModelConfig) -> None:
-    """``attention_impl="kernel"``: a scheme the fused kernels cover, and no attention sink."""
+    """``attention_impl="kernel"``: a scheme the fused kernels cover, in tiles they take."""
     reason = kernel_config_refusal(cfg)
     if reason is not None:
         raise ValueError(reason)
 
 
 def kernel_config_refusal(cfg: ModelConfig) -> str | None:
-    """Why the fused kernels cannot run ``cfg``'s layers (the scheme, the block, the sink),
-    or None; ``check_kernel`` raises it, ``auto`` reads it before following a measurement."""
+    """Why the fused kernels cannot run ``cfg``'s layers (the scheme, the block), or None;
+    ``check_kernel`` raises it, ``auto`` reads it before following a measurement. The
+    attention sink runs on every softmax kernel (``copejax.ops.kernels.sink``); with
+    stick-breaking :func:`check_attention_layout` refuses it on every path."""
     refusal = kernel_refusal(cfg.scheme, cfg.dims)
     if refusal is not None:
         return refusal
@@ -157,12 +159,6 @@ def kernel_config_refusal(cfg: ModelConfig) -> str | None:
         return (
             f"model.attention_block={block}: the fused kernels' tiles are powers of two of at "
             "least 16 (attention_impl='kernel'); use one, or None for their default"
-        )
-    if cfg.attention_sink:
-        return (
-            "model.attention_sink adds a learned logit to every softmax denominator, which "
-            "the fused kernels (attention_impl='kernel') do not take yet; use "
-            "attention_impl='auto', 'naive' or 'blockwise'"
         )
     return None
 

@@ -123,7 +123,8 @@ class ModelConfig:
       attention_sink: a learned logit per head (init 0) that joins every query's softmax
         denominator and mixes no value, as in GPT-OSS (OpenAI 2025, model card arXiv
         2508.10925). Softmax schemes only (stick-breaking has no denominator); not with
-        attention_impl="dot_product_attention" (the kernel has no sink).
+        attention_impl="dot_product_attention" (the kernel has no sink); the fused kernels
+        fold it into their softmax (``copejax.ops.kernels.sink``).
       logit_scaling: "none", "ssmax" (Scalable-Softmax, arXiv 2501.19399: q times s log n, n
         the keys the query sees in its segment) or "llama4" (Llama 4's attention temperature
         tuning: q times log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1); see

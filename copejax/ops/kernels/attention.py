@@ -7,7 +7,8 @@ wired by ``jax.custom_vjp``. The scores are ``q . k / sqrt(H)`` plus the sum of 
 :class:`~copejax.ops.kernels.terms.KernelTerm` biases, computed tile by tile inside the
 kernels: no (T, S) array exists, forward or backward. With ``normalizer="stickbreaking"``
 stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`; its backward keeps
-O(T^2 / K) carries, one per query and key tile). Masking: causal, packed segments,
+O(T^2 / K) carries, one per query and key tile). GPT-OSS's attention sink (``sink_N``) joins
+the softmax's denominator (:mod:`copejax.ops.kernels.sink`). Masking: causal, packed segments,
 a sliding window W with StreamingLLM's sink tokens (the mask of
 :func:`copejax.ops.segments.pair_allowed_BQK`); grouped KV heads (G divides N); tiles with
 no allowed pair are skipped. Inputs in bfloat16 or float32; logits, softmax statistics and
@@ -45,6 +46,7 @@ from copejax.ops.kernels.relative import RelativeStatic, RelativeTerm, padded_ro
 from copejax.ops.kernels.relative_calls import relative_backward_calls, relative_forward_call
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.selective_attention import selective_attention
+from copejax.ops.kernels.sink import fold_sink, sink_gradient
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_backward import tpu_backward_calls
@@ -76,6 +78,7 @@ def fused_attention(
     cope: CopeTerm | None = None,
     relative: RelativeTerm | None = None,
     selective: SelectiveTerm | None = None,
+    sink_N: jax.Array | None = None,
 ) -> jax.Array:
     """Causal self-attention through the fused kernels.
 
@@ -103,6 +106,8 @@ def fused_attention(
       selective: selective attention's penalties
         (:mod:`copejax.ops.kernels.selective_attention`), with the softmax and ``terms``
         (not with cope, relative or stick-breaking).
+      sink_N: GPT-OSS's sink logit per query head (N,), joining every softmax denominator
+        and mixing no value (:mod:`copejax.ops.kernels.sink`); not with stick-breaking.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -122,6 +127,10 @@ def fused_attention(
         raise ValueError(f"kernel: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
     if normalizer == "softmax" and not include_self:
         raise ValueError("kernel: a softmax row always includes its own key (include_self)")
+    if sink_N is not None and normalizer != "softmax":
+        raise ValueError(
+            f"kernel: the attention sink joins a softmax denominator; {normalizer!r} has none"
+        )
     if cope is not None and normalizer != "softmax":
         raise ValueError("kernel: CoPE's term runs with the softmax only")
     if relative is not None and (cope is not None or normalizer != "softmax"):
@@ -171,6 +180,7 @@ def fused_attention(
         "v": pad_tokens(v_BTGW, padded, 0),
         "terms": [term_arrays(t, padded) for t in terms],
         "cope": None if cope is None else _cope_table(cope.table, heads),
+        "sink": None if sink_N is None else sink_N.astype(jnp.float32),
     }
     rel = None
     if relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
@@ -236,7 +246,7 @@ def attend(
                 terms=arrays["terms"],
                 table_PH=arrays["relative"],
             )
-            return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, [])
+            return _with_sink(arrays, o_BTNW, lse_BNT, ints, [])
         o_BTNW, lse_BNT, carries = forward_kernel(
             plan,
             arrays["q"],
@@ -246,7 +256,7 @@ def attend(
             terms=arrays["terms"],
             cope_NPH=arrays["cope"],
         )
-        return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, carries)
+        return _with_sink(arrays, o_BTNW, lse_BNT, ints, carries)
 
     def backward(residuals: tuple, cotangents: tuple) -> tuple[dict, None]:
         arrays, ints, o_BTNW, lse_BNT, carries = residuals
@@ -300,10 +310,20 @@ def attend(
                 for g in term_grads
             ],
             "cope": d_cope_NPH,
+            "sink": None,
         }
         if rel is not None:
             grads["relative"] = d_relative_PH
+        if arrays["sink"] is not None:
+            grads["sink"] = sink_gradient(lse_BNT, stats["delta_BNT"], arrays["sink"])
         return grads, None
 
     differentiable.defvjp(forward, backward)
     return differentiable(arrays, ints)
+
+
+def _with_sink(arrays: dict, o_BTNW: jax.Array, lse_BNT: jax.Array, ints: dict, carries: list):
+    """The forward's output and residuals, the sink (if any) folded into both."""
+    if arrays["sink"] is not None:
+        o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, arrays["sink"])
+    return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, carries)

@@ -7,6 +7,8 @@ the custom VJP that wires the prefix and forward kernels
 with its padded inputs when given ``selective=``. The selecting head's q and k are read
 inside the VJP, so their gradients (the selection's, summed over the heads) are added to
 that head's dq and to its key/value head's dk before the inputs' dtype rounds them.
+GPT-OSS's attention sink is folded into the output and log-sum-exp after the forward kernel
+and gets its gradient from them (:mod:`copejax.ops.kernels.sink`).
 Shape letters as in :mod:`copejax.ops.kernels.forward`.
 """
 
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from copejax.ops import segments
 from copejax.ops.kernels.selective import NONLINEARITIES, SelectiveTerm, selective_forward_call
 from copejax.ops.kernels.selective_backward import selective_backward_calls
+from copejax.ops.kernels.sink import fold_sink, sink_gradient
 from copejax.ops.kernels.tiles import Plan
 
 
@@ -52,14 +55,15 @@ def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
 def selective_attention(
     plan: Plan, selective: SelectiveTerm, arrays: dict, ints: dict[str, jax.Array]
 ) -> jax.Array:
-    """softmax(q . k / sqrt(H) + terms - F) v on padded inputs, differentiable in q, k, v
-    and the terms' arrays.
+    """softmax(q . k / sqrt(H) + terms - F) v on padded inputs, differentiable in q, k, v,
+    the terms' arrays and the sink.
 
     Args:
       plan: the call's tiles, mask and the terms' tile functions.
       selective: the selecting head and the nonlinearity.
       arrays: the padded "q" (B, T, N, H), "k" (B, S, G, H), "v" (B, S, G, W) and "terms"
-        (as fused_attention builds them); "cope" and "relative" must be None.
+        (as fused_attention builds them), "sink" (N,) or None; "cope" and "relative" must be
+        None.
       ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank" (padding in
         segments of its own, as fused_attention pads them).
 
@@ -76,10 +80,14 @@ def selective_attention(
         return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
 
     @jax.custom_vjp
-    def attend(tensors: tuple, terms: list[dict], ints: dict[str, jax.Array]) -> jax.Array:
-        return forward(tensors, terms, ints)[0]
+    def attend(
+        tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
+    ) -> jax.Array:
+        return forward(tensors, terms, sink_N, ints)[0]
 
-    def forward(tensors: tuple, terms: list[dict], ints: dict[str, jax.Array]) -> tuple:
+    def forward(
+        tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
+    ) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
         o_BTNW, lse_BNT, prefix = selective_forward_call(
             plan,
@@ -89,17 +97,19 @@ def selective_attention(
             ints=ints,
             terms=terms,
         )
-        return o_BTNW, (tensors, terms, ints, o_BTNW, lse_BNT, prefix)
+        if sink_N is not None:
+            o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, sink_N)
+        return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT, prefix)
 
-    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple[tuple, list[dict], None]:
-        (q_BTNH, k_BSGH, v_BSGW), terms, ints, o_BTNW, lse_BNT, prefix = residuals
+    def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple:
+        (q_BTNH, k_BSGH, v_BSGW), terms, sink_N, ints, o_BTNW, lse_BNT, prefix = residuals
         do_BTNW = do_BTNW.astype(v_BSGW.dtype)  # the matmuls take the inputs' dtype
-        delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
+        delta_BNT = jnp.moveaxis(jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1), 2, 1)
         dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = selective_backward_calls(
             plan,
             nonlinearity,
             (q_BTNH, k_BSGH, v_BSGW, do_BTNW),
-            stats=(lse_BNT, jnp.moveaxis(delta_BTN, 2, 1)),
+            stats=(lse_BNT, delta_BNT),
             selectors=selectors(q_BTNH, k_BSGH),
             prefix=prefix,
             ints=ints,
@@ -122,8 +132,10 @@ def selective_attention(
             {**g, "params": None if g["params"] is None else jnp.sum(g["params"], axis=(0, 2))}
             for g in term_grads
         ]
-        return grads, term_grads, None
+        d_sink_N = None if sink_N is None else sink_gradient(lse_BNT, delta_BNT, sink_N)
+        return grads, term_grads, d_sink_N, None
 
     attend.defvjp(forward, backward)
     tensors = (arrays["q"], arrays["k"], arrays["v"])
-    return attend(tensors, arrays["terms"], {**ints, "k_start": starts_BS})
+    sink_N = arrays.get("sink")
+    return attend(tensors, arrays["terms"], sink_N, {**ints, "k_start": starts_BS})

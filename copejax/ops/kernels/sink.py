@@ -27,7 +27,10 @@ weight, so ``dy_i / dz_n = -p_i y_i`` and
 
     dz_n = -sum_{b, i} p_i D_i,
 
-an O(T) sum outside the kernels (padding rows add 0: their D is 0).
+an O(T) sum outside the kernels (padding rows add 0: their D is 0). Where ``L'`` is an output
+too (PaTH's chunks merge two softmaxes of a row by it), its cotangent enters the kernels as
+``D_i - dL'_i``; since ``dL'_i / dz_n = p_i``, the same sum over that difference is the
+sink's gradient then.
 
 Shape letters: B batch, T queries, N query heads, W value width.
 """
@@ -59,6 +62,7 @@ def fold_sink(
 
 def sink_gradient(lse_BNT: jax.Array, delta_BNT: jax.Array, sink_N: jax.Array) -> jax.Array:
     """``dz_n = -sum_{b, i} exp(z_n - L'_i) D_i`` (N,) float32, from the folded ``L'`` and
-    ``D_i = dO_i . y_i`` as the backward kernels read them."""
+    ``D_i = dO_i . y_i`` (less ``dL'_i``, if ``L'`` has a cotangent) as the backward kernels
+    read them."""
     p_sink_BNT = jnp.exp(sink_N.astype(jnp.float32)[None, :, None] - lse_BNT)
     return -jnp.sum(p_sink_BNT * delta_BNT, axis=(0, 2))

@@ -17,14 +17,15 @@ import jax.numpy as jnp
 
 from copejax.model.checks import kernel_config_refusal
 from copejax.model.config import ModelConfig
+from copejax.model.kernel_path import PATH, path_attention
 from copejax.model.kernel_terms import (
     kernel_terms,
+    part_term,
     relative_term,
     selective_term,
     tpu_kernel_refusal,
-    xl_term,
 )
-from copejax.model.kernel_xl import xl_widened_qk
+from copejax.model.kernel_xl import XL, xl_widened_qk
 from copejax.model.measured_paths import measured_impl
 from copejax.ops import engine_blocks
 from copejax.ops.kernels.attention import MIN_BLOCK, fused_attention
@@ -175,8 +176,6 @@ def kernel_attention(
     qkv: tuple[jax.Array, jax.Array, jax.Array],
     kv_BSNH: tuple[jax.Array, jax.Array],
     ctx: AttentionContext,
-    *,
-    sink_N: jax.Array | None = None,
 ) -> jax.Array:
     """The fused kernels (``model.attention_impl="kernel"``): causal self-attention with the
     scheme's terms computed in the kernels (:mod:`copejax.model.kernel_terms`).
@@ -185,7 +184,6 @@ def kernel_attention(
       qkv: (q_BTNH, k_BSGH, v_BSGH): queries and the keys and values of the G key/value
         heads, as the qk site returned them (the kernels read head ``n // (N / G)``).
       kv_BSNH: the keys and values repeated to N heads, what ``block_terms`` reads.
-      sink_N: GPT-OSS's attention sink logit per head (``model.attention_sink``), or None.
 
     Returns:
       y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask,
@@ -208,13 +206,27 @@ def kernel_attention(
         raise ValueError(refusal)
     block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
     terms, cope = kernel_terms(cfg.scheme, block_terms, cfg.dims)
-    xl = xl_term(cfg.scheme, block_terms)
+    xl = part_term(cfg.scheme, block_terms, XL)
     if xl is not None:  # its position term rides in the content matmul
         positions = {"q_positions_BT": ctx.q_positions_BT, "k_positions_BS": ctx.k_positions_BS}
         q_BTNH, k_BSGH = xl_widened_qk(*xl, q_BTNH, k_BSGH, **positions)
     q_ids_BT, _ = ctx.ids()
     block = cfg.attention_block or KERNEL_BLOCK
     normalizer = site.block_normalizer(ctx) or engine_blocks.SOFTMAX
+    path = part_term(cfg.scheme, block_terms, PATH)
+    if path is not None:  # the kernels between key chunks, XLA within them
+        return path_attention(
+            path[1],
+            q_BTNH,
+            k_BSGH,
+            v_BSGH,
+            q_positions_BT=ctx.q_positions_BT,
+            k_positions_BT=ctx.k_positions_BS,
+            segment_ids_BT=q_ids_BT,
+            terms=terms,
+            window=ctx.window,
+            block=block,
+        )
     return fused_attention(
         q_BTNH,
         k_BSGH,
@@ -234,5 +246,4 @@ def kernel_attention(
         cope=cope,
         selective=selective_term(cfg.scheme),
         relative=relative_term(cfg.scheme, block_terms),
-        sink_N=sink_N,
     )

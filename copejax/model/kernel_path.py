@@ -27,7 +27,7 @@ Here, in XLA:
   the same call gives u (the query after its own chunk's transforms);
 - q'^(m) for every chunk m, by a scan from the newest chunk to the oldest (``r <- P_m r``):
   (B, M, T, N, H), O(T^2 H / C) memory and O(T^2 H^2 / C) flops;
-- the merge of the two softmaxes of each row by their log-sum-exps.
+- the merge of the two softmaxes of each row by their log-sum-exps (and GPT-OSS's sink).
 
 JAX differentiates all of it, the kernels through their custom VJP (the log-sum-exp's
 cotangent included). C trades the queries per chunk (T^2 H / C) against the chunks' dense
@@ -91,6 +91,7 @@ def path_attention(
     block: int = 64,
     chunk: int | None = None,
     interpret: bool | None = None,
+    sink_N: jax.Array | None = None,
 ) -> jax.Array:
     """Causal PaTH self-attention: the pairs between chunks on the fused kernels, those within
     a chunk in XLA.
@@ -102,6 +103,7 @@ def path_attention(
       terms: the other parts' kernel terms (PaTH-FoX's forget gates: ``path+fox``).
       window: sliding window W (no sink tokens: PaTH refuses them).
       block: the kernels' tile length; chunk: C (None: :func:`path_chunk`).
+      sink_N: GPT-OSS's sink logit per head, joining each row's softmax denominator.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -170,6 +172,10 @@ def path_attention(
             jnp.exp(lse_BTN - total_BTN)[..., None] * y_BTNW
             + jnp.exp(between_lse_BTN - total_BTN)[..., None] * between_BTNW
         )
+        lse_BTN = total_BTN
+    if sink_N is not None:  # one more logit in the denominator, mixing no value
+        total_BTN = jnp.logaddexp(lse_BTN, sink_N.astype(f32))
+        y_BTNW = jnp.exp(lse_BTN - total_BTN)[..., None] * y_BTNW
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
 
 

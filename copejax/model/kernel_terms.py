@@ -27,6 +27,9 @@ functions, evaluated tile by tile in the kernels:
 - relative, relative_capped: Shaw's ``q_i . e[d_ij] / sqrt(H)``
   (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
   max_distance), with the softmax, without cope and with the terms above;
+- path: the Householder-like products split at key chunks: across chunks the kernels with
+  queries per chunk, within a chunk XLA (:mod:`copejax.model.kernel_path`), with the softmax
+  and the terms above; not on TPU;
 - transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
   content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw.
 
@@ -47,6 +50,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from copejax.model.kernel_path import PATH, path_refusal
 from copejax.model.kernel_xl import XL, xl_refusal
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
@@ -79,7 +83,6 @@ RELATIVE = ("relative", "relative_capped")
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
-    "path": "its Householder-like transforms of the queries are carried across key tiles",
     "dape": "its MLP reads each pair's content logits across heads",
     "tape": "it mixes its position tensors into the values as extra features",
 }
@@ -202,7 +205,7 @@ def _runs(part: PositionScheme) -> bool:
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
-    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", XL, *RELATIVE)
+    known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", XL, PATH, *RELATIVE)
     return not other and (not _has_term(part) or known)
 
 
@@ -270,14 +273,15 @@ def relative_term(
     return None
 
 
-def xl_term(
-    scheme: PositionScheme, block_terms: tuple[BlockTerm, ...]
+def part_term(
+    scheme: PositionScheme, block_terms: tuple[BlockTerm, ...], name: str
 ) -> tuple[PositionScheme, BlockTerm] | None:
-    """Transformer-XL's part and block term, if a part of ``scheme``; the kernels take it as
-    wider queries and keys (:func:`copejax.model.kernel_xl.xl_widened_qk`)."""
+    """The part of ``scheme`` named ``name`` and its block term, if any: Transformer-XL's
+    (wider queries and keys, :func:`copejax.model.kernel_xl.xl_widened_qk`) and PaTH's
+    (:func:`copejax.model.kernel_path.path_attention`) are taken outside the kernel terms."""
     with_terms = [part for part in parts(scheme) if _has_term(part)]
     for part, term in zip(with_terms, block_terms, strict=True):
-        if part.name == XL:
+        if part.name == name:
             return part, term
     return None
 
@@ -308,12 +312,14 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
             reason = _relative_refusal(part, names)
         elif part.name == XL:
             reason = xl_refusal(names)
+        elif part.name == PATH:
+            reason = path_refusal(names)
         if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
                 f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective, "
-                f"{list(RELATIVE)}, {XL} and "
+                f"{list(RELATIVE)}, {XL}, {PATH} and "
                 f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
@@ -362,7 +368,7 @@ def kernel_terms(
         )
     terms, cope = [], None
     for part, term in zip(with_terms, block_terms, strict=True):
-        if part.name in ("selective", XL, *RELATIVE):  # by fused_attention's arguments
+        if part.name in ("selective", XL, PATH, *RELATIVE):  # by their own arguments
             continue
         if part.name == "cope":  # its table e, (P, H) or (N, P, H)
             static = CopeStatic(

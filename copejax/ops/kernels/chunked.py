@@ -63,7 +63,7 @@ def chunked_attention(
     Returns:
       (o_BTNW float32, lse_BTN float32; MASKED_LOGIT and 0 where a query sees no key).
     """
-    batch, count, length, heads, _ = q_BMTNH.shape
+    count, length, heads = q_BMTNH.shape[1:4]
     kv_heads = k_BTGH.shape[2]
     if k_BTGH.shape[1] != length or heads % kv_heads:
         raise ValueError(

@@ -38,11 +38,12 @@ COMPOSITES = [
     "alibi+stickbreaking",
     "selective+rope",
     "selective+fox",
+    "path+fox",
 ]
 SLOW = pytest.mark.slow
 
 
-def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int, **options):
+def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int):
     scheme = registry.make_scheme(position)
     layers = 2 if scheme.share_across_layers else 1
     return tiny_config(
@@ -55,19 +56,16 @@ def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int
         attention_impl=impl,
         attention_block=BLOCK,
         window=window,
-        window_sink_tokens=sinks,
+        window_sink_tokens=sinks if scheme.window_sinks else 0,  # PaTH refuses sinks
         dtype=dtype,
-        **options,
     )
 
 
-def _compare(position: str, dtype: str, window: int | None, sinks: int, **options) -> None:
-    """The model on the kernels against the naive path; ``options``: more ModelConfig
-    fields (``attention_sink``, ...), the same for both."""
+def _compare(position: str, dtype: str, window: int | None, sinks: int) -> None:
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
     positions_BT, ids_BT = jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
-    naive = Transformer(_config(position, "naive", dtype, window, sinks, **options))
-    kernel = Transformer(_config(position, "kernel", dtype, window, sinks, **options))
+    naive = Transformer(_config(position, "naive", dtype, window, sinks))
+    kernel = Transformer(_config(position, "kernel", dtype, window, sinks))
     params = perturbed(jax.jit(naive.init)(jax.random.key(0), tokens_BT, positions_BT)["params"])
 
     def loss(model: Transformer, p: object) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +122,7 @@ def test_kernel_equals_naive_bfloat16_window_sinks(position: str) -> None:
     _compare(position, "bfloat16", window=12, sinks=2)
 
 
-@pytest.mark.parametrize("position", [*REFUSED, "dape+rope", "rope+path"])
+@pytest.mark.parametrize("position", [*REFUSED, "dape+rope", "tape+dape"])
 def test_refused_by_name(position: str) -> None:
     part = next(p for p in position.split("+") if p in REFUSED)
     with pytest.raises(ValueError, match=f"no kernel for scheme '{part}'"):
@@ -150,9 +148,9 @@ def test_refuses_a_tile_that_is_no_power_of_two() -> None:
         tiny_config("rope", attention_impl="kernel", attention_block=48)
 
 
-def test_takes_the_attention_sink() -> None:
-    """The sink runs on the kernels (tests/ops/kernels/test_sink_kernel.py checks it)."""
-    assert tiny_config("rope", attention_impl="kernel", attention_sink=True).attention_sink
+def test_refuses_the_attention_sink() -> None:
+    with pytest.raises(ValueError, match="attention_sink"):
+        tiny_config("rope", attention_impl="kernel", attention_sink=True)
 
 
 def test_refuses_decoding() -> None:

@@ -23,13 +23,18 @@ import numpy as np
 import pytest
 
 from copejax.model.kernel_path import path_attention, path_chunk
+from copejax.model.kernel_terms import tpu_kernel_refusal
+from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.path import path_logits_BNQK
+from copejax.positions.registry import make_scheme
+from tests.conftest import perturbed, tiny_config
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay
+from tests.ops.kernels.test_kernel_registry import _compare, _config
 from tests.ops.kernels.tolerances import assert_close
 
 B, T, N, G, H, TILE = 1, 40, 2, 1, 16, 16  # T: three tiles, the last one padded
@@ -290,3 +295,39 @@ def test_path_chunk_balances_the_two_parts() -> None:
         chunk = path_chunk(length, 64, 16)
         assert chunk & (chunk - 1) == 0
         assert 0.5 < chunk / np.sqrt(length * 64 / 8) < 2.0
+
+
+# ------------------------------------------------------------------ through the model
+
+
+def test_path_fox_model_logits_equal_naive() -> None:
+    """PaTH-FoX's model on the kernels (``attention_impl="kernel"``: three chunks of 16 keys,
+    GQA, packed segments, a window) gives the naive path's logits."""
+    tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (B, T)), jnp.int32)
+    positions_BT, ids_BT = jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
+    naive, kernel = (
+        Transformer(_config("path+fox", impl, "float32", 12, 0)) for impl in ("naive", "kernel")
+    )
+    params = perturbed(jax.jit(naive.init)(jax.random.key(0), tokens_BT, positions_BT)["params"])
+    logits = [
+        jax.jit(m.apply)({"params": params}, tokens_BT, positions_BT, ids_BT)
+        for m in (naive, kernel)
+    ]
+    assert_close(logits[1], logits[0], dtype="float32", summands=2 * T, roundings=0)
+
+
+@SLOW
+def test_path_fox_model_equals_naive_with_the_attention_sink() -> None:
+    """Values and every parameter's gradient, with GPT-OSS's sink folded into the merged
+    softmax (the registry's slow tests run path and path+fox without it)."""
+    _compare("path+fox", "float32", window=12, sinks=0, attention_sink=True)
+
+
+@pytest.mark.parametrize("position", ["path+cope", "stickbreaking+path", "path+selective"])
+def test_refuses_path_with_parts_that_read_its_logits(position: str) -> None:
+    with pytest.raises(ValueError, match="no kernel for scheme 'path': its transformed logits"):
+        tiny_config(position, attention_impl="kernel")
+
+
+def test_refuses_path_on_tpu() -> None:
+    assert "on TPU has no kernel for scheme 'path'" in tpu_kernel_refusal(make_scheme("path"))

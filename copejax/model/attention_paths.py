@@ -176,6 +176,8 @@ def kernel_attention(
     qkv: tuple[jax.Array, jax.Array, jax.Array],
     kv_BSNH: tuple[jax.Array, jax.Array],
     ctx: AttentionContext,
+    *,
+    sink_N: jax.Array | None = None,
 ) -> jax.Array:
     """The fused kernels (``model.attention_impl="kernel"``): causal self-attention with the
     scheme's terms computed in the kernels (:mod:`copejax.model.kernel_terms`).
@@ -184,6 +186,7 @@ def kernel_attention(
       qkv: (q_BTNH, k_BSGH, v_BSGH): queries and the keys and values of the G key/value
         heads, as the qk site returned them (the kernels read head ``n // (N / G)``).
       kv_BSNH: the keys and values repeated to N heads, what ``block_terms`` reads.
+      sink_N: GPT-OSS's attention sink logit per head (``model.attention_sink``), or None.
 
     Returns:
       y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask,
@@ -226,6 +229,7 @@ def kernel_attention(
             terms=terms,
             window=ctx.window,
             block=block,
+            sink_N=sink_N,
         )
     return fused_attention(
         q_BTNH,
@@ -246,4 +250,5 @@ def kernel_attention(
         cope=cope,
         selective=selective_term(cfg.scheme),
         relative=relative_term(cfg.scheme, block_terms),
+        sink_N=sink_N,
     )

@@ -43,7 +43,7 @@ COMPOSITES = [
 SLOW = pytest.mark.slow
 
 
-def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int):
+def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int, **options):
     scheme = registry.make_scheme(position)
     layers = 2 if scheme.share_across_layers else 1
     return tiny_config(
@@ -58,14 +58,17 @@ def _config(position: str, impl: str, dtype: str, window: int | None, sinks: int
         window=window,
         window_sink_tokens=sinks if scheme.window_sinks else 0,  # PaTH refuses sinks
         dtype=dtype,
+        **options,
     )
 
 
-def _compare(position: str, dtype: str, window: int | None, sinks: int) -> None:
+def _compare(position: str, dtype: str, window: int | None, sinks: int, **options) -> None:
+    """The model on the kernels against the naive path; ``options``: more ModelConfig
+    fields (``attention_sink``, ...), the same for both."""
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
     positions_BT, ids_BT = jnp.asarray(POSITIONS_BT), jnp.asarray(SEGMENTS_BT)
-    naive = Transformer(_config(position, "naive", dtype, window, sinks))
-    kernel = Transformer(_config(position, "kernel", dtype, window, sinks))
+    naive = Transformer(_config(position, "naive", dtype, window, sinks, **options))
+    kernel = Transformer(_config(position, "kernel", dtype, window, sinks, **options))
     params = perturbed(jax.jit(naive.init)(jax.random.key(0), tokens_BT, positions_BT)["params"])
 
     def loss(model: Transformer, p: object) -> tuple[jax.Array, jax.Array]:
@@ -148,9 +151,9 @@ def test_refuses_a_tile_that_is_no_power_of_two() -> None:
         tiny_config("rope", attention_impl="kernel", attention_block=48)
 
 
-def test_refuses_the_attention_sink() -> None:
-    with pytest.raises(ValueError, match="attention_sink"):
-        tiny_config("rope", attention_impl="kernel", attention_sink=True)
+def test_takes_the_attention_sink() -> None:
+    """The sink runs on the kernels (tests/ops/kernels/test_sink_kernel.py checks it)."""
+    assert tiny_config("rope", attention_impl="kernel", attention_sink=True).attention_sink
 
 
 def test_refuses_decoding() -> None:

@@ -16,7 +16,7 @@ interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as 
 here cuDNN's fused kernel, ``dpa``) at the issue's shapes, (B, N, H) = (2, 4, 64) (B x N =
 8) and (4, 16, 128), T = 4096 and 16384. Arms: ``dpa`` (``jax.nn.dot_product_attention``,
 ``implementation="cudnn"``), the kernels (``model.attention_impl="kernel"``: nope, ALiBi,
-T5, FoX, stick-breaking, CoPE, selective), and beside each the path ``auto``'s rules take
+T5, FoX, stick-breaking, CoPE, selective, PaTH), and beside each the path ``auto``'s rules take
 for that scheme there (``rule_arms``). A group of its own measures the cheaper lever of
 larger engine blocks (512 and 1024 keys) for the contextual schemes at the first shape and T
 = 4096.
@@ -26,7 +26,8 @@ with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
 Tasks run in priority order (the checks, the first shape's layer group, the CLI arms but
 CoPE's, CoPE's layer group (its own: its kernels may compile longest) and CLI arm, the lever
-group, selective attention's group (its own, as CoPE's), the other shapes' groups) and none
+group, selective attention's and PaTH's groups (their own, as CoPE's), the other shapes'
+groups) and none
 starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
 minutes; skipped ones are listed on the page, which is rewritten after every task. The page
 ends with the entries for ``copejax.model.measured_paths.MEASURED`` that the measurements
@@ -72,6 +73,9 @@ LAYER_ARMS = (
 COPE_ARMS = (("dpa", "dpa", {}), ("cope kernel", "cope", KERNEL))
 # Selective attention's kernels (a prefix kernel, then penalties per tile pair): likewise.
 SELECTIVE_ARMS = (("dpa", "dpa", {}), ("selective kernel", "selective", KERNEL))
+# PaTH: the kernels between key chunks, XLA's chunk products and pairs within chunks
+# (copejax.model.kernel_path); its engine walk (auto's rule) is the slowest arm of all.
+PATH_ARMS = (("dpa", "dpa", {}), ("path kernel", "path", KERNEL))
 # Issue 45's cheaper lever "larger engine blocks on accelerators": the contextual schemes'
 # blockwise engine with blocks of 512 and 1024 keys (fewer trips of the latency-bound walk;
 # auto's rules take 256 from T = 4096), beside their kernels, on the first shape.
@@ -81,7 +85,7 @@ LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 SHAPES = ((2, 4, 64), (4, 16, 128))
 LENGTHS = (4096, 16384)
 # Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme.
-CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "alibi", "t5", "nope")
+CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "path", "alibi", "t5", "nope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 
@@ -290,14 +294,14 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
                 ),
             )
         ]
-        cli = [("cli", arm) for arm in (("rope", "auto"), ("path", "kernel"))]
+        cli = [("cli", arm) for arm in (("rope", "auto"), ("dape", "kernel"))]
         rounds = 1
     else:
         layer = [
             ("layer", (shape, t, arms + rule_arms(arms, shape, t)))
             for t in LENGTHS
             for shape in SHAPES
-            for arms in (LAYER_ARMS, COPE_ARMS, SELECTIVE_ARMS)
+            for arms in (LAYER_ARMS, COPE_ARMS, SELECTIVE_ARMS, PATH_ARMS)
         ]
         lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
         cli = [("cli", arm) for arm in CLI_ARMS]

@@ -25,14 +25,14 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
     cli = [
         {"scheme": "rope", "attention_impl": "auto", "status": "ok", "tokens_per_s": 1000.0},
         {"scheme": "fox", "attention_impl": "kernel", "status": "ok", "tokens_per_s": 700.0},
-        bench_kernels_gpu.cli_run("path", "kernel", "paper", steps=1, timeout_s=1),
+        bench_kernels_gpu.cli_run("dape", "kernel", "paper", steps=1, timeout_s=1),
     ]
     result = {"date": "2026-11-27", "device": "NVIDIA H100", "command": "c", "wall_s": 400.0}
     page = bench_kernels_page.page({**result, "layer": layer, "cli": cli, "skipped": ["x"]})
     assert "Measured 2026-11-27 on NVIDIA H100" in page
     assert "| 2 | 4 | 64 | 4096 | fox kernel | kernel | 2.00 | 1.25x | 1 |" in page
     assert "| fox | kernel | ok | 700 | 0.70x |" in page
-    assert "refused: model.attention_impl='kernel' has no kernel for scheme 'path'" in page
+    assert "refused: model.attention_impl='kernel' has no kernel for scheme 'dape'" in page
     assert "Skipped (time budget): x." in page
 
 
@@ -61,7 +61,7 @@ def test_smoke_whole_script_with_the_command_line_part(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench_kernels_gpu.json").read_text())
     cli = {row["scheme"]: row for row in result["cli"]}
     assert cli["rope"]["status"] == "ok" and cli["rope"]["tokens_per_s"] > 0
-    assert cli["path"]["status"] == "refused" and "'path'" in cli["path"]["reason"]
+    assert cli["dape"]["status"] == "refused" and "'dape'" in cli["dape"]["reason"]
 
 
 def _group(shape: tuple[int, int, int], times: dict[str, float], rules: dict[str, str]) -> dict:

@@ -24,6 +24,7 @@ from copejax.model.attention_paths import (
 )
 from copejax.model.config import ModelConfig
 from copejax.model.dense_init import contracted_size, kernel_init
+from copejax.model.kernel_tape import kernel_operands, split_columns
 from copejax.ops import engine, engine_blocks
 from copejax.ops.kv_cache import KeyCache, RingCache
 from copejax.positions.base import (
@@ -204,11 +205,13 @@ class Attention(nn.Module):
             # content plus a position-only bias; nothing needs the weights.
             y_BTNH = dot_product_attention(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             mixed_BTNC = None
-        elif impl == "kernel":  # validated: a scheme the fused kernels cover, no mixed values
+        elif impl == "kernel":  # validated: a scheme the fused kernels cover
+            # TAPE's mixed positions ride as float32 value columns (copejax.model.kernel_tape)
             qkv = (q_BTNH, k_BSKH, v_BSKH)
+            qkv = kernel_operands(qkv, v_BSNH, extra_BSNC, cfg.resolved_head_dim)
             kv = (k_BSNH, v_BSNH)
-            y_BTNH = kernel_attention(cfg, site, qkv, kv, ctx, sink_N=self._sink())
-            mixed_BTNC = None
+            y_BTNW = kernel_attention(cfg, site, qkv, kv, ctx, sink_N=self._sink())
+            y_BTNH, mixed_BTNC = split_columns(y_BTNW, v_BSNH.shape[-1], extra_BSNC, v_BSNH.dtype)
         else:
             weights_BNTS = self._weights(site, q_BTNH, k_BSNH, v_BSNH, ctx)
             y_BTNH = jnp.einsum("BNTS,BSNH->BTNH", weights_BNTS.astype(v_BSNH.dtype), v_BSNH)

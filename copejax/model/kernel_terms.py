@@ -31,10 +31,12 @@ functions, evaluated tile by tile in the kernels:
   queries per chunk, within a chunk XLA (:mod:`copejax.model.kernel_path`), with the softmax
   and the terms above; not on TPU;
 - transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
-  content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw.
+  content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw;
+- tape: its qk site's q' and k' as the kernels' q and k, its carry's mixing (eq. 7) as float32
+  value columns (:mod:`copejax.model.kernel_tape`), without cope, selective, Shaw, XL or PaTH.
 
 On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes, the five terms
-above, stickbreaking and cope run; the schemes with GPU kernels of their own (Shaw's
+above, stickbreaking, cope and tape run; the schemes with GPU kernels of their own (Shaw's
 relative, selective) are refused there by name (:func:`tpu_kernel_refusal`).
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
@@ -51,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.model.kernel_path import PATH, path_refusal
+from copejax.model.kernel_tape import TAPE, tape_refusal
 from copejax.model.kernel_xl import XL, xl_refusal
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
@@ -84,7 +87,6 @@ RELATIVE = ("relative", "relative_capped")
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
     "dape": "its MLP reads each pair's content logits across heads",
-    "tape": "it mixes its position tensors into the values as extra features",
 }
 
 
@@ -200,11 +202,13 @@ def _has_term(part: PositionScheme) -> bool:
 
 
 def _runs(part: PositionScheme) -> bool:
-    """Whether the kernels run the part: content sites, a normalizer they implement, and a
-    bias with a kernel term (or CoPE's carried count)."""
+    """Whether the kernels run the part: content sites, a normalizer they implement, a
+    bias with a kernel term (or CoPE's carried count), TAPE's carry (mixed as values)."""
     other = set(part.sites) - CONTENT_SITES - {"bias"}
     if part.name in NORMALIZERS:
         other -= {"normalizer"}
+    if part.name == TAPE:
+        other -= {"carry"}
     known = part.name in TERM_BUILDERS or part.name in ("cope", "selective", XL, PATH, *RELATIVE)
     return not other and (not _has_term(part) or known)
 
@@ -314,12 +318,14 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
             reason = xl_refusal(names)
         elif part.name == PATH:
             reason = path_refusal(names)
+        elif part.name == TAPE:
+            reason = tape_refusal(names)
         if reason is not None:
             return (
                 f"model.attention_impl='kernel' has no kernel for scheme {part.name!r}: "
                 f"{reason}. Kernels cover schemes whose sites are among "
                 f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective, "
-                f"{list(RELATIVE)}, {XL}, {PATH} and "
+                f"{list(RELATIVE)}, {XL}, {PATH}, {TAPE} and "
                 f"{list(TERM_BUILDERS)}; "
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
@@ -331,21 +337,22 @@ def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str 
     """Why ``scheme`` cannot run on the TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`),
     naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms,
     stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`) and CoPE's carried count
-    (:mod:`copejax.ops.kernels.tpu_cope`, the variants :func:`kernel_refusal` allows); a part
+    (:mod:`copejax.ops.kernels.tpu_cope`, the variants :func:`kernel_refusal` allows) and
+    TAPE (:mod:`copejax.model.kernel_tape`: no kernel of its own); a part
     the GPU kernels run with kernels of its own (Shaw's tables, selective attention's
     penalties) has no Mosaic TPU kernel yet."""
     refusal = kernel_refusal(scheme, dims)
     if refusal is not None:
         return refusal
     for part in parts(scheme):
-        if part.name in TERM_BUILDERS or part.name in NORMALIZERS or part.name == "cope":
+        if part.name in TERM_BUILDERS or part.name in NORMALIZERS or part.name in ("cope", TAPE):
             continue
         if set(part.sites) <= CONTENT_SITES:
             continue
         return (
             f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
             f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
-            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope and the terms "
+            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, tape and the terms "
             f"{list(TERM_BUILDERS)}); use "
             "attention_impl='auto', 'blockwise' or 'naive' on TPU"
         )

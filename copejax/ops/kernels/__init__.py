@@ -13,9 +13,10 @@ penalties have their own prefix and forward kernels (``selective``), backward ke
 read a band of their table per tile pair (``relative``: the band maths, ``relative_kernels``:
 the kernel bodies, ``relative_calls``: their launches); GPT-OSS's attention sink is folded
 into every softmax kernel's output and log-sum-exp, with its gradient (``sink``). On a TPU
-(``backend="tpu"``) the Mosaic TPU kernels run the softmax, stick-breaking and CoPE with the same terms: the forward
-(``tpu_forward``), the backward (``tpu_backward``), stick-breaking's and CoPE's bodies
-(``tpu_stick``, ``tpu_cope``) and their layouts, grid and VMEM budget (``tpu_params``).
+(``backend="tpu"``) the Mosaic TPU kernels run the softmax, stick-breaking and CoPE with the
+same terms: the forward (``tpu_forward``), the backward (``tpu_backward``), stick-breaking's
+and CoPE's bodies (``tpu_stick``, ``tpu_cope``) and their layouts, grid and VMEM budget
+(``tpu_params``).
 This package imports only ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
 (``copejax.model.kernel_terms``).
 """

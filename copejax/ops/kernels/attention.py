@@ -37,6 +37,7 @@ from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
 from copejax.ops.kernels.padding import (
     MIN_BLOCK,
+    check_window,
     pad_tokens,
     power_of_two,
     tile_length,
@@ -119,10 +120,7 @@ def fused_attention(
             f"kernel: needs self-attention (T = S) and G dividing N, got q {q_BTNH.shape}, "
             f"k {k_BTGH.shape}"
         )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
-    if window is not None and window < 1:
-        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
+    check_window(window)
     if normalizer not in NORMALIZERS:
         raise ValueError(f"kernel: normalizer must be one of {NORMALIZERS}, got {normalizer!r}")
     if normalizer == "softmax" and not include_self:

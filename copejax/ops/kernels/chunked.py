@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.attention import DEFAULT_BLOCK, attend, term_arrays
-from copejax.ops.kernels.padding import tile_length, token_ints
+from copejax.ops.kernels.padding import check_window, tile_length, token_ints
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_params import kernel_backend
@@ -77,10 +77,7 @@ def chunked_attention(
             f"kernel: {length} queries in chunks of {chunk} need {-(-length // chunk)} chunks "
             f"of queries, got {count}"
         )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
-    if window is not None and window < 1:
-        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
+    check_window(window)
     if kernel_backend(backend) != "triton":
         raise ValueError(
             "kernel: PaTH's chunked attention has no Mosaic TPU kernel yet; use "

@@ -1,4 +1,4 @@
-"""Tile lengths and the padding of the fused kernels' operands (issue 45).
+"""Tile lengths, the padding of the fused kernels' operands and the window's check (issue 45).
 
 The kernels read whole tiles, so T and S are padded to a multiple of them: queries, keys and
 values with zeros; positions repeat the last one; padding tokens get segment ids no real
@@ -15,6 +15,14 @@ import jax.numpy as jnp
 
 MIN_BLOCK = 16  # Triton's smallest matmul tile
 NOT_A_SINK = 2**30  # the rank given to padding keys
+
+
+def check_window(window: int | None) -> None:
+    """A sliding window is a positive integer, or None for full causal attention."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"kernel: window must be a positive integer or None, got {window!r}")
 
 
 def tile_length(block: int, length: int) -> int:

@@ -216,30 +216,21 @@ def kernel_attention(
     q_ids_BT, _ = ctx.ids()
     block = cfg.attention_block or KERNEL_BLOCK
     normalizer = site.block_normalizer(ctx) or engine_blocks.SOFTMAX
+    shared = {
+        "q_positions_BT": ctx.q_positions_BT,
+        "k_positions_BT": ctx.k_positions_BS,
+        "segment_ids_BT": q_ids_BT,
+        "terms": terms,
+        "window": ctx.window,
+        "sink_N": sink_N,
+    }
     path = part_term(cfg.scheme, block_terms, PATH)
     if path is not None:  # the kernels between key chunks, XLA within them
-        return path_attention(
-            path[1],
-            q_BTNH,
-            k_BSGH,
-            v_BSGH,
-            q_positions_BT=ctx.q_positions_BT,
-            k_positions_BT=ctx.k_positions_BS,
-            segment_ids_BT=q_ids_BT,
-            terms=terms,
-            window=ctx.window,
-            block=block,
-            sink_N=sink_N,
-        )
+        return path_attention(path[1], q_BTNH, k_BSGH, v_BSGH, block=block, **shared)
     return fused_attention(
         q_BTNH,
         k_BSGH,
         v_BSGH,
-        q_positions_BT=ctx.q_positions_BT,
-        k_positions_BT=ctx.k_positions_BS,
-        segment_ids_BT=q_ids_BT,
-        terms=terms,
-        window=ctx.window,
         sink_tokens=ctx.sink_tokens,
         k_rank_BT=ctx.key_ranks() if ctx.window is not None and ctx.sink_tokens else None,
         block_q=block,
@@ -250,5 +241,5 @@ def kernel_attention(
         cope=cope,
         selective=selective_term(cfg.scheme),
         relative=relative_term(cfg.scheme, block_terms),
-        sink_N=sink_N,
+        **shared,
     )

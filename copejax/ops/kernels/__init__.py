@@ -4,7 +4,8 @@
 backward) with terms computed inside the kernels (:mod:`copejax.ops.kernels.terms`), and
 stick-breaking in place of the softmax (:mod:`copejax.ops.kernels.stick`). Modules: the
 entry point and custom VJP (``attention``), the forward (``forward``) and backward
-(``backward``) kernels, stick-breaking's three (``stick``), what they share about a tile pair
+(``backward``) kernels, stick-breaking's three (``stick``), CoPE's (``cope``; its options,
+operands and position terms in ``cope_terms``), what they share about a tile pair
 (``tiles``), the terms' operands (``operands``) and the GPU backend's parameters
 (``triton_params``: Triton on GPUs, interpret mode elsewhere), the backward programs'
 pull-backs of dS through the terms (``pullbacks``); selective attention's

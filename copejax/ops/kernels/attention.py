@@ -100,8 +100,8 @@ def fused_attention(
       backend: "triton" (the GPU kernels), "tpu" (the Mosaic TPU kernels,
         :mod:`copejax.ops.kernels.tpu_params`: all but Shaw's and selective's kernels;
         key tiles of at least 128 keys) or None: "tpu" on a TPU, else "triton".
-      cope: CoPE's carried count and interpolated term (:mod:`copejax.ops.kernels.cope`),
-        with the softmax only.
+      cope: CoPE's carried count, any of its gates and position terms
+        (:mod:`copejax.ops.kernels.cope`), with the softmax only.
       relative: Shaw's ``q_i . e[i - j]`` (:mod:`copejax.ops.kernels.relative`), with the
         softmax only and without ``cope``.
       selective: selective attention's penalties
@@ -168,7 +168,7 @@ def fused_attention(
         interpret=bool(interpret),
         stick=normalizer == "stickbreaking",
         include_self=include_self,
-        cope=None if cope is None else cope.static,
+        cope=None if cope is None else cope.kernel_static(),
         backend=backend,
     )
     ints = token_ints(q_positions_BT, k_positions_BT, segment_ids_BT, k_rank_BT, padded)
@@ -177,7 +177,8 @@ def fused_attention(
         "k": pad_tokens(k_BTGH, padded, 0),
         "v": pad_tokens(v_BTGW, padded, 0),
         "terms": [term_arrays(t, padded) for t in terms],
-        "cope": None if cope is None else _cope_table(cope.table, heads),
+        "cope": None if cope is None else cope.per_head(heads),
+        "gate_k": None if cope is None else _gate_keys(cope, k_BTGH, padded),
         "sink": None if sink_N is None else sink_N.astype(jnp.float32),
     }
     rel = None
@@ -207,12 +208,16 @@ def term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
     return out
 
 
-def _cope_table(table: jax.Array, heads: int) -> jax.Array:
-    """CoPE's table as (N, P, H) float32, rows padded to a power of two (zeros: the capped
-    positions never reach them)."""
-    table = jnp.broadcast_to(table.astype(jnp.float32), (heads, *table.shape[-2:]))
-    rows = table.shape[1]
-    return jnp.pad(table, ((0, 0), (0, power_of_two(rows) - rows), (0, 0)))
+def _gate_keys(cope: CopeTerm, k_BTGH: jax.Array, padded: int) -> jax.Array | None:
+    """CoPE's gate keys padded like k (checked to have k's shape), or None."""
+    if cope.gate_k_BSGH is None:
+        return None
+    if cope.gate_k_BSGH.shape != k_BTGH.shape:
+        raise ValueError(
+            f"kernel: CoPE's gate keys need k's shape {k_BTGH.shape} (one per key/value "
+            f"head), got {cope.gate_k_BSGH.shape}"
+        )
+    return pad_tokens(cope.gate_k_BSGH, padded, 0)
 
 
 def attend(
@@ -252,7 +257,8 @@ def attend(
             arrays["v"],
             ints=ints,
             terms=arrays["terms"],
-            cope_NPH=arrays["cope"],
+            cope=arrays["cope"],
+            gate_k_BSGH=arrays.get("gate_k"),
         )
         return _with_sink(arrays, o_BTNW, lse_BNT, ints, carries)
 
@@ -267,7 +273,7 @@ def attend(
         inputs = (q_BTNH, k_BTGH, v_BTGW, do_BTNW)
         delta_BNT = jnp.moveaxis(delta_BTN, 2, 1) - dlse_BNT
         stats = {"lse_BNT": lse_BNT, "delta_BNT": delta_BNT}
-        d_cope_NPH = d_relative_PH = None
+        d_cope, d_relative_PH = None, None
         if rel is not None:
             dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_relative_PH = relative_backward_calls(
                 plan,
@@ -279,13 +285,14 @@ def attend(
                 table_PH=arrays["relative"],
             )
         else:
-            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope_NPH = backward_kernels(
+            dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_cope = backward_kernels(
                 plan,
                 *inputs,
                 **stats,
                 ints=ints,
                 terms=arrays["terms"],
-                cope_NPH=arrays["cope"],
+                cope=arrays["cope"],
+                gate_k_BSGH=arrays.get("gate_k"),
                 cope_counts=carries[0] if carries else None,
             )
         (batch, length), heads = k_BTGH.shape[:2], q_BTNH.shape[-2]
@@ -307,9 +314,12 @@ def attend(
                 }
                 for g in term_grads
             ],
-            "cope": d_cope_NPH,
+            "cope": None if d_cope is None else d_cope["params"],
             "sink": None,
         }
+        if "gate_k" in arrays:  # per query head, like dk
+            gate_k = arrays["gate_k"]
+            grads["gate_k"] = None if gate_k is None else per_kv_head(d_cope["gate_k"], gate_k)
         if rel is not None:
             grads["relative"] = d_relative_PH
         if arrays["sink"] is not None:

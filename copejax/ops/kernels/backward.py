@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
-from copejax.ops.kernels.operands import query_spec, term_operands, term_refs
+from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
 from copejax.ops.kernels.pullbacks import (
     key_tile_sums,
     pull_key_values_and_params,
@@ -175,16 +175,18 @@ def backward_calls(
     delta_BNT: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
-    cope_NPH: jax.Array | None = None,
+    cope: tuple | None = None,
+    gate_k_BSGH: jax.Array | None = None,
     cope_counts: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], jax.Array | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments;
     ``cope_counts``: the forward's counts entering each key tile).
 
     Returns:
       (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW float32 per query head, the terms'
       gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)},
-      CoPE's table gradient (N, P, H) or None).
+      CoPE's gradients {"params": per parameter (N, R, C), "gate_k": (B, S, N, H) float32
+      per query head or None}, or None without CoPE).
     """
     batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -219,16 +221,19 @@ def backward_calls(
         dq_body = stick_dq_kernel
         out_specs += [carry_spec, carry_spec]
         out_shape += [carry_shape] * 2
-    if plan.cope is not None:
-        dq_body, extra_in = cope_dq_kernel, [cope_NPH, cope_counts]
-        table_spec = pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i: (n, 0, 0))
-        term_specs = [*term_specs, table_spec, carry_spec]
+    if plan.cope is not None:  # also its parameters' gradients per query tile
+        gate_k = [gate_k_BSGH] if plan.cope.gate_keys else []
+        dq_body, extra_in = cope_dq_kernel, [*cope, *gate_k, cope_counts]
+        term_specs = [*term_specs, *per_head_specs(cope), *specs[1:2] * len(gate_k), carry_spec]
         out_specs += [carry_spec]
         out_specs += [
-            pl.BlockSpec((None, None, None, *cope_NPH.shape[1:]), lambda b, n, i: (b, n, i, 0, 0))
+            pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i: (b, n, i, 0, 0))
+            for x in cope
         ]
         out_shape += [carry_shape]
-        out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_q, *cope_NPH.shape[1:]), f32)]
+        out_shape += [
+            jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32) for x in cope
+        ]
     dq_BTNH, *dqv = pl.pallas_call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q),
@@ -241,9 +246,9 @@ def backward_calls(
     )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in)
     carries = dqv[len(q_terms) :]
     dqv = dqv[: len(q_terms)]
-    d_cope_NPH = None
+    d_cope = None
     if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
-        d_cope_NPH = jnp.sum(carries[1], axis=(0, 2))
+        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in carries[1:]), "gate_k": None}
         carries = [cope_counts, carries[0]]
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
@@ -285,9 +290,14 @@ def backward_calls(
     carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
     dkdv_body = stick_dkdv_kernel if plan.stick else _dkdv_kernel
     extra_in, extra_specs = [], []
-    if plan.cope is not None:
-        dkdv_body, extra_in = cope_dkdv_kernel, [cope_NPH]
-        extra_specs = [pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, j: (n, 0, 0))]
+    if plan.cope is not None:  # the gate keys' gradient per query head, like dk
+        dkdv_body, extra_in = cope_dkdv_kernel, [*cope]
+        extra_specs = per_head_specs(cope)
+        if plan.cope.gate_keys:
+            extra_in.append(gate_k_BSGH)
+            extra_specs.append(specs[1])
+            out_specs.append(out_specs[0])
+            out_shape.append(out_shape[0])
     dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
         functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k),
@@ -298,6 +308,8 @@ def backward_calls(
         compiler_params=compiler_params(dim),
         name="copejax_attention_dkdv",
     )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in, *carries)
+    if plan.cope is not None and plan.cope.gate_keys:
+        d_cope["gate_k"] = rest.pop()
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
@@ -306,4 +318,4 @@ def backward_calls(
         grads[i]["k"] = g
     for i, g in zip(p_terms, dparams, strict=True):
         grads[i]["params"] = g
-    return dq_BTNH, dk_BSNH, dv_BSNW, grads, d_cope_NPH
+    return dq_BTNH, dk_BSNH, dv_BSNW, grads, d_cope

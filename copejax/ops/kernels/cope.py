@@ -9,111 +9,133 @@ a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value
 derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
 gather. ``z`` for the tile (Q, P) is one more matmul per pair.
 
-The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, e, c);
-the kernels differentiate it with ``jax.vjp``. The forward writes the carry entering each key
-tile (B, N, count_k, T). The dq kernel walks the key tiles oldest first: the cotangent of the
-carry leaving tile t is the sum of the older tiles' pulls on their entering carries, so it is
-known when tile t is reached; it writes that cotangent per tile for the dk / dv kernel, whose
-programs own a key tile. Both carries are O(T^2 / K) floats per head. Supported: the
-paper's default gates on the content logits ("keys") and the interpolated term, with a table
-shared by the heads or one per head, ``scale_position_term`` and ``force_unit_gates``.
-Shape letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
+The paper's other variants: gates from a second key-side operand, ``sigmoid(q_i . k'_j /
+sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s
+``gate_k_BSGH``, per key/value head like k: one more (K, H) load and float32 matmul per pair,
+its gradient summed per key tile like dk), and the position terms "alibi" and "mlp" in place
+of the interpolation (:mod:`copejax.ops.kernels.cope_terms`).
+
+The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, the
+term's parameters, c, and the gate keys); the kernels differentiate it with ``jax.vjp``. The
+forward writes the carry entering each key tile (B, N, count_k, T). The dq kernel walks the
+key tiles oldest first: the cotangent of the carry leaving tile t is the sum of the older
+tiles' pulls on their entering carries, so it is known when tile t is reached; it writes that
+cotangent per tile for the dk / dv kernel, whose programs own a key tile. Both carries are
+O(T^2 / K) floats per head. Supported: every gate ("keys", "sep_keys", "values") and position
+term ("interpolate" with a table shared by the heads or one per head, "alibi", "mlp"),
+``scale_position_term`` and ``force_unit_gates``. The term's parameters' gradients are summed
+per query tile in the dq kernel and added up outside. Shape letters as in
+:mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.cope_terms import (
+    CopeStatic,
+    CopeTerm,
+    gate_logits_QK,
+    position_term_QK,
+)
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
 from copejax.ops.kernels.stick import newer_ones_KK, tile_sum
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 
-
-@dataclasses.dataclass(frozen=True)
-class CopeStatic:
-    """CoPE's static options in the kernels: ``p_max``, the position term divided by sqrt(H)
-    (``scale_term``), every allowed gate 1 (``unit_gates``)."""
-
-    p_max: int
-    scale_term: bool = False
-    unit_gates: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class CopeTerm:
-    """CoPE in the kernels: its table ``e``, (P, H) shared by the heads or (N, P, H) one per
-    head, and its static options."""
-
-    table: jax.Array
-    static: CopeStatic
-
-
-def interpolate_QK(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
-    """``z_i`` read at the fractional ``p_ij`` in [0, P - 1] by linear interpolation."""
-    rows_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
-    out_QK = jnp.zeros(p_QK.shape, jnp.float32)
-    for row in range(z_QP.shape[1]):
-        z_Q1 = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1, keepdims=True)
-        out_QK = out_QK + z_Q1 * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
-    return out_QK
+__all__ = [  # CopeStatic and CopeTerm live with the term's maths; callers import them here
+    "CopeStatic",
+    "CopeTerm",
+    "cope_dkdv_kernel",
+    "cope_dq_kernel",
+    "cope_forward_kernel",
+    "cope_refs",
+    "cope_scores_QK",
+    "pair_scores",
+]
 
 
 def cope_scores_QK(
     static: CopeStatic,
     logits_QK: jax.Array,
     q_QH: jax.Array,
-    e_PH: jax.Array,
+    params: tuple,
     *,
     c_Q: jax.Array,
     allowed_QK: jax.Array,
+    gk_KH: jax.Array | None = None,
+    backward: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
-    given its content logits and the newer tiles' count ``c_Q``, (Q,) on a GPU or (Q, 1) on a
-    TPU (the total takes its shape); float32. The kernels take the logits' cotangent through
-    the content matmul themselves, in the inputs' dtype."""
+    given its content logits, the term's parameters, the newer tiles' count ``c_Q``, (Q,) on
+    a GPU or (Q, 1) on a TPU (the total takes its shape), and the gate keys (None: the gates
+    read the content logits); float32. The kernels take the logits' cotangent through the
+    content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
-        gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(logits_QK), 0.0)
+        gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
+        gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits), 0.0)
     within_QK = tile_sum(gates_QK, newer_ones_KK(gates_QK.shape[1], inclusive=True))
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
     p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
-    z_QP = jax.lax.dot_general(
-        q_QH.astype(jnp.float32),
-        e_PH,
-        (((1,), (1,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+    term_QK = position_term_QK(
+        static.position_term,
+        q_QH,
+        params,
+        p_QK,
+        units=static.mlp_units,
+        input_scale=static.mlp_scale,
+        backward=backward,
     )
-    term_QK = interpolate_QK(z_QP, p_QK)
     if static.scale_term:
         term_QK = term_QK / math.sqrt(q_QH.shape[-1])
     return logits_QK + term_QK, jnp.sum(gates_QK, axis=1, keepdims=c_Q.ndim == 2)
 
 
-def pair_scores(plan: Plan, logits_QK, q_QH, e_PH, *, c_Q, allowed_QK, inputs) -> tuple:
+def pair_scores(
+    plan: Plan, logits_QK, q_QH, params, *, c_Q, allowed_QK, inputs, gk_KH=None, backward=False
+) -> tuple:
     """The pair's masked scores (CoPE's and the other terms') and gate total."""
-    s_QK, total_Q = cope_scores_QK(plan.cope, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK)
+    s_QK, total_Q = cope_scores_QK(
+        plan.cope,
+        logits_QK,
+        q_QH,
+        params,
+        c_Q=c_Q,
+        allowed_QK=allowed_QK,
+        gk_KH=gk_KH,
+        backward=backward,
+    )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])
     return jnp.where(allowed_QK, s_QK, MASKED_LOGIT), total_Q
+
+
+def cope_refs(refs: list, static: CopeStatic) -> tuple[list, Any, list]:
+    """(the term's parameter refs, the gate keys' ref or None, the refs after them)."""
+    count = static.num_params
+    gk_ref = refs[count] if static.gate_keys else None
+    return refs[:count], gk_ref, refs[count + static.gate_keys :]
 
 
 def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     """The forward program of one query tile; also writes the carry entering each key tile."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
-    e_ref, o_ref, lse_ref, c_out_ref = refs[8 + num_term_refs :]
+    cope_p_refs, gk_ref, (o_ref, lse_ref, c_out_ref) = cope_refs(
+        list(refs[8 + num_term_refs :]), plan.cope
+    )
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
-    q_QH, q_pos_Q, q_seg_Q, e_PH = q_ref[...], qpos_ref[...], qseg_ref[...], e_ref[...]
+    q_QH, q_pos_Q, q_seg_Q = q_ref[...], qpos_ref[...], qseg_ref[...]
+    cope_params = tuple(r[...] for r in cope_p_refs)
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     first, end = plan.key_tiles(qi)
@@ -132,7 +154,14 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             logits_QK = content_logits_QK(q_QH, k_ref[keys, :])
             s_QK, total_Q = pair_scores(
-                plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+                plan,
+                logits_QK,
+                q_QH,
+                cope_params,
+                c_Q=c_Q,
+                allowed_QK=allowed_QK,
+                inputs=inputs,
+                gk_KH=None if gk_ref is None else gk_ref[keys, :],
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
@@ -160,17 +189,20 @@ def _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax
 
 
 def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dq, the table's partial gradient, the terms' per-query gradients, and the carry
-    cotangent leaving each key tile; key tiles oldest first."""
+    """dq, the position term's parameters' partial gradients, the terms' per-query
+    gradients, and the carry cotangent leaving each key tile; key tiles oldest first."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    e_ref, c_in_ref, dq_ref, *rest = refs[11 + num_term_refs :]
-    dqv_refs, dc_out_ref, de_ref = rest[:-2], rest[-2], rest[-1]
+    cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
+    c_in_ref, dq_ref, *rest = rest
+    count = plan.cope.num_params
+    dqv_refs, dc_out_ref, dparam_refs = rest[: -1 - count], rest[-1 - count], rest[-count:]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
     q_QH, do_QW, lse_Q, delta_Q = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_pos_Q, q_seg_Q, e_PH = qpos_ref[...], qseg_ref[...], e_ref[...]
+    q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
+    cope_params = tuple(r[...] for r in cope_p_refs)
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
@@ -182,54 +214,72 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
 
         def compute(state: tuple) -> tuple:
-            dq_QH, de_PH, dqv, dc_Q = state
+            dq_QH, d_params, dqv, dc_Q = state
             dc_out_ref[pl.ds(kj, 1), :] = dc_Q[None, :]
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_KH, k_pos_K, v_KW = k_ref[keys, :], kpos_ref[keys], v_ref[keys, :]
             k_values = [None if r is None else r[keys] for r in kv_refs]
+            gk_KH = None if gk_ref is None else gk_ref[keys, :]
 
-            def scores(logits_QK, q_QH, e_PH, c_Q, qv):
+            def scores(logits_QK, q_QH, cope_params, c_Q, qv):
                 inputs = (params, qv, k_values, q_pos_Q, k_pos_K)
                 return pair_scores(
-                    plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+                    plan,
+                    logits_QK,
+                    q_QH,
+                    cope_params,
+                    c_Q=c_Q,
+                    allowed_QK=allowed_QK,
+                    inputs=inputs,
+                    gk_KH=gk_KH,
+                    backward=True,
                 )
 
             c_Q = c_in_ref[pl.ds(kj, 1), :][0]
-            primals = (content_logits_QK(q_QH, k_KH), q_QH, e_PH, c_Q, q_values)
+            primals = (content_logits_QK(q_QH, k_KH), q_QH, cope_params, c_Q, q_values)
             (s_QK, _), pull = jax.vjp(scores, *primals)
             _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
-            d_logits, d_q, d_e, d_c, d_qv = pull((ds_QK, dc_Q))
+            d_logits, d_q, d_p, d_c, d_qv = pull((ds_QK, dc_Q))
             d_logits = (d_logits * scale).astype(k_KH.dtype)
             d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
             dqv = add_present(dqv, d_qv)
+            d_params = tuple(a + g for a, g in zip(d_params, d_p, strict=True))
             # the carry entering this tile left the newer one: its cotangent, d c, passes on
-            return dq_QH + d_q, de_PH + d_e, dqv, dc_Q + d_c
+            return dq_QH + d_q, d_params, dqv, dc_Q + d_c
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
-    init = (jnp.zeros(q_QH.shape, jnp.float32), jnp.zeros(e_PH.shape, jnp.float32))
+    init = (
+        jnp.zeros(q_QH.shape, jnp.float32),
+        tuple(jnp.zeros(x.shape, jnp.float32) for x in cope_params),
+    )
     init = (*init, [zeros_Q for _ in dqv_refs], zeros_Q)
-    dq_QH, de_PH, dqv, _ = jax.lax.fori_loop(first, end, pair, init)
+    dq_QH, d_params, dqv, _ = jax.lax.fori_loop(first, end, pair, init)
     dq_ref[...] = dq_QH.astype(dq_ref.dtype)
-    de_ref[...] = de_PH
+    for ref, value in zip(dparam_refs, d_params, strict=True):
+        ref[...] = value
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value
 
 
 def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dk, dv, the terms' per-key gradients and parameters, from the saved carries."""
+    """dk, dv, the gate keys' gradient, the terms' per-key gradients and parameters, from
+    the saved carries."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    e_ref, c_in_ref, dc_in_ref = refs[11 + num_term_refs : 14 + num_term_refs]
-    dk_ref, dv_ref, *grad_refs = refs[14 + num_term_refs :]
+    cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
+    c_in_ref, dc_in_ref, dk_ref, dv_ref, *grad_refs = rest
+    dgk_ref = grad_refs.pop() if gk_ref is not None else None
     num_dkv = sum(h[2] for h in has)
     dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
     kj = pl.program_id(2)
     k_first = kj * plan.size_k
-    k_KH, v_KW, e_PH = k_ref[...], v_ref[...], e_ref[...]
+    k_KH, v_KW = k_ref[...], v_ref[...]
+    cope_params = tuple(r[...] for r in cope_p_refs)
+    gk_KH = None if gk_ref is None else gk_ref[...]
     k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
     params = [None if r is None else r[...] for r in p_refs]
     k_values = [None if r is None else r[...] for r in kv_refs]
@@ -241,34 +291,48 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         q_seg_Q = qseg_ref[queries]
 
         def compute(state: tuple) -> tuple:
-            dk_KH, dv_KW, dkv, dparams = state
+            (dk_KH, dv_KW, dkv, dparams), dgk_KH = state
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
             q_values = [None if r is None else r[queries] for r in qv_refs]
 
-            def scores(logits_QK, p, kv):
+            def scores(logits_QK, p, kv, gk_KH):
                 inputs = (p, q_values, kv, q_pos_Q, k_pos_K)
                 c_Q = c_in_ref[queries]
                 return pair_scores(
-                    plan, logits_QK, q_QH, e_PH, c_Q=c_Q, allowed_QK=allowed_QK, inputs=inputs
+                    plan,
+                    logits_QK,
+                    q_QH,
+                    cope_params,
+                    c_Q=c_Q,
+                    allowed_QK=allowed_QK,
+                    inputs=inputs,
+                    gk_KH=gk_KH,
+                    backward=True,
                 )
 
             logits_QK = content_logits_QK(q_QH, k_KH)
-            (s_QK, _), pull = jax.vjp(scores, logits_QK, params, k_values)
+            (s_QK, _), pull = jax.vjp(scores, logits_QK, params, k_values, gk_KH)
             dp_QK = dot_f32(do_QW, v_KW, (1, 1))
             lse_Q, delta_Q = lse_ref[queries], delta_ref[queries]
             p_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-            d_logits, d_p, d_kv = pull((ds_QK, dc_in_ref[queries]))
+            d_logits, d_p, d_kv, d_gk = pull((ds_QK, dc_in_ref[queries]))
             d_logits = (d_logits * scale).astype(q_QH.dtype)
             d_k = dot_f32(d_logits, q_QH, (0, 0))
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
             dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
-            return dk_KH + d_k, dv_KW, dkv, dparams
+            if d_gk is not None:
+                dgk_KH = dgk_KH + d_gk
+            return (dk_KH + d_k, dv_KW, dkv, dparams), dgk_KH
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     first, end = plan.query_tiles(kj)
     refs = (dkv_refs, dp_refs)
-    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, refs))
+    dgk_KH = None if gk_KH is None else jnp.zeros(gk_KH.shape, jnp.float32)
+    init = (key_tile_sums(plan, k_KH, v_KW, refs), dgk_KH)
+    sums, dgk_KH = jax.lax.fori_loop(first, end, pair, init)
     write_key_tile_sums(sums, dk_ref, dv_ref, refs)
+    if dgk_ref is not None:
+        dgk_ref[...] = dgk_KH

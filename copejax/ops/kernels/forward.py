@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_forward_kernel
-from copejax.ops.kernels.operands import query_spec, term_operands, term_refs
+from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
 from copejax.ops.kernels.stick import stick_forward_kernel
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
@@ -84,7 +84,8 @@ def forward_call(
     *,
     ints: dict[str, jax.Array],
     terms: list[dict],
-    cope_NPH: jax.Array | None = None,
+    cope: tuple | None = None,
+    gate_k_BSGH: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """Runs the forward kernel on padded inputs.
 
@@ -93,7 +94,9 @@ def forward_call(
         ``plan.chunk`` the queries per key chunk, (B, M, T, N, H).
       ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank".
       terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
-      cope_NPH: CoPE's table per head, with ``plan.cope``.
+      cope: CoPE's parameters per head, (N, R, C) each, with ``plan.cope``
+        (:meth:`copejax.ops.kernels.cope_terms.CopeTerm.per_head`).
+      gate_k_BSGH: CoPE's gate keys (sep-keys, val-gates) with ``plan.cope.gate_keys``.
 
     Returns:
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
@@ -128,13 +131,13 @@ def forward_call(
         jax.ShapeDtypeStruct((batch, heads, length_q), jnp.float32),
     ]
     extra = []
-    if plan.cope is not None:
+    if plan.cope is not None:  # the term's parameters, the gate keys (whole, like k)
         body, rows = cope_forward_kernel, plan.carry_rows
-        extra = [cope_NPH]
-        term_specs = [
-            *term_specs,
-            pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i: (n, 0, 0)),
-        ]
+        extra = list(cope)
+        term_specs = [*term_specs, *per_head_specs(cope)]
+        if plan.cope.gate_keys:
+            extra.append(gate_k_BSGH)
+            term_specs.append(in_specs[1])
         out_specs.append(
             pl.BlockSpec((None, None, rows, plan.size_q), lambda b, n, i: (b, n, 0, i))
         )

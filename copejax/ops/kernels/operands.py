@@ -63,3 +63,9 @@ def query_spec(
         return (b, 0, *rest)
 
     return pl.BlockSpec((None, shape[1], rows, None, shape[-1]), chunked)
+
+
+def per_head_specs(arrays: tuple) -> list[pl.BlockSpec]:
+    """Block specs of (N, R, C) arrays (CoPE's parameters) read whole by head, for a grid
+    (b, n, tile)."""
+    return [pl.BlockSpec((None, *x.shape[1:]), lambda b, n, i: (n, 0, 0)) for x in arrays]

@@ -42,6 +42,7 @@ from copejax.ops.kernels.tpu_params import (
     term_operands,
     tile_index,
     tpu_ints,
+    tpu_per_head_specs,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
@@ -106,17 +107,21 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     main = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    # stick-breaking's r and u entering this key tile; CoPE's table, count and its cotangent
-    num_extra = 2 if plan.stick else 3 if plan.cope is not None else 0
+    # stick-breaking's r and u entering this key tile; CoPE's parameters, gate keys, count
+    # and its cotangent (and then the gate keys' gradient after the terms')
+    cope, gate_keys = plan.cope is not None, plan.cope is not None and plan.cope.gate_keys
+    num_extra = 2 if plan.stick else plan.cope.num_params + gate_keys + 2 if cope else 0
     extra = refs[11 + num_term_refs : 11 + num_term_refs + num_extra]
     outs = refs[11 + num_term_refs + num_extra :]
-    num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has)
-    grad_refs, accs = outs[:num_grads], outs[num_grads:]
+    num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has) + gate_keys
+    grad_refs, all_accs = outs[:num_grads], outs[num_grads:]
+    accs = all_accs[: len(all_accs) - gate_keys]
+    dgk_acc = all_accs[-1] if gate_keys else None
     kj, qi = pl.program_id(2), pl.program_id(3)
 
     @pl.when(qi == 0)
     def _init() -> None:
-        for acc in accs:
+        for acc in all_accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
@@ -126,8 +131,10 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
         terms, term_grads = (params, q_values, k_values), None
         pair_refs = (*main, qpos_ref, kpos_ref)
-        if plan.cope is not None:  # dS here is the content logits' cotangent
-            p_QK, ds_QK, term_grads = cope_pair(plan, pair_refs, mask_args, terms, extra)
+        if cope:  # dS here is the content logits' cotangent
+            p_QK, ds_QK, term_grads, d_gk = cope_pair(plan, pair_refs, mask_args, terms, extra)
+            if dgk_acc is not None:
+                dgk_acc[...] += d_gk
         elif plan.stick:
             p_QK, ds_QK, inputs = stick_pair(plan, pair_refs, mask_args, terms, extra)
         else:
@@ -153,7 +160,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish() -> None:
-        for ref, acc in zip(grad_refs, accs, strict=True):
+        for ref, acc in zip(grad_refs, all_accs, strict=True):
             ref[...] = acc[...]
 
 
@@ -168,9 +175,10 @@ def tpu_backward_calls(
     delta_BNT: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
-    cope_NPH: jax.Array | None = None,
+    cope: tuple | None = None,
+    gate_k_BSGH: jax.Array | None = None,
     cope_counts: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], None]:
+) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both TPU backward kernels, with the arguments and results of
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
     counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, T, 1)).
@@ -227,20 +235,22 @@ def tpu_backward_calls(
         out_specs += [carry_out] * 2
         out_shape += [carry_shape] * 2
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
-    if plan.cope is not None:  # also the table's gradient per query tile (B, N, count_q, P, H)
-        dq_body, num_outs = cope_dq_kernel, 2
-        rows = cope_NPH.shape[1:]
-        extra_in = [cope_NPH, cope_counts]
-        extra_specs = [
-            pl.BlockSpec((None, *rows), lambda b, n, i, j: (n, 0, 0)),
-            pl.BlockSpec((None, None, None, sq, 1), lambda b, n, i, j: (b, n, k_tile(i, j), i, 0)),
-        ]
-        out_specs += [
-            carry_out,
-            pl.BlockSpec((None, None, None, *rows), lambda b, n, i, j: (b, n, i, 0, 0)),
-        ]
-        out_shape += [carry_shape, jax.ShapeDtypeStruct((batch, heads, plan.count_q, *rows), f32)]
-        scratch += [pltpu.VMEM((sq, 1), f32), pltpu.VMEM(rows, f32)]
+    gate_k = [] if gate_k_BSGH is None else [by_query_heads(gate_k_BSGH)]
+    if plan.cope is not None:  # also its parameters' gradients per query tile (B, N, count_q, ..)
+        dq_body, num_outs = cope_dq_kernel, 1 + len(cope)
+        extra_in = [*cope, *gate_k, cope_counts]
+        extra_specs = [*tpu_per_head_specs(cope), *specs(q_tile, k_tile)[1:2] * len(gate_k)]
+        extra_specs.append(
+            pl.BlockSpec((None, None, None, sq, 1), lambda b, n, i, j: (b, n, k_tile(i, j), i, 0))
+        )
+        out_specs.append(carry_out)
+        out_shape.append(carry_shape)
+        for x in cope:
+            out_specs.append(
+                pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i, j: (b, n, i, 0, 0))
+            )
+            out_shape.append(jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32))
+        scratch += [pltpu.VMEM((sq, 1), f32)] + [pltpu.VMEM(x.shape[1:], f32) for x in cope]
     dq_BNTH, *dqv = call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q, plan.count_k),
@@ -252,12 +262,12 @@ def tpu_backward_calls(
     )(*operands, *term_in, *extra_in)
     carries = dqv[len(dqv) - num_outs :]
     dqv = dqv[: len(dqv) - num_outs]
-    d_cope_NPH, extra_in, extra_specs = None, [], []
+    d_cope, extra_in, extra_specs = None, [], []
     if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
-        d_cope_NPH = jnp.sum(carries[1], axis=(0, 2))
+        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in carries[1:]), "gate_k": None}
         carries = [cope_counts, carries[0]]
-        extra_in = [cope_NPH]
-        extra_specs = [pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, j, i: (n, 0, 0))]
+        extra_in = [*cope, *gate_k]
+        extra_specs = tpu_per_head_specs(cope)
 
     # dk, dv: grid (b, n, key tile j, query tile i), query tiles clamped to those seeing j.
     q_tile = lambda j, i: tile_index(plan, j, i, keys=False)
@@ -285,6 +295,11 @@ def tpu_backward_calls(
     scratch = [pltpu.VMEM((sk, dim), f32), pltpu.VMEM((sk, width), f32)]
     scratch += [pltpu.VMEM((1, sk), f32)] * len(k_terms)
     scratch += [pltpu.VMEM((1, size), f32) for size in p_sizes]
+    if gate_k:  # read like k; their gradient per query head, like dk
+        extra_specs = [*extra_specs, specs(q_tile, k_tile)[1]]
+        out_specs.append(out_specs[0])
+        out_shape.append(out_shape[0])
+        scratch.append(scratch[0])
     carry_spec = pl.BlockSpec(
         (None, None, None, sq, 1), lambda b, n, j, i: (b, n, j, q_tile(j, i), 0)
     )
@@ -297,6 +312,8 @@ def tpu_backward_calls(
         scratch_shapes=scratch,
         name="copejax_attention_dkdv_tpu",
     )(*operands, *term_in, *extra_in, *carries)
+    if gate_k:
+        d_cope["gate_k"] = from_query_heads(rest.pop())
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
@@ -310,5 +327,5 @@ def tpu_backward_calls(
         from_query_heads(dk_BNSH),
         from_query_heads(dv_BNSW),
         grads,
-        d_cope_NPH,
+        d_cope,
     )

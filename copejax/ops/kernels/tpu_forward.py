@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from copejax.ops.kernels.cope import pair_scores
+from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
@@ -39,6 +39,7 @@ from copejax.ops.kernels.tpu_params import (
     term_operands,
     tile_index,
     tpu_ints,
+    tpu_per_head_specs,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
@@ -53,7 +54,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
     rest = list(refs[8 + num_term_refs :])
     cope = plan.cope is not None
-    e_ref = rest.pop(0) if cope else None
+    cope_p_refs, gk_ref, rest = cope_refs(rest, plan.cope) if cope else ([], None, rest)
     o_ref, lse_ref = rest[:2]
     c_out, max_ref, sum_ref, acc_ref, c_acc = rest[2:] if cope else (None, *rest[2:], None)
     qi, step = pl.program_id(2), pl.program_id(3)
@@ -80,10 +81,11 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 plan,
                 content_logits_QK(q_QH, k_KH),
                 q_QH,
-                e_ref[...],
+                read_refs(cope_p_refs),
                 c_Q=c_acc[...],
                 allowed_QK=allowed_QK,
                 inputs=inputs,
+                gk_KH=None if gk_ref is None else gk_ref[...],
             )
             c_acc[...] += total_Q1
         else:
@@ -116,7 +118,8 @@ def tpu_forward_call(
     *,
     ints: dict[str, jax.Array],
     terms: list[dict],
-    cope_NPH: jax.Array | None = None,
+    cope: tuple | None = None,
+    gate_k_BSGH: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """Runs the TPU forward kernel on padded inputs, with the arguments and results of
     :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside).
@@ -128,8 +131,7 @@ def tpu_forward_call(
     batch, length_q, heads, dim = q_BTNH.shape
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
-    cope = plan.cope is not None
-    newest_first = plan.stick or cope  # the tiles the carries sum over come first
+    newest_first = plan.stick or plan.cope is not None  # the carries sum over newer tiles
 
     def k_tile(i: jax.Array, j: jax.Array) -> jax.Array:
         return tile_index(plan, i, j, keys=True, newest_first=newest_first)
@@ -162,12 +164,12 @@ def tpu_forward_call(
         jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
     ]
     scratch, extra = [*stats, pltpu.VMEM((sq, width), jnp.float32)], []
-    if cope:  # the table (N, P, H); the count entering each key tile out, and in scratch
-        extra = [cope_NPH]
-        term_specs = [
-            *term_specs,
-            pl.BlockSpec((None, *cope_NPH.shape[1:]), lambda b, n, i, j: (n, 0, 0)),
-        ]
+    if plan.cope is not None:  # parameters, gate keys (like k); the count entering each tile
+        extra = list(cope)
+        term_specs = [*term_specs, *tpu_per_head_specs(cope)]
+        if plan.cope.gate_keys:
+            extra.append(by_query_heads(gate_k_BSGH))
+            term_specs.append(specs[1])
         out_specs.append(
             pl.BlockSpec(
                 (None, None, None, sq, 1),

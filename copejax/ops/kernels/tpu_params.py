@@ -200,3 +200,9 @@ def term_operands(
                 )
             )
     return tuple(has), operands, specs
+
+
+def tpu_per_head_specs(arrays: tuple) -> list[pl.BlockSpec]:
+    """Block specs of (N, R, C) arrays (CoPE's parameters) read whole by head, for a grid
+    (b, n, outer, walked)."""
+    return [pl.BlockSpec((None, *x.shape[1:]), lambda b, n, i, j: (n, 0, 0)) for x in arrays]

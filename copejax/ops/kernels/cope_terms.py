@@ -1,0 +1,282 @@
+"""CoPE's term in the fused kernels (Golovneva et al. 2024, arXiv 2405.18719): its options
+(:class:`CopeStatic`), its arrays (:class:`CopeTerm`) and its position terms on one tile pair.
+
+Given a pair's capped contextual positions ``p_QK``, each of the paper's three terms, exactly
+as :mod:`copejax.ops.cope` defines them:
+
+- "interpolate" (eq. 7-8): ``z_i[p_ij]``, ``z = q e^T`` (Q, P) read by linear interpolation
+  (:func:`interpolate_QK`);
+- "alibi" (eq. 10): ``m_h p_ij``, one signed slope per head;
+- "mlp" (CoPE-MLP, Appendix C): ``q_i . MLP(p_ij) = sum_f (q_i W_out)[f] gelu(w_in[f] p_ij
+  s + b_in[f])`` (``cope_mlp_term``, s = 1 / p_max). The MLP is nonlinear in p, so reading it
+  at the P integer positions and interpolating would not be exact: it is evaluated at every
+  pair's fractional p, one hidden unit at a time (a loop of F elementwise passes over the
+  tile, each with an erf, against the interpolation's P passes of a few flops). Its pull-back
+  (:func:`mlp_units_vjp`, a custom vjp) recomputes each unit instead of keeping F (Q, K)
+  residuals, so a pair holds O(QK + QF) floats whatever F. The forward kernels call the plain
+  :func:`mlp_units_QK`: Triton lowers no custom vjp.
+
+erf: Triton has no lowering of ``lax.erf``, so :func:`erf_f32` is Eigen's float32 rational
+approximation (which XLA's f32 erf lowering has used), clamped to [-4, 4]: within 4e-7 of
+erf everywhere (``tests/ops/kernels/test_cope_variants.py``).
+
+Per-head operands (:meth:`CopeTerm.per_head`), 2-D blocks on both backends: "interpolate"
+(e_PH,), "alibi" (m_11,), "mlp" (W_out_FH, [w_in; b_in]_2F), rows and columns padded to
+powers of two (Triton's block shapes); the loop runs over the F real units only. Shape
+letters: Q / K the tile's queries / keys, H head dim, P table rows, F the MLP's hidden units
+(padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.kernels.padding import MIN_BLOCK, power_of_two
+
+POSITION_TERMS = ("interpolate", "alibi", "mlp")
+# Eigen's float erf: x * alpha(x^2) / beta(x^2) on [-4, 4], highest power first.
+_ERF_ALPHA = (
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+)
+_ERF_BETA = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopeStatic:
+    """CoPE's static options in the kernels: ``p_max``, the position term divided by sqrt(H)
+    (``scale_term``), every allowed gate 1 (``unit_gates``), the ``position_term``
+    ("interpolate", "alibi" or "mlp", with the MLP's ``mlp_units`` hidden units and input
+    scale ``mlp_scale``, 1 / p_max in the model) and whether the gates read gate keys
+    (``gate_keys``, set by :meth:`CopeTerm.kernel_static`)."""
+
+    p_max: int
+    scale_term: bool = False
+    unit_gates: bool = False
+    position_term: str = "interpolate"
+    mlp_units: int = 0
+    mlp_scale: float = 1.0
+    gate_keys: bool = False
+
+    @property
+    def num_params(self) -> int:
+        """The per-head parameter operands (:mod:`copejax.ops.kernels.cope_terms`)."""
+        return 2 if self.position_term == "mlp" else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CopeTerm:
+    """CoPE in the kernels: the position term's parameters as the engine's block term holds
+    them (``params``: the table e, (P, H) shared by the heads or (N, P, H) one per head;
+    "alibi": the signed slopes (N,); "mlp": (w_in_F, b_in_F, w_out_FH)), its static options,
+    and the gates' keys (sep-keys' ``k' = W x`` or val-gates' v, (B, S, G, H) per key/value
+    head) or None: gates on the content logits."""
+
+    params: Any
+    static: CopeStatic
+    gate_k_BSGH: jax.Array | None = None
+
+    def kernel_static(self) -> CopeStatic:
+        """The static options with ``gate_keys`` as the term has them."""
+        return dataclasses.replace(self.static, gate_keys=self.gate_k_BSGH is not None)
+
+    def per_head(self, heads: int) -> tuple[jax.Array, ...]:
+        """The parameters as the kernels read them, float32 (N, R, C) each, R and C padded
+        to powers of two with zeros (capped positions never reach padded table rows; the
+        MLP's loop skips padded units)."""
+        kind = self.static.position_term
+        if kind == "alibi":
+            slopes = jnp.broadcast_to(jnp.asarray(self.params, jnp.float32), (heads,))
+            return (slopes.reshape(heads, 1, 1),)
+        if kind == "interpolate":
+            return (_padded(self.params, heads, rows=True),)
+        w_in_F, b_in_F, w_out_FH = self.params
+        units = max(MIN_BLOCK, power_of_two(w_out_FH.shape[0]))  # q W_out^T: a Triton matmul
+        vec_2F = jnp.stack([w_in_F, b_in_F])
+        w_out = _padded(w_out_FH, heads, rows=True, size=units)
+        return w_out, _padded(vec_2F, heads, rows=False, size=units)
+
+
+def _padded(x: jax.Array, heads: int, *, rows: bool, size: int | None = None) -> jax.Array:
+    """x (R, C) or (N, R, C) as float32 (N, R, C), its rows (or columns) padded to ``size``
+    (default: a power of two)."""
+    x = jnp.broadcast_to(x.astype(jnp.float32), (heads, *x.shape[-2:]))
+    axis = 1 if rows else 2
+    widths = [(0, 0)] * 3
+    widths[axis] = (0, (size or power_of_two(x.shape[axis])) - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def erf_f32(x: jax.Array) -> jax.Array:
+    """erf(x) in float32 from elementwise ops every Pallas backend lowers."""
+    x = jnp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    alpha = x2 * _ERF_ALPHA[0] + _ERF_ALPHA[1]
+    for c in _ERF_ALPHA[2:]:
+        alpha = alpha * x2 + c
+    beta = x2 * _ERF_BETA[0] + _ERF_BETA[1]
+    for c in _ERF_BETA[2:]:
+        beta = beta * x2 + c
+    return x * alpha / beta
+
+
+def gelu_f32(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(gelu(a), gelu'(a)), the exact (erf) GELU as ``jax.nn.gelu(approximate=False)``."""
+    cdf = (erf_f32(a / math.sqrt(2.0)) + 1.0) / 2.0
+    return a * cdf, cdf + a * jnp.exp(-0.5 * a * a) * _INV_SQRT_2PI
+
+
+def interpolate_QK(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
+    """``z_i`` read at the fractional ``p_ij`` in [0, P - 1] by linear interpolation: a sum
+    over the P rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the value and derivative of
+    :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no gather."""
+    rows_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
+    out_QK = jnp.zeros(p_QK.shape, jnp.float32)
+    for row in range(z_QP.shape[1]):
+        z_Q1 = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1, keepdims=True)
+        out_QK = out_QK + z_Q1 * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
+    return out_QK
+
+
+def _column(x_QF: jax.Array, f: jax.Array) -> jax.Array:
+    """Column f of x as (Q, 1) (a masked sum: no dynamic slice of a register tile)."""
+    cols_QF = jax.lax.broadcasted_iota(jnp.int32, x_QF.shape, 1)
+    return jnp.sum(jnp.where(cols_QF == f, x_QF, 0.0), axis=1, keepdims=True)
+
+
+def _entry(x_2F: jax.Array, row: int, f: jax.Array) -> jax.Array:
+    """x[row, f] as (1, 1)."""
+    rows_2F = jax.lax.broadcasted_iota(jnp.int32, x_2F.shape, 0)
+    picked_2F = jnp.where(rows_2F == row, x_2F, 0.0)
+    return jnp.sum(_column(picked_2F, f), axis=0, keepdims=True)
+
+
+def _total(x_QK: jax.Array) -> jax.Array:
+    """The sum of x as (1, 1)."""
+    return jnp.sum(jnp.sum(x_QK, axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def _unit_input(x_QK: jax.Array, vec_2F: jax.Array, f: jax.Array) -> tuple:
+    """(w_in[f], the unit's pre-activation w_in[f] x + b_in[f])."""
+    w_11 = _entry(vec_2F, 0, f)
+    return w_11, x_QK * w_11 + _entry(vec_2F, 1, f)
+
+
+def mlp_units_QK(
+    qw_QF: jax.Array, p_QK: jax.Array, vec_2F: jax.Array, units: int, input_scale: float
+) -> jax.Array:
+    """``sum_f qw[:, f] gelu(w_in[f] p s + b_in[f])`` over the first ``units`` hidden units,
+    float32 (Q, K); ``qw = q W_out^T``, ``vec_2F`` the rows w_in and b_in."""
+    x_QK = p_QK * input_scale
+
+    def unit(f: jax.Array, out_QK: jax.Array) -> jax.Array:
+        hidden_QK, _ = gelu_f32(_unit_input(x_QK, vec_2F, f)[1])
+        return out_QK + _column(qw_QF, f) * hidden_QK
+
+    return jax.lax.fori_loop(0, units, unit, jnp.zeros(p_QK.shape, jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def mlp_units_vjp(qw_QF, p_QK, vec_2F, units: int, input_scale: float) -> jax.Array:
+    """:func:`mlp_units_QK` with a pull-back that recomputes each unit (see the module)."""
+    return mlp_units_QK(qw_QF, p_QK, vec_2F, units, input_scale)
+
+
+def _mlp_forward(qw_QF, p_QK, vec_2F, units, input_scale):
+    return mlp_units_QK(qw_QF, p_QK, vec_2F, units, input_scale), (qw_QF, p_QK, vec_2F)
+
+
+def _mlp_backward(units: int, input_scale: float, residuals: tuple, g_QK: jax.Array) -> tuple:
+    qw_QF, p_QK, vec_2F = residuals
+    x_QK = p_QK * input_scale
+    cols_QF = jax.lax.broadcasted_iota(jnp.int32, qw_QF.shape, 1)
+    rows_2F = jax.lax.broadcasted_iota(jnp.int32, vec_2F.shape, 0)
+    cols_2F = jax.lax.broadcasted_iota(jnp.int32, vec_2F.shape, 1)
+
+    def unit(f: jax.Array, state: tuple) -> tuple:
+        d_qw_QF, d_x_QK, d_vec_2F = state
+        w_11, a_QK = _unit_input(x_QK, vec_2F, f)
+        hidden_QK, slope_QK = gelu_f32(a_QK)
+        d_qw_QF = d_qw_QF + jnp.where(
+            cols_QF == f, jnp.sum(g_QK * hidden_QK, axis=1, keepdims=True), 0.0
+        )
+        d_a_QK = g_QK * _column(qw_QF, f) * slope_QK
+        d_x_QK = d_x_QK + d_a_QK * w_11
+        d_w_11, d_b_11 = _total(d_a_QK * x_QK), _total(d_a_QK)
+        d_vec_2F = d_vec_2F + jnp.where(cols_2F == f, jnp.where(rows_2F == 0, d_w_11, d_b_11), 0.0)
+        return d_qw_QF, d_x_QK, d_vec_2F
+
+    zeros = (jnp.zeros(qw_QF.shape, jnp.float32), jnp.zeros(p_QK.shape, jnp.float32))
+    init = (*zeros, jnp.zeros(vec_2F.shape, jnp.float32))
+    d_qw_QF, d_x_QK, d_vec_2F = jax.lax.fori_loop(0, units, unit, init)
+    return d_qw_QF, d_x_QK * input_scale, d_vec_2F
+
+
+mlp_units_vjp.defvjp(_mlp_forward, _mlp_backward)
+
+
+def _rows_matmul(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
+    """q . rows^T in float32 (HIGHEST: no TF32 for a position term)."""
+    return jax.lax.dot_general(
+        q_QH.astype(jnp.float32),
+        rows_RH,
+        (((1,), (1,)), ((), ())),
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def position_term_QK(
+    kind: str,
+    q_QH: jax.Array,
+    params: tuple,
+    p_QK: jax.Array,
+    *,
+    units: int = 0,
+    input_scale: float = 1.0,
+    backward: bool = False,
+) -> jax.Array:
+    """The position term of one pair, float32 (Q, K), from the capped positions ``p_QK``.
+
+    Args:
+      kind: one of :data:`POSITION_TERMS`.
+      q_QH: the tile's queries.
+      params: the head's operands (see the module): (e_PH,), (m_11,) or (W_out_FH, vec_2F).
+      p_QK: the pair's positions in [0, p_max - 1].
+      units, input_scale: the MLP's hidden units and the scale of its input (1 / p_max).
+      backward: the caller differentiates the term (the MLP's custom pull-back).
+    """
+    if kind == "interpolate":
+        (e_PH,) = params
+        return interpolate_QK(_rows_matmul(q_QH, e_PH), p_QK)
+    if kind == "alibi":
+        (m_11,) = params
+        return m_11 * p_QK
+    w_out_FH, vec_2F = params
+    qw_QF = _rows_matmul(q_QH, w_out_FH)
+    units_fn = mlp_units_vjp if backward else mlp_units_QK
+    return units_fn(qw_QF, p_QK, vec_2F, units, input_scale)
+
+
+def gate_logits_QK(q_QH: jax.Array, gk_KH: jax.Array) -> jax.Array:
+    """sep-keys' and val-gates' gate logits ``q . k' / sqrt(H)``, float32 like the naive
+    path's (``copejax.positions.cope``: both operands in float32)."""
+    return _rows_matmul(q_QH, gk_KH.astype(jnp.float32)) * (1.0 / math.sqrt(q_QH.shape[-1]))

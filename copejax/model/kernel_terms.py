@@ -17,9 +17,10 @@ functions, evaluated tile by tile in the kernels:
   units one by one), from c, L and the MLP as a row per head;
 - stickbreaking: no term; its normalizer runs in the kernels (:mod:`copejax.ops.kernels.stick`),
   with or without the query's own key, and with ``remainder_bias``'s extra value channel;
-- cope: its count carried across key tiles and its interpolated ``q . e[p]``
-  (:mod:`copejax.ops.kernels.cope`), for gates on the content logits (the default) and the
-  interpolated term, with the softmax; other gates and position terms are refused by name;
+- cope: its count carried across key tiles (:mod:`copejax.ops.kernels.cope`), every gate
+  (content logits, sep-keys, values) and position term (interpolated, ALiBi, MLP) of the
+  paper, with the softmax (:mod:`copejax.model.kernel_cope`: a table of more than 256 rows is
+  refused by name);
 - selective: the penalties ``-F`` accumulated from the selecting head's ReLU'd (or sigmoid)
   logits (:mod:`copejax.ops.kernels.selective`), with the softmax and the terms above;
   ``prune_threshold``, ``prune_budget`` and cope, Shaw's tables or stick-breaking beside it
@@ -52,11 +53,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from copejax.model.kernel_cope import cope_refusal, cope_term
 from copejax.model.kernel_path import PATH, path_refusal
 from copejax.model.kernel_tape import TAPE, tape_refusal
 from copejax.model.kernel_xl import XL, xl_refusal
 from copejax.ops.engine_blocks import BlockTerm
-from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.relative import RelativeTerm
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.terms import (
@@ -78,8 +80,6 @@ from copejax.positions.t5 import T5Bias, t5_bucket
 CONTENT_SITES = frozenset({"embed", "qk", "output"})
 # Schemes whose normalizer site the kernels implement (copejax.ops.kernels.stick).
 NORMALIZERS = frozenset({"stickbreaking"})
-# CoPE's table rows the kernels take: they interpolate by an unrolled loop over the rows.
-MAX_COPE_ROWS = 256
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
@@ -213,21 +213,6 @@ def _runs(part: PositionScheme) -> bool:
     return not other and (not _has_term(part) or known)
 
 
-def _cope_refusal(part: PositionScheme, dims: Dims | None) -> str | None:
-    """Why the kernels cannot run this CoPE variant (its options), or None."""
-    rows = part.p_max if dims is None else part.num_positions(dims)
-    if rows is not None and rows > MAX_COPE_ROWS:
-        return (
-            f"p_max={rows} table rows (the kernels read the table by a loop over its rows, "
-            f"unrolled: at most {MAX_COPE_ROWS})"
-        )
-    if part.gates != "keys":
-        return f"gates={part.gates!r} (the kernels gate on the content logits, 'keys')"
-    if part.position_term != "interpolate":
-        return f"position_term={part.position_term!r} (the kernels interpolate q . e[p])"
-    return None
-
-
 def _selective_refusal(part: PositionScheme, scheme: PositionScheme) -> str | None:
     """Why the kernels cannot run this selective attention (its options, or the parts it
     is combined with), or None."""
@@ -307,7 +292,7 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
         if not _runs(part):
             reason = NOT_YET.get(part.name, f"it acts at sites {part.sites}")
         elif part.name == "cope":
-            reason = _cope_refusal(part, dims)
+            reason = cope_refusal(part, dims)
             if reason is None and NORMALIZERS & set(names):
                 reason = "its count with another normalizer than the softmax"
         elif part.name == "selective":
@@ -377,11 +362,8 @@ def kernel_terms(
     for part, term in zip(with_terms, block_terms, strict=True):
         if part.name in ("selective", XL, PATH, *RELATIVE):  # by their own arguments
             continue
-        if part.name == "cope":  # its table e, (P, H) or (N, P, H)
-            static = CopeStatic(
-                part.num_positions(dims), part.scale_position_term, part.force_unit_gates
-            )
-            cope = CopeTerm(term.params, static)
+        if part.name == "cope":  # its parameters and gate keys
+            cope = cope_term(part, term, dims)
         else:
             terms.append(TERM_BUILDERS[part.name](part, term, dims))
     return tuple(terms), cope

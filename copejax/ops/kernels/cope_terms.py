@@ -100,14 +100,16 @@ class CopeTerm:
 
     def per_head(self, heads: int) -> tuple[jax.Array, ...]:
         """The parameters as the kernels read them, float32 (N, R, C) each, R and C padded
-        to powers of two with zeros (capped positions never reach padded table rows; the
+        to powers of two (the table's rows and the MLP's units to at least 16, Triton's
+        smallest matmul) with zeros (capped positions never reach padded table rows; the
         MLP's loop skips padded units)."""
         kind = self.static.position_term
         if kind == "alibi":
             slopes = jnp.broadcast_to(jnp.asarray(self.params, jnp.float32), (heads,))
             return (slopes.reshape(heads, 1, 1),)
-        if kind == "interpolate":
-            return (_padded(self.params, heads, rows=True),)
+        if kind == "interpolate":  # z = q e^T is a Triton matmul: at least 16 rows
+            rows = max(MIN_BLOCK, power_of_two(self.params.shape[-2]))
+            return (_padded(self.params, heads, rows=True, size=rows),)
         w_in_F, b_in_F, w_out_FH = self.params
         units = max(MIN_BLOCK, power_of_two(w_out_FH.shape[0]))  # q W_out^T: a Triton matmul
         vec_2F = jnp.stack([w_in_F, b_in_F])

@@ -226,7 +226,9 @@ def kernel_attention(
     }
     path = part_term(cfg.scheme, block_terms, PATH)
     if path is not None:  # the kernels between key chunks, XLA within them
-        return path_attention(path[1], q_BTNH, k_BSGH, v_BSGH, block=block, **shared)
+        return path_attention(
+            path[1], q_BTNH, k_BSGH, v_BSGH, block=block, backend=backend, **shared
+        )
     return fused_attention(
         q_BTNH,
         k_BSGH,

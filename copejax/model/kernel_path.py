@@ -47,6 +47,7 @@ from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
 from copejax.ops.kernels.terms import KernelTerm, tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT
+from copejax.ops.kernels.tpu_params import LANES, kernel_backend
 from copejax.ops.path_block import path_block_logits, path_wy
 from copejax.ops.segments import pair_allowed_BQK
 from copejax.positions.context import repeat_kv_heads
@@ -92,6 +93,7 @@ def path_attention(
     chunk: int | None = None,
     interpret: bool | None = None,
     sink_N: jax.Array | None = None,
+    backend: str | None = None,
 ) -> jax.Array:
     """Causal PaTH self-attention: the pairs between chunks on the fused kernels, those within
     a chunk in XLA.
@@ -104,6 +106,8 @@ def path_attention(
       window: sliding window W (no sink tokens: PaTH refuses them).
       block: the kernels' tile length; chunk: C (None: :func:`path_chunk`).
       sink_N: GPT-OSS's sink logit per head, joining each row's softmax denominator.
+      backend: the kernels' ("triton", "tpu" or None: "tpu" on a TPU); on a TPU C is at
+        least 128, its key tiles.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -112,7 +116,9 @@ def path_attention(
     batch, length, heads, dim = q_BTNH.shape
     kv_heads = k_BTGH.shape[2]
     groups = heads // kv_heads
-    chunk = path_chunk(length, dim, block) if chunk is None else chunk
+    backend = kernel_backend(backend)
+    tile = max(block, LANES) if backend == "tpu" else block
+    chunk = path_chunk(length, dim, tile) if chunk is None else chunk
     count = -(-length // chunk)
     padded = count * chunk
 
@@ -166,6 +172,7 @@ def path_attention(
             block_q=block,
             block_k=block,
             interpret=interpret,
+            backend=backend,
         )
         total_BTN = jnp.logaddexp(lse_BTN, between_lse_BTN)
         y_BTNW = (

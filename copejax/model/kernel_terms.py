@@ -30,14 +30,14 @@ functions, evaluated tile by tile in the kernels:
   max_distance), with the softmax, without cope and with the terms above;
 - path: the Householder-like products split at key chunks: across chunks the kernels with
   queries per chunk, within a chunk XLA (:mod:`copejax.model.kernel_path`), with the softmax
-  and the terms above; not on TPU;
+  and the terms above;
 - transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
   content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw;
 - tape: its qk site's q' and k' as the kernels' q and k, its carry's mixing (eq. 7) as float32
   value columns (:mod:`copejax.model.kernel_tape`), without cope, selective, Shaw, XL or PaTH.
 
 On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes, the five terms
-above, stickbreaking, cope and tape run; the schemes with GPU kernels of their own (Shaw's
+above, stickbreaking, cope, tape and path run; the schemes with GPU kernels of their own (Shaw's
 relative, selective) are refused there by name (:func:`tpu_kernel_refusal`).
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
@@ -323,21 +323,24 @@ def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str 
     naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms,
     stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`) and CoPE's carried count
     (:mod:`copejax.ops.kernels.tpu_cope`, the variants :func:`kernel_refusal` allows) and
-    TAPE (:mod:`copejax.model.kernel_tape`: no kernel of its own); a part
+    TAPE (:mod:`copejax.model.kernel_tape`: no kernel of its own) and PaTH (its chunks,
+    :mod:`copejax.model.kernel_path`); a part
     the GPU kernels run with kernels of its own (Shaw's tables, selective attention's
     penalties) has no Mosaic TPU kernel yet."""
     refusal = kernel_refusal(scheme, dims)
     if refusal is not None:
         return refusal
     for part in parts(scheme):
-        if part.name in TERM_BUILDERS or part.name in NORMALIZERS or part.name in ("cope", TAPE):
+        if part.name in TERM_BUILDERS or part.name in NORMALIZERS:
+            continue
+        if part.name in ("cope", TAPE, PATH):
             continue
         if set(part.sites) <= CONTENT_SITES:
             continue
         return (
             f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
             f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
-            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, tape and the terms "
+            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, tape, path and the terms "
             f"{list(TERM_BUILDERS)}); use "
             "attention_impl='auto', 'blockwise' or 'naive' on TPU"
         )

@@ -14,7 +14,9 @@ skipped empty tiles work as in :func:`~copejax.ops.kernels.attention.fused_atten
 It returns each query's output and log-sum-exp over those keys only, both differentiable
 (:func:`~copejax.ops.kernels.attention.attend`), so that the caller merges them with the
 pairs inside each chunk; a query with no key in an older chunk gets ``MASKED_LOGIT``.
-GPU (Triton) and interpret mode; no Mosaic TPU kernel yet.
+GPU (Triton) and TPU (Mosaic TPU: :mod:`copejax.ops.kernels.tpu_forward` and
+:mod:`~copejax.ops.kernels.tpu_backward`, where the chunk of a step's key tile picks the
+queries' block, and the dq kernel writes each chunk's block at the chunk's last key tile).
 
 Shape letters: B batch, M chunks, T queries (= S keys), N query heads, G key/value heads,
 H head dim, W value width.
@@ -31,7 +33,7 @@ from copejax.ops.kernels.attention import DEFAULT_BLOCK, attend, term_arrays
 from copejax.ops.kernels.padding import check_window, tile_length, token_ints
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
-from copejax.ops.kernels.tpu_params import kernel_backend
+from copejax.ops.kernels.tpu_params import LANES, kernel_backend
 
 
 def chunked_attention(
@@ -58,7 +60,8 @@ def chunked_attention(
       chunk: keys per chunk, a power of two and a multiple of both tiles.
       q_positions_BT, k_positions_BT, segment_ids_BT, terms, window, block_q, block_k,
         interpret: as :func:`~copejax.ops.kernels.attention.fused_attention` (no sink tokens).
-      backend: "triton" or None (a TPU has no kernel for this yet).
+      backend: "triton", "tpu" (key tiles of at least 128: so is ``chunk``) or None: "tpu"
+        on a TPU, else "triton".
 
     Returns:
       (o_BTNW float32, lse_BTN float32; MASKED_LOGIT and 0 where a query sees no key).
@@ -78,18 +81,16 @@ def chunked_attention(
             f"of queries, got {count}"
         )
     check_window(window)
-    if kernel_backend(backend) != "triton":
-        raise ValueError(
-            "kernel: PaTH's chunked attention has no Mosaic TPU kernel yet; use "
-            "attention_impl='auto', 'blockwise' or 'naive' on TPU"
-        )
+    backend = kernel_backend(backend)
     size_q, size_k = tile_length(block_q, length), tile_length(block_k, length)
+    if backend == "tpu":  # a (1, K) block of per-key integers: K % 128 == 0, or K >= S
+        size_k = tile_length(max(block_k, LANES), length)
     if chunk % max(size_q, size_k):
         raise ValueError(
             f"kernel: chunk={chunk} must be a multiple of the tiles ({size_q}, {size_k})"
         )
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
     terms = tuple(terms)
     plan = Plan(
@@ -102,6 +103,7 @@ def chunked_attention(
         groups=heads // kv_heads,
         biases=tuple(t.bias for t in terms),
         interpret=bool(interpret),
+        backend=backend,
         chunk=chunk,
     )
     extra = padded - length

@@ -34,15 +34,18 @@ from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
     from_query_heads,
+    from_tpu_queries,
     interpret_mode,
     key_step,
     kv_head,
+    query_block,
     read_refs,
     step_live,
     term_operands,
     tile_index,
     tpu_ints,
     tpu_per_head_specs,
+    tpu_queries,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
@@ -68,11 +71,21 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     dq_ref, dqv_refs = outs[0], outs[1 : 1 + num_q]
     dq_acc, dqv_accs = outs[1 + num_q], outs[2 + num_q :]
     qi, kj = pl.program_id(2), pl.program_id(3)
+    last = pl.num_programs(3) - 1
+    # With key chunks dq is written per chunk (its queries differ): reset at a chunk's first
+    # key tile, written at its last; the terms' per-query gradients sum over every chunk.
+    tiles = plan.count_k if plan.chunk is None else plan.chunk // plan.size_k
+    place = jax.lax.rem(kj, jnp.int32(tiles))  # kj >= 0: no sign op (see tiles._div)
+    chunk_first, chunk_last = place == 0, (place == tiles - 1) | (kj == last)
 
     @pl.when(kj == 0)
     def _init() -> None:
-        for acc in (dq_acc, *dqv_accs):
+        for acc in dqv_accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    @pl.when(chunk_first)
+    def _init_chunk() -> None:
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -96,9 +109,12 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             for acc, g in zip(dqv_accs, [g for g in grads if g is not None], strict=True):
                 acc[...] += g
 
-    @pl.when(kj == pl.num_programs(3) - 1)
-    def _finish() -> None:
+    @pl.when(chunk_last)
+    def _finish_chunk() -> None:
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+    @pl.when(kj == last)
+    def _finish() -> None:
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
             ref[...] = acc[...]
 
@@ -183,11 +199,12 @@ def tpu_backward_calls(
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
     counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, T, 1)).
     """
-    batch, length_q, heads, dim = q_BTNH.shape
+    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
     ints = tpu_ints(ints)
-    operands = [by_query_heads(x) for x in (q_BTNH, k_BSGH, v_BSGW, do_BTNW)]
+    operands = [tpu_queries(plan, q_BTNH)]
+    operands += [by_query_heads(x) for x in (k_BSGH, v_BSGW, do_BTNW)]
     operands += [lse_BNT[..., None], delta_BNT[..., None]]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     terms = tpu_terms(terms)
@@ -200,7 +217,7 @@ def tpu_backward_calls(
         q_rows = lambda b, n, i, j: (b, n, q_tile(i, j), 0)
         kv_rows = lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
         return [
-            pl.BlockSpec((None, None, sq, dim), q_rows),
+            query_block(plan, sq, dim, q_rows, lambda b, n, i, j: k_tile(i, j)),
             pl.BlockSpec((None, None, sk, dim), kv_rows),
             pl.BlockSpec((None, None, sk, width), kv_rows),
             pl.BlockSpec((None, None, sq, width), q_rows),
@@ -217,9 +234,11 @@ def tpu_backward_calls(
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     q_spec = pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0))
     q_shape = jax.ShapeDtypeStruct((batch, heads, length_q, 1), f32)
-    out_specs = [pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0))]
+    # dq per key chunk: the block of the grid step's own key tile's chunk (not the clamped
+    # one's), so that every chunk's block is written.
+    out_specs = [query_block(plan, sq, dim, lambda b, n, i, j: (b, n, i, 0), lambda *g: g[3])]
     out_specs += [q_spec] * len(q_terms)
-    out_shape = [jax.ShapeDtypeStruct((batch, heads, length_q, dim), q_BTNH.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(tpu_queries(plan, q_BTNH).shape, q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
     # Per key tile, (B, N, count_k, T, 1): stick-breaking's r and u entering it (out),
@@ -323,7 +342,7 @@ def tpu_backward_calls(
     for i, g in zip(p_terms, dparams, strict=True):
         grads[i]["params"] = g[:, :, :, 0, :]
     return (
-        from_query_heads(dq_BNTH),
+        from_tpu_queries(plan, dq_BNTH),
         from_query_heads(dk_BNSH),
         from_query_heads(dv_BNSW),
         grads,

@@ -34,12 +34,14 @@ from copejax.ops.kernels.tpu_params import (
     interpret_mode,
     key_step,
     kv_head,
+    query_block,
     read_refs,
     step_live,
     term_operands,
     tile_index,
     tpu_ints,
     tpu_per_head_specs,
+    tpu_queries,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
@@ -106,8 +108,9 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         seen_Q1 = sum_Q1 > 0
         safe_Q1 = jnp.where(seen_Q1, sum_Q1, 1.0)
         o_ref[...] = (acc_ref[...] / safe_Q1).astype(o_ref.dtype)
-        # A query with no allowed key (padding) gets 0: the backward's weights there are 0.
-        lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), 0.0)
+        # A query with no allowed key (padding) gets 0 (with key chunks MASKED_LOGIT): the
+        # backward's weights there are 0.
+        lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), plan.unseen_lse)
 
 
 def tpu_forward_call(
@@ -128,7 +131,7 @@ def tpu_forward_call(
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
       with CoPE [the count entering each key tile, (B, N, count_k, T, 1)]).
     """
-    batch, length_q, heads, dim = q_BTNH.shape
+    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
     newest_first = plan.stick or plan.cope is not None  # the carries sum over newer tiles
@@ -138,7 +141,9 @@ def tpu_forward_call(
 
     ints = tpu_ints(ints)
     specs = [
-        pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0)),
+        query_block(
+            plan, sq, dim, lambda b, n, i, j: (b, n, i, 0), lambda b, n, i, j: k_tile(i, j)
+        ),
         pl.BlockSpec(
             (None, None, sk, dim), lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
         ),
@@ -191,7 +196,7 @@ def tpu_forward_call(
         compiler_params=compiler_params(),
         name="copejax_attention_forward_tpu",
     )(
-        by_query_heads(q_BTNH),
+        tpu_queries(plan, q_BTNH),
         by_query_heads(k_BSGH),
         by_query_heads(v_BSGW),
         ints["q_pos"],

@@ -23,14 +23,12 @@ import numpy as np
 import pytest
 
 from copejax.model.kernel_path import path_attention, path_chunk
-from copejax.model.kernel_terms import tpu_kernel_refusal
 from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.path import path_logits_BNQK
-from copejax.positions.registry import make_scheme
 from tests.conftest import perturbed, tiny_config
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay
@@ -92,16 +90,21 @@ def _chunked(q_BMTNH, x: dict, *, chunk: int, window: int | None, interpret=None
     )
 
 
-def _chunked_dense(q_BMTNH, x: dict, *, chunk: int, window: int | None, xp=jnp):
+def _chunked_dense(
+    q_BMTNH, x: dict, *, chunk: int, window: int | None, segments_BT=SEGMENTS_BT, xp=jnp
+):
     """Dense attention of query i to the keys of older chunks, with i's row of the key's
     chunk: (output (B, T, N, H), log-sum-exp (B, T, N) with MASKED_LOGIT where no key)."""
-    chunk_T = np.arange(T) // chunk
-    allowed_BTS = mask_BTS(SEGMENTS_BT, window, 0, NO_RANK_BT) & (chunk_T[None, :, None] > chunk_T)
+    length, heads, dim = q_BMTNH.shape[2:]
+    chunk_T = np.arange(length) // chunk
+    allowed_BTS = mask_BTS(segments_BT, window, 0, np.zeros_like(segments_BT))
+    allowed_BTS &= chunk_T[None, :, None] > chunk_T
     f32 = xp.float64 if xp is np else xp.float32
     q, k, v, c = (xp.asarray(x_, f32) for x_ in (q_BMTNH, x["k"], x["v"], x["c"]))
-    k, v = (xp.repeat(a, N // G, axis=2) for a in (k, v))
-    q_BTSNH = q[:, chunk_T[None, :], np.arange(T)[:, None]]  # query i as key j's chunk sees it
-    s = xp.einsum("btsnh,bsnh->bnts", q_BTSNH, k) / np.sqrt(H) + _decay_BNTS(c, xp)
+    k, v = (xp.repeat(a, heads // x["k"].shape[2], axis=2) for a in (k, v))
+    # query i as key j's chunk sees it
+    q_BTSNH = q[:, chunk_T[None, :], np.arange(length)[:, None]]
+    s = xp.einsum("btsnh,bsnh->bnts", q_BTSNH, k) / np.sqrt(dim) + _decay_BNTS(c, xp)
     allowed = allowed_BTS[:, None]
     s = xp.where(allowed, s, MASKED_LOGIT)
     top = xp.max(s, axis=-1, keepdims=True)
@@ -174,7 +177,7 @@ def test_chunked_attention_lowers_to_triton() -> None:
         ({"chunk": 24}, "chunk must be a power of two"),
         ({"chunk": 16, "block_q": 32}, "must be a multiple of the tiles"),
         ({"chunk": 32}, "need 2 chunks of queries, got 3"),
-        ({"chunk": 16, "backend": "tpu"}, "no Mosaic TPU kernel yet"),
+        ({"chunk": 16, "backend": "tpu"}, "must be a multiple of the tiles"),
     ],
 )
 def test_chunked_attention_refuses_bad_arguments(kwargs: dict, message: str) -> None:
@@ -327,7 +330,3 @@ def test_path_fox_model_equals_naive_with_the_attention_sink() -> None:
 def test_refuses_path_with_parts_that_read_its_logits(position: str) -> None:
     with pytest.raises(ValueError, match="no kernel for scheme 'path': its transformed logits"):
         tiny_config(position, attention_impl="kernel")
-
-
-def test_refuses_path_on_tpu() -> None:
-    assert "on TPU has no kernel for scheme 'path'" in tpu_kernel_refusal(make_scheme("path"))

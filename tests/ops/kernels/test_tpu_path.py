@@ -1,0 +1,168 @@
+"""PaTH's chunked attention on the Mosaic TPU kernels (arXiv 2505.16381), in TPU interpret
+mode on the CPU, and its Mosaic lowering exported from the CPU.
+
+The TPU's key tiles are at least 128 keys, so chunks are too: three chunks of 128 keys, query
+tiles of 64, packed segments, a window and a per-token term. Values and log-sum-exps against
+NumPy (float64), gradients (the log-sum-exp's cotangent included) against ``jax.grad`` of
+the dense float32 maths, both from :mod:`tests.ops.kernels.test_path_kernel`; PaTH's whole
+path (chunk products, XLA within chunks) against the explicit Householder products. TPU
+interpret mode costs seconds per kernel call, so the gradients and the model run slow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from copejax.model.kernel_path import path_attention
+from copejax.model.kernel_terms import tpu_kernel_refusal
+from copejax.ops.engine_blocks import BlockTerm
+from copejax.ops.kernels.chunked import chunked_attention
+from copejax.ops.kernels.tiles import MASKED_LOGIT
+from copejax.positions.registry import make_scheme
+from tests.ops.kernels.test_path_kernel import _chunked_dense, _decay_term
+from tests.ops.kernels.tolerances import assert_close
+
+B, T, N, G, H, CHUNK = 1, 300, 2, 1, 16, 128  # three chunks, the last one padded
+SEGMENTS_BT = np.array([[0] * 150 + [1] * 100 + [2] * 50], np.int32)
+POSITIONS_BT = np.array([np.r_[np.arange(150), np.arange(100), np.arange(50)]])
+WINDOW = 200
+SLOW = pytest.mark.slow
+
+
+def _inputs(seed: int = 0) -> tuple[jax.Array, dict]:
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    c = jnp.asarray(np.cumsum(-rng.uniform(0, 0.1, (B, T, N)), axis=1), jnp.float32)
+    x = {"k": normal(B, T, G, H), "v": normal(B, T, G, H), "c": c}
+    return normal(B, -(-T // CHUNK), T, N, H), x
+
+
+def _tpu_chunked(q_BMTNH, x: dict, *, interpret: bool | None = None):
+    return chunked_attention(
+        q_BMTNH,
+        x["k"],
+        x["v"],
+        chunk=CHUNK,
+        q_positions_BT=jnp.asarray(POSITIONS_BT),
+        k_positions_BT=jnp.asarray(POSITIONS_BT),
+        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        terms=[_decay_term(x["c"])],
+        window=WINDOW,
+        block_q=64,
+        block_k=128,
+        interpret=interpret,
+        backend="tpu",
+    )
+
+
+def _dense(q_BMTNH, x: dict, xp=jnp):
+    return _chunked_dense(q_BMTNH, x, chunk=CHUNK, window=WINDOW, segments_BT=SEGMENTS_BT, xp=xp)
+
+
+def test_tpu_chunked_attention_equals_numpy() -> None:
+    q_BMTNH, x = _inputs()
+    out, lse = jax.jit(_tpu_chunked)(q_BMTNH, x)
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    want_out, want_lse = _dense(np.asarray(q_BMTNH, np.float64), x64, xp=np)
+    assert_close(out, want_out, dtype="float32", summands=T, roundings=0)
+    seen = want_lse > MASKED_LOGIT / 2
+    assert seen.any() and (~seen).any()
+    np.testing.assert_array_equal(np.asarray(lse) > MASKED_LOGIT / 2, seen)
+    assert_close(lse[seen], want_lse[seen], dtype="float32", summands=T, roundings=0)
+
+
+@SLOW
+def test_tpu_chunked_attention_gradients_with_the_lse_cotangent() -> None:
+    q_BMTNH, x = _inputs()
+    rng = np.random.default_rng(7)
+    cot_out = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    cot_lse = jnp.asarray(rng.normal(size=(B, T, N)), jnp.float32)
+
+    def loss(run):
+        def value(q_BMTNH, x):
+            out, lse = run(q_BMTNH, x)
+            seen = lse > MASKED_LOGIT / 2
+            return jnp.sum(out * cot_out) + jnp.sum(jnp.where(seen, lse, 0.0) * cot_lse)
+
+        return jax.grad(value, argnums=(0, 1))
+
+    (dq, dx), (dq_ref, dx_ref) = jax.jit(loss(_tpu_chunked))(q_BMTNH, x), loss(_dense)(q_BMTNH, x)
+    assert_close(dq, dq_ref, dtype="float32", summands=T, roundings=0)
+    for key in ("k", "v", "c"):
+        assert_close(dx[key], dx_ref[key], dtype="float32", summands=T, roundings=0)
+
+
+def test_tpu_chunked_attention_lowers_to_mosaic() -> None:
+    """The forward and both backward kernels with queries per chunk pass Pallas's Mosaic TPU
+    lowering (exported from the CPU; Mosaic's layout passes run only on a TPU)."""
+    q_BMTNH, x = _inputs()
+    x = {key: value.astype(jnp.bfloat16) for key, value in x.items()}
+    x["c"] = x["c"].astype(jnp.float32)
+
+    def loss(q_BMTNH: jax.Array, k_BTGH: jax.Array) -> jax.Array:
+        out, lse = _tpu_chunked(q_BMTNH, {**x, "k": k_BTGH}, interpret=False)
+        return jnp.sum(out) + jnp.sum(jnp.where(lse > MASKED_LOGIT / 2, lse, 0.0))
+
+    q_BMTNH = q_BMTNH.astype(jnp.bfloat16)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    exported = jax.export.export(grad, platforms=["tpu"])(q_BMTNH, x["k"])
+    text = exported.mlir_module()
+    assert text.count("tpu_custom_call") == 3
+    for name in ("forward", "dq", "dkdv"):
+        assert f"copejax_attention_{name}_tpu" in text
+
+
+@SLOW
+def test_tpu_path_attention_equals_the_triton_kernels() -> None:
+    """PaTH's whole chunked path on the TPU kernels (chunks of 128) equals it on the Triton
+    kernels (checked against the Householder products in test_path_kernel), values and the
+    gradients of q, k, v, w and beta."""
+    rng = np.random.default_rng(3)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    w = normal(B, T, G, H)
+    inputs = {
+        "q": normal(B, T, N, H),
+        "k": normal(B, T, G, H),
+        "v": normal(B, T, G, H),
+        "w": w / jnp.linalg.norm(w, axis=-1, keepdims=True),
+        "beta": jnp.asarray(rng.uniform(0.0, 2.0, (B, T, G)), jnp.float32),
+    }
+
+    def run(x: dict, backend: str) -> jax.Array:
+        term = BlockTerm(
+            None,
+            k_arrays={key: jnp.repeat(x[key], N // G, axis=2) for key in ("w", "beta")},
+        )
+        y = path_attention(
+            term,
+            x["q"],
+            x["k"],
+            x["v"],
+            q_positions_BT=jnp.asarray(POSITIONS_BT),
+            k_positions_BT=jnp.asarray(POSITIONS_BT),
+            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+            window=WINDOW,
+            block=64,
+            chunk=CHUNK,
+            backend=backend,
+        )
+        return jnp.sum(jnp.sin(y))
+
+    grads = [
+        jax.jit(jax.value_and_grad(functools.partial(run, backend=b)))(inputs)
+        for b in ("tpu", "triton")
+    ]
+    (value_tpu, grad_tpu), (value_gpu, grad_gpu) = grads
+    assert_close(value_tpu, value_gpu, dtype="float32", summands=T * T, roundings=0)
+    for key, g in grad_gpu.items():
+        assert_close(grad_tpu[key], g, dtype="float32", summands=2 * T, roundings=0)
+
+
+def test_path_runs_on_tpu_kernels() -> None:
+    assert tpu_kernel_refusal(make_scheme("path")) is None
+    assert tpu_kernel_refusal(make_scheme("path+fox")) is None

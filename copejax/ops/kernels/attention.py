@@ -40,7 +40,7 @@ from copejax.ops.kernels.padding import (
     check_window,
     pad_tokens,
     power_of_two,
-    tile_length,
+    tiled_plan,
     token_ints,
 )
 from copejax.ops.kernels.relative import RelativeStatic, RelativeTerm, padded_rows
@@ -52,7 +52,7 @@ from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_backward import tpu_backward_calls
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
-from copejax.ops.kernels.tpu_params import LANES, check_tpu_call, kernel_backend
+from copejax.ops.kernels.tpu_params import check_tpu_call, kernel_backend
 
 DEFAULT_BLOCK = 128
 NORMALIZERS = ("softmax", "stickbreaking")
@@ -139,38 +139,32 @@ def fused_attention(
     backend = kernel_backend(backend)
     gpu_only = {"relative": relative, "selective": selective}
     check_tpu_call(backend, gpu_only)
-    if interpret is None:
-        interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
+    terms = tuple(terms)
+    plan = tiled_plan(
+        length,
+        block_q=block_q,
+        block_k=block_k,
+        backend=backend,
+        interpret=interpret,
+        window=window,
+        sink_tokens=sinks,
+        groups=heads // kv_heads,
+        biases=tuple(t.bias for t in terms),
+        stick=normalizer == "stickbreaking",
+        include_self=include_self,
+        cope=None if cope is None else cope.kernel_static(),
+    )
     widths = (q_BTNH.shape[-1], v_BTGW.shape[-1])
     if (
         backend == "triton"
-        and not interpret
+        and not plan.interpret
         and any(w < MIN_BLOCK or w != power_of_two(w) for w in widths)
     ):
         raise ValueError(
             f"kernel: on a GPU the head dim and value width must be powers of two >= "
             f"{MIN_BLOCK} (Triton's block shapes), got {widths}"
         )
-    size_q, size_k = tile_length(block_q, length), tile_length(block_k, length)
-    if backend == "tpu":  # a (1, K) block of per-key integers: K % 128 == 0, or K >= S
-        size_k = tile_length(max(block_k, LANES), length)
-    padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
-    terms = tuple(terms)
-    plan = Plan(
-        size_q=size_q,
-        size_k=size_k,
-        count_q=padded // size_q,
-        count_k=padded // size_k,
-        window=window,
-        sink_tokens=sinks,
-        groups=heads // kv_heads,
-        biases=tuple(t.bias for t in terms),
-        interpret=bool(interpret),
-        stick=normalizer == "stickbreaking",
-        include_self=include_self,
-        cope=None if cope is None else cope.kernel_static(),
-        backend=backend,
-    )
+    padded = plan.count_q * plan.size_q
     ints = token_ints(q_positions_BT, k_positions_BT, segment_ids_BT, k_rank_BT, padded)
     arrays = {
         "q": pad_tokens(q_BTNH, padded, 0),
@@ -184,7 +178,7 @@ def fused_attention(
     rel = None
     if relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
         rows = relative.table.shape[0]
-        rel = RelativeStatic(rows, relative.capped, power_of_two(size_q + size_k - 1))
+        rel = RelativeStatic(rows, relative.capped, power_of_two(plan.size_q + plan.size_k - 1))
         table = relative.table.astype(jnp.float32)
         arrays["relative"] = jnp.pad(table, ((0, padded_rows(rel) - rows), (0, 0)))
     if selective is not None:  # its own kernels

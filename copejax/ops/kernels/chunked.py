@@ -30,10 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.attention import DEFAULT_BLOCK, attend, term_arrays
-from copejax.ops.kernels.padding import check_window, tile_length, token_ints
+from copejax.ops.kernels.padding import check_window, tiled_plan, token_ints
 from copejax.ops.kernels.terms import KernelTerm
-from copejax.ops.kernels.tiles import Plan
-from copejax.ops.kernels.tpu_params import LANES, kernel_backend
+from copejax.ops.kernels.tpu_params import kernel_backend
 
 
 def chunked_attention(
@@ -82,30 +81,24 @@ def chunked_attention(
         )
     check_window(window)
     backend = kernel_backend(backend)
-    size_q, size_k = tile_length(block_q, length), tile_length(block_k, length)
-    if backend == "tpu":  # a (1, K) block of per-key integers: K % 128 == 0, or K >= S
-        size_k = tile_length(max(block_k, LANES), length)
-    if chunk % max(size_q, size_k):
-        raise ValueError(
-            f"kernel: chunk={chunk} must be a multiple of the tiles ({size_q}, {size_k})"
-        )
-    if interpret is None:
-        interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
-    padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
     terms = tuple(terms)
-    plan = Plan(
-        size_q=size_q,
-        size_k=size_k,
-        count_q=padded // size_q,
-        count_k=padded // size_k,
+    plan = tiled_plan(
+        length,
+        block_q=block_q,
+        block_k=block_k,
+        backend=backend,
+        interpret=interpret,
         window=window,
         sink_tokens=0,
         groups=heads // kv_heads,
         biases=tuple(t.bias for t in terms),
-        interpret=bool(interpret),
-        backend=backend,
         chunk=chunk,
     )
+    if chunk % max(plan.size_q, plan.size_k):
+        raise ValueError(
+            f"kernel: chunk={chunk} must be a multiple of the tiles ({plan.size_q}, {plan.size_k})"
+        )
+    padded = plan.count_q * plan.size_q
     extra = padded - length
     arrays = {
         "q": jnp.pad(q_BMTNH, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))),

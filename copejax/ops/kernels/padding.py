@@ -13,6 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from copejax.ops.kernels.tiles import Plan
+from copejax.ops.kernels.tpu_params import LANES
+
 MIN_BLOCK = 16  # Triton's smallest matmul tile
 NOT_A_SINK = 2**30  # the rank given to padding keys
 
@@ -35,6 +38,36 @@ def tile_length(block: int, length: int) -> int:
     while size < min(block, length):
         size *= 2
     return size
+
+
+def tiled_plan(
+    length: int,
+    *,
+    block_q: int,
+    block_k: int,
+    backend: str,
+    interpret: bool | None,
+    **fields: object,
+) -> Plan:
+    """A call's :class:`~copejax.ops.kernels.tiles.Plan`: power-of-two tiles of at most
+    ``block_q`` / ``block_k`` (on a TPU key tiles of at least 128: a (1, K) block of per-key
+    integers needs K % 128 == 0, or K >= S), T padded to a multiple of both, interpret mode
+    (None: everywhere but on the backend's device); ``fields``: the Plan's other fields."""
+    size_q, size_k = tile_length(block_q, length), tile_length(block_k, length)
+    if backend == "tpu":
+        size_k = tile_length(max(block_k, LANES), length)
+    if interpret is None:
+        interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
+    padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
+    return Plan(
+        size_q=size_q,
+        size_k=size_k,
+        count_q=padded // size_q,
+        count_k=padded // size_k,
+        interpret=bool(interpret),
+        backend=backend,
+        **fields,
+    )
 
 
 def power_of_two(size: int) -> int:

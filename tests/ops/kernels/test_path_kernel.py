@@ -73,20 +73,32 @@ def _per_chunk_queries(chunk: int, seed: int = 3) -> jax.Array:
     return jnp.asarray(rng.normal(size=(B, -(-T // chunk), T, N, H)), jnp.float32)
 
 
-def _chunked(q_BMTNH, x: dict, *, chunk: int, window: int | None, interpret=None):
+def _chunked(
+    q_BMTNH,
+    x: dict,
+    *,
+    chunk: int,
+    window: int | None,
+    tokens: tuple = (POSITIONS_BT, SEGMENTS_BT),
+    blocks: tuple[int, int] = (TILE, TILE),
+    **kwargs,
+):
+    """chunked_attention with the decay term; ``tokens``: (positions, segment ids) (B, T),
+    ``blocks``: (block_q, block_k); ``kwargs``: interpret, backend."""
+    positions_BT, segments_BT = (jnp.asarray(a) for a in tokens)
     return chunked_attention(
         q_BMTNH,
         x["k"],
         x["v"],
         chunk=chunk,
-        q_positions_BT=jnp.asarray(POSITIONS_BT),
-        k_positions_BT=jnp.asarray(POSITIONS_BT),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        q_positions_BT=positions_BT,
+        k_positions_BT=positions_BT,
+        segment_ids_BT=segments_BT,
         terms=[_decay_term(x["c"])],
         window=window,
-        block_q=TILE,
-        block_k=TILE,
-        interpret=interpret,
+        block_q=blocks[0],
+        block_k=blocks[1],
+        **kwargs,
     )
 
 

@@ -21,10 +21,9 @@ import pytest
 from copejax.model.kernel_path import path_attention
 from copejax.model.kernel_terms import tpu_kernel_refusal
 from copejax.ops.engine_blocks import BlockTerm
-from copejax.ops.kernels.chunked import chunked_attention
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.registry import make_scheme
-from tests.ops.kernels.test_path_kernel import _chunked_dense, _decay_term
+from tests.ops.kernels.test_path_kernel import _chunked, _chunked_dense
 from tests.ops.kernels.tolerances import assert_close
 
 B, T, N, G, H, CHUNK = 1, 300, 2, 1, 16, 128  # three chunks, the last one padded
@@ -43,18 +42,13 @@ def _inputs(seed: int = 0) -> tuple[jax.Array, dict]:
 
 
 def _tpu_chunked(q_BMTNH, x: dict, *, interpret: bool | None = None):
-    return chunked_attention(
+    return _chunked(
         q_BMTNH,
-        x["k"],
-        x["v"],
+        x,
         chunk=CHUNK,
-        q_positions_BT=jnp.asarray(POSITIONS_BT),
-        k_positions_BT=jnp.asarray(POSITIONS_BT),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
-        terms=[_decay_term(x["c"])],
         window=WINDOW,
-        block_q=64,
-        block_k=128,
+        tokens=(POSITIONS_BT, SEGMENTS_BT),
+        blocks=(64, 128),
         interpret=interpret,
         backend="tpu",
     )

@@ -268,6 +268,7 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
             "alibi+rope",
             "stickbreaking",
             "alibi+stickbreaking",
+            "transformer_xl",
         ]
     ],
 )

@@ -83,7 +83,8 @@ def test_widened_logits_equal_the_papers_score() -> None:
     assert_close(got, expected, dtype="float32", summands=3000 + H + R, roundings=0)
 
 
-def test_kernels_equal_dense_attention() -> None:
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+def test_kernels_equal_dense_attention(backend: str) -> None:
     x = _inputs(2)
     segments_BT = np.array([[0] * 20 + [1] * 12], np.int32)
     positions_BT = np.r_[np.arange(20), np.arange(12)][None]
@@ -98,6 +99,7 @@ def test_kernels_equal_dense_attention() -> None:
             segment_ids_BT=jnp.asarray(segments_BT),
             block_q=16,
             block_k=16,
+            backend=backend,
         ),
         compiler_options={"xla_backend_optimization_level": 0},
     )(q_wide, k_wide, jnp.asarray(x["v"]))

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
+from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
 from copejax.ops.kernels.pullbacks import (
     key_tile_sums,
@@ -253,40 +254,15 @@ def backward_calls(
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
-    if plan.chunk is None:
-        q_spec = pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0))
-    else:  # the queries of the key tile's chunk
+    q_spec = None
+    if plan.chunk is not None:  # the queries of the key tile's chunk
         chunk_tiles = plan.chunk // sk
         q_spec = pl.BlockSpec(
             (None, None, length_q, None, dim), lambda b, n, j: (b, j // chunk_tiles, 0, n, 0)
         )
-    specs = [
-        q_spec,
-        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n // groups, 0)),
-        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n // groups, 0)),
-        pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),
-        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
-        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
-    ] + [pl.BlockSpec((None, sk), lambda b, n, j: (b, j))] * 3
-    k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
-    p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
-    p_sizes = [terms[i]["params"].shape[1] for i in p_terms]
-    out_specs = [
-        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n, 0)),
-        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n, 0)),
-    ]
-    out_specs += [pl.BlockSpec((None, None, sk), lambda b, n, j: (b, n, j)) for _ in k_terms]
-    out_specs += [
-        pl.BlockSpec((None, None, None, size), lambda b, n, j: (b, n, j, 0)) for size in p_sizes
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, length_k, heads, dim), f32),
-        jax.ShapeDtypeStruct((batch, length_k, heads, width), f32),
-    ]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, length_k), f32) for _ in k_terms]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
+    specs = dkdv_operand_specs(plan, q_spec, length_q=length_q, dim=dim, width=width)
+    sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
+    out_specs, out_shape = dkdv_outputs(plan, terms, **sizes)
     carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
     dkdv_body = stick_dkdv_kernel if plan.stick else _dkdv_kernel
     extra_in, extra_specs = [], []
@@ -310,12 +286,4 @@ def backward_calls(
     )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in, *carries)
     if plan.cope is not None and plan.cope.gate_keys:
         d_cope["gate_k"] = rest.pop()
-    dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
-    grads = [{"params": None, "q": None, "k": None} for _ in terms]
-    for i, g in zip(q_terms, dqv, strict=True):
-        grads[i]["q"] = g
-    for i, g in zip(k_terms, dkv, strict=True):
-        grads[i]["k"] = g
-    for i, g in zip(p_terms, dparams, strict=True):
-        grads[i]["params"] = g
-    return dq_BTNH, dk_BSNH, dv_BSNW, grads, d_cope
+    return dq_BTNH, dk_BSNH, dv_BSNW, term_gradients(terms, dqv, rest), d_cope

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.operands import term_operands
 from copejax.ops.kernels.relative import RelativeStatic
 from copejax.ops.kernels.relative_kernels import (
@@ -94,7 +95,7 @@ def relative_backward_calls(
     """
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
-    groups, sq, sk = plan.groups, plan.size_q, plan.size_k
+    groups, sq = plan.groups, plan.size_q
     ints_in = [ints[key] for key in INT_KEYS]
     residuals = (q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in)
     f32 = jnp.float32
@@ -133,33 +134,9 @@ def relative_backward_calls(
     )(*residuals, *term_in, table_PH)
 
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
-    specs = [
-        pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0)),
-        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n // groups, 0)),
-        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n // groups, 0)),
-        pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),
-        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-        pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
-        pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0)),
-    ] + [pl.BlockSpec((None, sk), lambda b, n, j: (b, j))] * 3
-    k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
-    p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
-    p_sizes = [terms[i]["params"].shape[1] for i in p_terms]
-    out_specs = [
-        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n, 0)),
-        pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n, 0)),
-    ]
-    out_specs += [pl.BlockSpec((None, None, sk), lambda b, n, j: (b, n, j)) for _ in k_terms]
-    out_specs += [
-        pl.BlockSpec((None, None, None, size), lambda b, n, j: (b, n, j, 0)) for size in p_sizes
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, length_k, heads, dim), f32),
-        jax.ShapeDtypeStruct((batch, length_k, heads, width), f32),
-    ]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, length_k), f32) for _ in k_terms]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
+    specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
+    sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
+    out_specs, out_shape = dkdv_outputs(plan, terms, **sizes)
     body = functools.partial(relative_dkdv_kernel, plan=plan, static=static, has=has)
     dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
         functools.partial(body, n=len(term_in)),
@@ -171,12 +148,5 @@ def relative_backward_calls(
         compiler_params=compiler_params(dim),
         name="copejax_attention_dkdv",
     )(*residuals, *term_in, table_PH)
-    dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
-    grads = [{"params": None, "q": None, "k": None} for _ in terms]
-    for i, g in zip(q_terms, dqv, strict=True):
-        grads[i]["q"] = g
-    for i, g in zip(k_terms, dkv, strict=True):
-        grads[i]["k"] = g
-    for i, g in zip(p_terms, dparams, strict=True):
-        grads[i]["params"] = g
+    grads = term_gradients(terms, dqv, rest)
     return dq_BTNH, dk_BSNH, dv_BSNW, grads, jnp.sum(de_BNCPH, axis=(0, 1, 2))

@@ -29,12 +29,10 @@ from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
+from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
 from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
 from copejax.ops.kernels.pullbacks import (
-    key_tile_sums,
-    pull_key_values_and_params,
     pull_query_values,
-    write_key_tile_sums,
 )
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
@@ -115,54 +113,24 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
 
 def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    dk_ref, dv_ref, *grad_refs = refs[11 + num_term_refs :]
-    num_dkv = sum(h[2] for h in has)
-    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
-    kj = pl.program_id(2)
-    k_first = kj * plan.size_k
-    k_KH, v_KW = k_ref[...], v_ref[...]
-    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
-    params = [None if r is None else r[...] for r in p_refs]
-    k_values = [None if r is None else r[...] for r in kv_refs]
-    scale = 1.0 / math.sqrt(k_KH.shape[-1])
+    lse_ref, delta_ref = refs[4:6]
 
-    def pair(qi: jax.Array, state: tuple) -> tuple:
-        q_first = qi * plan.size_q
-        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-        q_seg_Q = qseg_ref[queries]
+    def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
+        return _pair_grads(
+            plan,
+            tile.q_QH,
+            k_KH,
+            v_KW,
+            do_QW=tile.do_QW,
+            lse_Q=lse_ref[tile.rows],
+            delta_Q=delta_ref[tile.rows],
+            allowed_QK=tile.allowed_QK,
+            inputs=tile.inputs,
+        )
 
-        def compute(state: tuple) -> tuple:
-            dk_KH, dv_KW, dkv, dparams = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
-            q_values = [None if r is None else r[queries] for r in qv_refs]
-            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
-            p_QK, ds_QK = _pair_grads(
-                plan,
-                q_QH,
-                k_KH,
-                v_KW,
-                do_QW=do_QW,
-                lse_Q=lse_ref[queries],
-                delta_Q=delta_ref[queries],
-                allowed_QK=allowed_QK,
-                inputs=inputs,
-            )
-            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
-            dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
-            dkv, dparams = pull_key_values_and_params(plan, ds_QK, inputs, dkv, dparams)
-            return dk_KH, dv_KW, dkv, dparams
-
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
-
-    first, end = plan.query_tiles(kj)
-    refs = (dkv_refs, dp_refs)
-    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, refs))
-    write_key_tile_sums(sums, dk_ref, dv_ref, refs)
+    key_tile_program(
+        refs, plan=plan, has=has, num_term_refs=num_term_refs, num_extra=0, grads=grads
+    )
 
 
 def backward_calls(

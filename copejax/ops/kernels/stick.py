@@ -29,12 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import (
-    key_tile_sums,
-    pull_key_values_and_params,
     pull_query_values,
-    write_key_tile_sums,
 )
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 
@@ -192,46 +190,23 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
 def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     """dk, dv, the terms' per-key gradients and parameters, from the saved carries."""
-    q_ref, k_ref, v_ref, do_ref, _, delta_ref = refs[:6]
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    delta_ref = refs[5]
     r_in_ref, u_in_ref = refs[11 + num_term_refs : 13 + num_term_refs]
-    dk_ref, dv_ref, *grad_refs = refs[13 + num_term_refs :]
-    num_dkv = sum(h[2] for h in has)
-    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
-    kj = pl.program_id(2)
-    k_first = kj * plan.size_k
-    k_KH, v_KW = k_ref[...], v_ref[...]
-    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
-    params = [None if r is None else r[...] for r in p_refs]
-    k_values = [None if r is None else r[...] for r in kv_refs]
-    scale = 1.0 / math.sqrt(k_KH.shape[-1])
 
-    def pair(qi: jax.Array, state: tuple) -> tuple:
-        q_first = qi * plan.size_q
-        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-        q_seg_Q = qseg_ref[queries]
+    def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
+        z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
+        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows])
+        g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
+        dz_QK = stick_dz_QK(
+            z_QK,
+            tile.allowed_QK,
+            e_QK=e_QK,
+            g_QK=g_QK,
+            delta_Q=delta_ref[tile.rows],
+            u_Q=u_in_ref[tile.rows],
+        )
+        return a_QK, dz_QK
 
-        def compute(state: tuple) -> tuple:
-            dk_KH, dv_KW, dkv, dparams = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
-            q_values = [None if r is None else r[queries] for r in qv_refs]
-            inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
-            z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-            a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, r_in_ref[queries])
-            g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
-            delta_Q, u_Q = delta_ref[queries], u_in_ref[queries]
-            dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
-            dv_KW = dv_KW + dot_f32(a_QK.astype(do_QW.dtype), do_QW, (0, 0))
-            dk_KH = dk_KH + dot_f32((dz_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
-            dkv, dparams = pull_key_values_and_params(plan, dz_QK, inputs, dkv, dparams)
-            return dk_KH, dv_KW, dkv, dparams
-
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
-
-    first, end = plan.query_tiles(kj)
-    refs = (dkv_refs, dp_refs)
-    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, refs))
-    write_key_tile_sums(sums, dk_ref, dv_ref, refs)
+    key_tile_program(
+        refs, plan=plan, has=has, num_term_refs=num_term_refs, num_extra=2, grads=grads
+    )

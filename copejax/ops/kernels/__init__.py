@@ -7,7 +7,8 @@ VJP (``attention``), the forward (``forward``) and backward (``backward``) kerne
 stick-breaking's three (``stick``), CoPE's (``cope``; its options, operands and position terms
 in ``cope_terms``), what they share about a tile pair (``tiles``), the terms' operands
 (``operands``) and the GPU backend's parameters (``triton_params``: Triton on GPUs, interpret
-mode elsewhere), the backward programs' pull-backs of dS through the terms (``pullbacks``);
+mode elsewhere), the backward programs' pull-backs of dS through the terms (``pullbacks``) and
+the dk / dv program of the softmax's, stick-breaking's and Shaw's kernels (``key_tile``);
 selective attention's penalties have their own prefix and forward kernels (``selective``),
 backward kernels (``selective_backward``) and custom VJP (``selective_attention``); Shaw's
 relative positions read a band of their table per tile pair (``relative``: the band maths,

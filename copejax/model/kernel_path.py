@@ -134,6 +134,7 @@ def path_attention(
     beta_BTG = pad(term.k_arrays["beta"][:, :, ::groups].astype(f32))
     q_BTNH, k_BTGH, v_BTGW = pad(q_BTNH), pad(k_BTGH), pad(v_BTGW)
     t_BTGC, suffix_BTGH = path_wy(k_BTGH, w_BTGH, beta_BTG, chunk)
+    terms_padded = _padded_terms(terms, padded - length)  # per-token values, zeros
     segments_BT = segment_ids_BT.astype(jnp.int32)
     lowest = jnp.min(segments_BT)  # padding: ids no real token has, unequal q and k
     ints = {
@@ -150,7 +151,7 @@ def path_attention(
         chunks(q_BTNH),
         *(chunks(repeat_kv_heads(x, heads)) for x in (k_BTGH, w_BTGH, t_BTGC, v_BTGW)),
         ints={key: chunks(value) for key, value in ints.items()},
-        terms=terms,
+        terms=terms_padded,
         window=window,
     )
     y_BTNW = jnp.moveaxis(within_XNCW, 1, 2).reshape(batch, padded, heads, -1)
@@ -167,7 +168,7 @@ def path_attention(
             q_positions_BT=ints["q_pos"],
             k_positions_BT=ints["k_pos"],
             segment_ids_BT=ints["q_seg"],
-            terms=_padded_terms(terms, padded - length),
+            terms=terms_padded,
             window=window,
             block_q=block,
             block_k=block,
@@ -234,8 +235,8 @@ def _term_bias_XNCC(
         return jnp.moveaxis(values_XCN, 2, 1)
 
     params = [None if t.params_NP is None else t.params_NP.astype(jnp.float32) for t in terms]
-    q_values = [per_token(_pad_to(t.q_values_BTN, ints)) for t in terms]
-    k_values = [per_token(_pad_to(t.k_values_BSN, ints)) for t in terms]
+    q_values = [per_token(t.q_values_BTN) for t in terms]
+    k_values = [per_token(t.k_values_BSN) for t in terms]
 
     def tile(p: list, qv: list, kv: list, q_pos_C: jax.Array, k_pos_C: jax.Array) -> jax.Array:
         return tile_bias_QK(biases, (p, qv, kv), q_pos_C, k_pos_C)
@@ -243,14 +244,6 @@ def _term_bias_XNCC(
     per_head = jax.vmap(tile, in_axes=(0, 0, 0, None, None))
     per_chunk = jax.vmap(per_head, in_axes=(None, 0, 0, 0, 0))
     return per_chunk(params, q_values, k_values, ints["q_pos"], ints["k_pos"])
-
-
-def _pad_to(values_BTN: jax.Array | None, ints: dict[str, jax.Array]) -> jax.Array | None:
-    """A term's per-token values padded (zeros) to the chunked length of ``ints``."""
-    if values_BTN is None:
-        return None
-    padded = ints["q_pos"].size // values_BTN.shape[0]
-    return jnp.pad(values_BTN, ((0, 0), (0, padded - values_BTN.shape[1]), (0, 0)))
 
 
 def _padded_terms(terms: tuple[KernelTerm, ...], extra: int) -> tuple[KernelTerm, ...]:

@@ -65,8 +65,8 @@ def test_auto_takes_a_measured_kernel_where_it_can_run(table) -> None:
     assert choose_impl(fox, 4096, True, "gpu", pairs) == "naive"
     decoding = choose_impl(fox, 4096, False, "gpu", pairs, decoding=True)
     assert decoding == rule_impl(fox, 4096, "gpu", pairs) != "kernel"
-    # Configurations the kernels refuse, and a head dim Triton cannot tile on a GPU.
-    for overrides in ({"attention_sink": True}, {"head_dim": 24}):
+    # A block the kernels refuse (not a power of two), a head dim Triton cannot tile on a GPU.
+    for overrides in ({"attention_block": 48}, {"head_dim": 24}):
         cfg = tiny_config("fox", dtype="bfloat16", max_len=8192, **overrides)
         assert choose_impl(cfg, 4096, False, "gpu", pairs) == rule_impl(cfg, 4096, "gpu", pairs)
     # The measurement is per dtype: ALiBi's float32 entry, not its bfloat16 calls.
@@ -77,15 +77,15 @@ def test_auto_takes_a_measured_kernel_where_it_can_run(table) -> None:
 
 
 def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
-    """cuDNN's kernel cannot express FoX's bias; the kernels refuse PaTH; selective
+    """cuDNN's kernel cannot express FoX's bias; the kernels refuse DAPE; selective
     attention's kernels run on GPUs only, FoX's on TPUs too."""
     table(
         _entry("fox", 16, "dot_product_attention"),
-        _entry("path", 16, "kernel"),
+        _entry("dape", 16, "kernel"),
         _entry("selective", 16, "kernel", backend="tpu"),
         _entry("fox", 16, "kernel", backend="tpu"),
     )
-    for name in ("fox", "path"):
+    for name in ("fox", "dape"):
         cfg = tiny_config(name, dtype="bfloat16", max_len=64)
         assert choose_impl(cfg, 64, False, "gpu", 64**2) == rule_impl(cfg, 64, "gpu", 64**2)
     selective = tiny_config("selective", dtype="bfloat16", max_len=64)

@@ -20,7 +20,13 @@ from copejax.ops.segments import causal_mask_BTS, segment_starts_BT
 from copejax.positions import registry
 from copejax.positions.fox import PRO_OPTIONS
 from copejax.positions.stickbreaking import stickbreaking_allowed_BTS
-from tests.conftest import PACKED_POSITIONS_BT, PACKED_SEGMENTS_BT, perturbed, tiny_config
+from tests.conftest import (
+    PACKED_POSITIONS_BT,
+    PACKED_SEGMENTS_BT,
+    decode_in_chunks,
+    perturbed,
+    tiny_config,
+)
 
 LENGTH = 8
 PREFILL = 4
@@ -103,27 +109,12 @@ def _model_and_params(
 
 
 def _decoded_logits(
-    model: Transformer, params: object, cfg: object, chunks: list[int], segments: bool = True
+    model: Transformer, params: object, chunks: list[int], segments: bool = True
 ) -> np.ndarray:
     """Logits of the whole sequence fed in consecutive chunks through the cache."""
     tokens_BT = jnp.asarray(np.random.default_rng(0).integers(0, 13, (2, LENGTH)), jnp.int32)
-    cache = decode.init_cache(cfg, 2, LENGTH)
-    outputs, start = [], 0
-    for size in chunks:
-        end = start + size
-        segment_ids = jnp.asarray(SEGMENTS_BT[:, start:end]) if segments else None
-        logits_BTV, variables = model.apply(
-            {"params": params, "cache": cache},
-            tokens_BT[:, start:end],
-            jnp.asarray(POSITIONS_BT[:, start:end]),
-            segment_ids,
-            decode=True,
-            mutable=["cache"],
-        )
-        cache, start = variables["cache"], end
-        outputs.append(np.asarray(logits_BTV))
-    assert start == LENGTH
-    return np.concatenate(outputs, axis=1)
+    segments_BT = SEGMENTS_BT if segments else None
+    return decode_in_chunks(model, params, tokens_BT, POSITIONS_BT, segments_BT, chunks=chunks)
 
 
 def _full_logits(model: Transformer, params: object, segments: bool = True) -> np.ndarray:
@@ -137,9 +128,9 @@ def _full_logits(model: Transformer, params: object, segments: bool = True) -> n
 def _check_prefill_then_steps(
     position: str, options: dict, chunks: list[int], **overrides: object
 ) -> None:
-    model, params, cfg = _model_and_params(position, options, **overrides)
+    model, params, _ = _model_and_params(position, options, **overrides)
     full = _full_logits(model, params)
-    decoded = _decoded_logits(model, params, cfg, chunks)
+    decoded = _decoded_logits(model, params, chunks)
     assert np.all(np.isfinite(full))
     np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5, err_msg=position)
 
@@ -182,9 +173,9 @@ def test_chunks_at_any_index_equal_full_pass(position: str, options: dict) -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("position", registry.names())
 def test_one_token_at_a_time_without_segments_equals_full_pass(position: str) -> None:
-    model, params, cfg = _model_and_params(position, {})
+    model, params, _ = _model_and_params(position, {})
     full = _full_logits(model, params, segments=False)
-    decoded = _decoded_logits(model, params, cfg, [1] * LENGTH, segments=False)
+    decoded = _decoded_logits(model, params, [1] * LENGTH, segments=False)
     np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5, err_msg=position)
 
 

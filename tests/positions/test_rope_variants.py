@@ -200,7 +200,9 @@ def test_per_call_length_decodes_within_l_and_refuses_past_it(scaling: str) -> N
         options |= {"short_factor": [1.0, 1.5] * 4, "long_factor": [2.0, 3.0] * 4}
     cfg = tiny_config("rope", position_options=options, num_layers=1)
     full, decoded = _logits(cfg, [4, 1, 1, 1, 1])
-    np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-5)
+    # Logits reach about 10 (parameters perturbed at scale 1): float32 sums in another order
+    # (the masked 8-slot cache against the full pass) differ by up to about 6e-5 there.
+    np.testing.assert_allclose(decoded, full, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="current_len"):
         decode.init_cache(cfg, 1, 9)
     decode.init_cache(tiny_config("rope", position_options=options | {"current_len": 9}), 1, 9)

@@ -48,8 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_operands, term_refs
-from copejax.ops.kernels.stick import newer_ones_KK
-from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.terms import pair_grid, tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 from copejax.ops.kernels.triton_params import compiler_params
 
@@ -78,12 +77,14 @@ def keep_QK(
     k_starts_K: jax.Array,
 ) -> jax.Array:
     """Where selector k (a query of the tile) may select key j: ``j < k``, one segment, j
-    not its segment's first key (``k_starts_K`` 1 there). (Q, K) bool."""
-    size_q, size_k = q_segments_Q.shape[0], k_segments_K.shape[0]
+    not its segment's first key (``k_starts_K`` 1 there). (Q, K) bool; the per-query and
+    per-key arrays as (Q,) and (K,) (GPU) or (Q, 1) and (1, K) (TPU)."""
+    q_segments_Q1, k_segments_1K = pair_grid(q_segments_Q, k_segments_K)
+    size_q, size_k = q_segments_Q1.shape[0], k_segments_1K.shape[1]
     k_index_Q1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (size_q, 1), 0)
     j_index_1K = k_first + jax.lax.broadcasted_iota(jnp.int32, (1, size_k), 1)
-    keep_QK = (j_index_1K < k_index_Q1) & (q_segments_Q[:, None] == k_segments_K[None, :])
-    return keep_QK & (k_starts_K[None, :] == 0)
+    keep_QK = (j_index_1K < k_index_Q1) & (q_segments_Q1 == k_segments_1K)
+    return keep_QK & (pair_grid(q_segments_Q, k_starts_K)[1] == 0)
 
 
 def selection_live(
@@ -124,26 +125,32 @@ def bf16_pieces(x: jax.Array) -> list[jax.Array]:
     return [lo, mid, hi]
 
 
-def _triangular_sum_QK(x_QK: jax.Array, contract: int) -> jax.Array:
-    """``L @ x`` (``contract`` 1) or ``L^T @ x`` (0), L[i, k] = 1 where k < i, as three
-    bfloat16 matmuls with float32 accumulation (tensor cores on a GPU, where a float32
-    matmul at full precision would not run on them, and TF32 would keep 10 bits of x): L is
-    exact in bfloat16, so the result is float32's."""
-    ones_QQ = newer_ones_KK(x_QK.shape[0], inclusive=False).astype(jnp.bfloat16)
+def _triangular_sum_QK(x_QK: jax.Array, newer: bool) -> jax.Array:
+    """``L @ x`` or (``newer``) ``L^T @ x``, L[i, k] = 1 where k < i, as three bfloat16
+    matmuls with float32 accumulation (tensor cores on a GPU, where a float32 matmul at full
+    precision would not run on them, and TF32 would keep 10 bits of x; the TPU's MXU, where
+    one at full precision takes more passes, :mod:`copejax.ops.kernels.tpu_selective`): L is
+    exact in bfloat16, so the result is float32's. Both are plain (M, K) x (K, N) matmuls,
+    the triangle built transposed for ``L^T``, which every backend lowers."""
+    size = x_QK.shape[0]
+    row_Q1 = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+    column_1Q = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+    ones_QQ = (column_1Q > row_Q1) if newer else (column_1Q < row_Q1)
+    ones_QQ = ones_QQ.astype(jnp.float32).astype(jnp.bfloat16)
     total_QK = jnp.zeros(x_QK.shape, jnp.float32)
     for piece in bf16_pieces(x_QK):
-        total_QK = total_QK + dot_f32(ones_QQ, piece, (contract, 0))
+        total_QK = total_QK + dot_f32(ones_QQ, piece, (1, 0))
     return total_QK
 
 
 def older_sum_QK(x_QK: jax.Array) -> jax.Array:
     """``sum_{k < i} x_kj`` over the tile's rows (``L @ x``), float32."""
-    return _triangular_sum_QK(x_QK, 1)
+    return _triangular_sum_QK(x_QK, newer=False)
 
 
 def newer_sum_QK(x_QK: jax.Array) -> jax.Array:
     """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32."""
-    return _triangular_sum_QK(x_QK, 0)
+    return _triangular_sum_QK(x_QK, newer=True)
 
 
 def penalized_scores_QK(
@@ -159,10 +166,10 @@ def penalized_scores_QK(
     pair; ``bias_QK``: the other terms' (:func:`term_bias`), or None.
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
-    prefix P of this query tile at the keys (K,))."""
+    prefix P of this query tile at the keys, (K,) on a GPU or (1, K) on a TPU)."""
     q_sel_QH, k_sel_KH, keep_QK, prefix_K = selectors
     s_QK, slope_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
-    f_QK = prefix_K[None, :] + older_sum_QK(s_QK)
+    f_QK = (prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K) + older_sum_QK(s_QK)
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK
     if bias_QK is not None:
         scores_QK = scores_QK + bias_QK

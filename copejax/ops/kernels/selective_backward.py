@@ -44,23 +44,27 @@ from copejax.ops.kernels.selective import (
     rows_of,
     term_bias,
 )
+from copejax.ops.kernels.terms import pair_grid
 from copejax.ops.kernels.tiles import Plan, dot_f32
 from copejax.ops.kernels.triton_params import compiler_params
 
 
-def _pair(plan: Plan, nonlinearity: str, tiles: tuple, selectors: tuple, stats: tuple) -> tuple:
-    """(P, dS, dl / sqrt(H) of the selection with the carry R) of one pair, float32 (Q, K).
+def pair_gradients(nonlinearity: str, tiles: tuple, selectors: tuple, stats: tuple) -> tuple:
+    """(P, dS, dl / sqrt(H) of the selection with the carry R) of one pair, float32 (Q, K);
+    the GPU's and the TPU's (:mod:`copejax.ops.kernels.tpu_selective_backward`) kernels.
 
-    ``tiles``: (q, k, v, dO, allowed, the other terms' bias or None); ``stats``: (lse, D, R
-    at the keys)."""
+    ``tiles``: (q, k, v, dO, allowed, the other terms' bias or None); ``selectors`` as
+    :func:`~copejax.ops.kernels.selective.penalized_scores_QK` takes them; ``stats``: (lse,
+    D, R at the keys), as (Q,), (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU)."""
     q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK = tiles
     lse_Q, delta_Q, r_K = stats
+    (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
     s_QK, slope_QK = penalized_scores_QK(
         nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK
     )
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q[:, None])
-    g_QK = r_K[None, :] - newer_sum_QK(ds_QK)  # dF = -dS
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
+    ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q1)
+    g_QK = r_1K - newer_sum_QK(ds_QK)  # dF = -dS
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     return p_QK, ds_QK, g_QK * slope_QK * scale
 
@@ -102,8 +106,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
                 return term_bias(plan, (p, q_values, kv), q_pos_Q, k_pos_K)
 
             bias_QK, pull = jax.vjp(bias, params, k_values) if plan.biases else (None, None)
-            p_QK, ds_QK, dl_QK = _pair(
-                plan,
+            p_QK, ds_QK, dl_QK = pair_gradients(
                 nonlinearity,
                 (q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK),
                 (q_sel_QH, k_sel_KH, keep, prefix_K),
@@ -166,8 +169,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
                 return term_bias(plan, (params, qv, k_values), q_pos_Q, k_pos_K)
 
             bias_QK, pull = jax.vjp(bias, q_values) if plan.biases else (None, None)
-            _, ds_QK, dl_QK = _pair(
-                plan,
+            _, ds_QK, dl_QK = pair_gradients(
                 nonlinearity,
                 (q_QH, k_KH, v_ref[keys, :], do_QW, allowed_QK, bias_QK),
                 (q_sel_QH, k_sel_KH, keep, prefix_ref[keys]),

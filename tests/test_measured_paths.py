@@ -77,19 +77,19 @@ def test_auto_takes_a_measured_kernel_where_it_can_run(table) -> None:
 
 
 def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
-    """cuDNN's kernel cannot express FoX's bias; the kernels refuse DAPE; selective
-    attention's kernels run on GPUs only, FoX's on TPUs too."""
+    """cuDNN's kernel cannot express FoX's bias; the kernels refuse DAPE; Shaw's relative
+    kernels run on GPUs only, FoX's on TPUs too."""
     table(
         _entry("fox", 16, "dot_product_attention"),
         _entry("dape", 16, "kernel"),
-        _entry("selective", 16, "kernel", backend="tpu"),
+        _entry("relative", 16, "kernel", backend="tpu"),
         _entry("fox", 16, "kernel", backend="tpu"),
     )
     for name in ("fox", "dape"):
         cfg = tiny_config(name, dtype="bfloat16", max_len=64)
         assert choose_impl(cfg, 64, False, "gpu", 64**2) == rule_impl(cfg, 64, "gpu", 64**2)
-    selective = tiny_config("selective", dtype="bfloat16", max_len=64)
-    assert choose_impl(selective, 64, False, "tpu") == rule_impl(selective, 64, "tpu")
+    relative = tiny_config("relative", dtype="bfloat16", max_len=64)
+    assert choose_impl(relative, 64, False, "tpu") == rule_impl(relative, 64, "tpu")
     fox = tiny_config("fox", dtype="bfloat16", max_len=64)
     assert choose_impl(fox, 64, False, "tpu") == "kernel"
 

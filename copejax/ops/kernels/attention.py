@@ -17,9 +17,9 @@ the terms in float32; the matmuls take the inputs' dtype with float32 accumulati
 Backends: on a GPU the kernels lower to Triton (:mod:`copejax.ops.kernels.triton_params`
 says why not Mosaic GPU); on a TPU, Mosaic TPU kernels of the same maths
 (:mod:`copejax.ops.kernels.tpu_params`: the softmax or stick-breaking with the KernelTerm
-terms and CoPE; no Shaw or selective kernels yet); elsewhere Pallas interpret mode of
-either (``backend``), which is how the CPU tests check them (slow: a correctness path, not a
-fast one).
+terms, CoPE and selective attention's penalties; no Shaw kernels yet); elsewhere Pallas
+interpret mode of either (``backend``), which is how the CPU tests check them (slow: a
+correctness path, not a fast one).
 
 Shape letters: B batch, T queries (= S keys: self-attention), N query heads, G key/value
 heads, H head dim, W value width.
@@ -98,8 +98,8 @@ def fused_attention(
       normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (False: stick-breaking's default).
       backend: "triton" (the GPU kernels), "tpu" (the Mosaic TPU kernels,
-        :mod:`copejax.ops.kernels.tpu_params`: all but Shaw's and selective's kernels;
-        key tiles of at least 128 keys) or None: "tpu" on a TPU, else "triton".
+        :mod:`copejax.ops.kernels.tpu_params`: all but Shaw's kernels; key tiles of at
+        least 128 keys) or None: "tpu" on a TPU, else "triton".
       cope: CoPE's carried count, any of its gates and position terms
         (:mod:`copejax.ops.kernels.cope`), with the softmax only.
       relative: Shaw's ``q_i . e[i - j]`` (:mod:`copejax.ops.kernels.relative`), with the
@@ -137,8 +137,7 @@ def fused_attention(
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
     backend = kernel_backend(backend)
-    gpu_only = {"relative": relative, "selective": selective}
-    check_tpu_call(backend, gpu_only)
+    check_tpu_call(backend, {"relative": relative})
     terms = tuple(terms)
     plan = tiled_plan(
         length,

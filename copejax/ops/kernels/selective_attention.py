@@ -1,7 +1,9 @@
 """Selective attention (Leviathan et al. 2024, arXiv 2410.02703) through the fused kernels:
 the custom VJP that wires the prefix and forward kernels
 (:mod:`copejax.ops.kernels.selective`) to the backward kernels
-(:mod:`copejax.ops.kernels.selective_backward`).
+(:mod:`copejax.ops.kernels.selective_backward`), or on a TPU (``plan.backend`` "tpu") their
+Mosaic TPU counterparts (:mod:`copejax.ops.kernels.tpu_selective`,
+:mod:`~copejax.ops.kernels.tpu_selective_backward`), which take and return the same arrays.
 
 :func:`~copejax.ops.kernels.attention.fused_attention` calls :func:`selective_attention`
 with its padded inputs when given ``selective=``. The selecting head's q and k are read
@@ -22,12 +24,16 @@ from copejax.ops.kernels.selective import NONLINEARITIES, SelectiveTerm, selecti
 from copejax.ops.kernels.selective_backward import selective_backward_calls
 from copejax.ops.kernels.sink import fold_sink, sink_gradient
 from copejax.ops.kernels.tiles import Plan
+from copejax.ops.kernels.tpu_selective import tpu_selective_forward_call
+from copejax.ops.kernels.tpu_selective_backward import tpu_selective_backward_calls
+
+BACKENDS = ("triton", "tpu")
 
 
 def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
     """Refuses, naming it, what the selective kernels do not run: a head out of range, an
-    unknown nonlinearity, a backend other than Triton (or interpret mode), and CoPE, Shaw's
-    table or stick-breaking beside the penalties."""
+    unknown nonlinearity, an unknown backend, and CoPE, Shaw's table or stick-breaking
+    beside the penalties."""
     heads = arrays["q"].shape[2]
     head = selective.head
     if isinstance(head, bool) or not isinstance(head, int) or not 0 <= head < heads:
@@ -38,9 +44,9 @@ def check_selective(selective: SelectiveTerm, plan: Plan, arrays: dict) -> None:
             f"got {selective.nonlinearity!r}"
         )
     backend = getattr(plan, "backend", "triton")
-    if backend != "triton":
+    if backend not in BACKENDS:
         raise ValueError(
-            f"kernel: selective attention's kernels are Triton's, got backend {backend!r}"
+            f"kernel: selective attention's kernels are {BACKENDS}, got backend {backend!r}"
         )
     others = [key for key in ("cope", "relative") if arrays.get(key) is not None]
     if plan.stick:
@@ -75,6 +81,9 @@ def selective_attention(
     kv_head = selective.head // (heads // kv_heads)
     starts_BS = segments.segment_starts_BT(ints["k_seg"]).astype(jnp.int32)
     nonlinearity = selective.nonlinearity
+    tpu = plan.backend == "tpu"
+    forward_call = tpu_selective_forward_call if tpu else selective_forward_call
+    backward_calls = tpu_selective_backward_calls if tpu else selective_backward_calls
 
     def selectors(q_BTNH: jax.Array, k_BSGH: jax.Array) -> dict[str, jax.Array]:
         return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
@@ -89,7 +98,7 @@ def selective_attention(
         tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
     ) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
-        o_BTNW, lse_BNT, prefix = selective_forward_call(
+        o_BTNW, lse_BNT, prefix = forward_call(
             plan,
             nonlinearity,
             *tensors,
@@ -105,7 +114,7 @@ def selective_attention(
         (q_BTNH, k_BSGH, v_BSGW), terms, sink_N, ints, o_BTNW, lse_BNT, prefix = residuals
         do_BTNW = do_BTNW.astype(v_BSGW.dtype)  # the matmuls take the inputs' dtype
         delta_BNT = jnp.moveaxis(jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1), 2, 1)
-        dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = selective_backward_calls(
+        dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = backward_calls(
             plan,
             nonlinearity,
             (q_BTNH, k_BSGH, v_BSGW, do_BTNW),

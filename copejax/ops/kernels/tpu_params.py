@@ -3,8 +3,9 @@
 Backend: :mod:`copejax.ops.kernels.tpu_forward` and :mod:`~copejax.ops.kernels.tpu_backward`
 are FlashAttention-2 (Dao 2023, arXiv 2307.08691) written for Mosaic TPU, the only Pallas
 backend a TPU has, with the terms' tile functions, stick-breaking
-(:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax and CoPE's carried count
-(:mod:`~copejax.ops.kernels.tpu_cope`); the GPU kernels
+(:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax, CoPE's carried count
+(:mod:`~copejax.ops.kernels.tpu_cope`) and selective attention's penalties
+(:mod:`~copejax.ops.kernels.tpu_selective`); the GPU kernels
 (:mod:`copejax.ops.kernels.forward`) are Triton-shaped and Mosaic refuses their blocks. What
 differs from the GPU kernels, and why:
 
@@ -73,14 +74,14 @@ def kernel_backend(backend: str | None = None) -> str:
 
 def check_tpu_call(backend: str, extras: dict[str, object]) -> None:
     """Refuses, by name, what the TPU kernels do not run yet: the terms with kernels of their
-    own on the GPU (``extras``: Shaw's relative term, selective attention's; a name maps
-    to the term, or None when not given)."""
+    own on the GPU and none on the TPU (``extras``: Shaw's relative term; a name maps to
+    the term, or None when not given)."""
     missing = [f"{name!r} term" for name, value in extras.items() if value is not None]
     if backend == "tpu" and missing:
         raise ValueError(
             f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax or "
-            "stick-breaking with the KernelTerm terms and CoPE); use backend='triton' or "
-            "attention_impl='blockwise'"
+            "stick-breaking with the KernelTerm terms, CoPE and selective attention); use "
+            "backend='triton' or attention_impl='blockwise'"
         )
 
 

@@ -297,7 +297,6 @@ def test_model_on_tpu_kernels_equals_naive_bfloat16(position: str, monkeypatch) 
     [
         ("relative", "relative"),
         ("alibi+relative_capped", "relative_capped"),
-        ("selective", "selective"),
     ],
 )
 def test_tpu_refuses_by_name(position: str, named: str) -> None:
@@ -332,7 +331,6 @@ def test_every_scheme_runs_on_tpu_kernels_or_is_refused_by_name() -> None:
     [
         ({"relative": object()}, "no 'relative' term yet"),
         ({"backend": "mosaic"}, "backend must be one of"),
-        ({"selective": object()}, "no 'selective' term yet"),
     ],
 )
 def test_fused_attention_refuses_on_tpu(kwargs: dict, message: str) -> None:

@@ -15,6 +15,7 @@ import pytest
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.terms import KernelTerm
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, cope_term, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,
@@ -115,6 +116,6 @@ def test_lowers_to_triton() -> None:
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text

@@ -18,6 +18,7 @@ import pytest
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.terms import KernelTerm, pair_grid, table_lookup
 from copejax.ops.kernels.tiles import Plan
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 
@@ -180,7 +181,7 @@ def test_lowers_to_triton() -> None:
         y = _kernel(x, window=20, sinks=3, interpret=False)
         return jnp.sum(y.astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(jax.jit(jax.grad(loss)), x)
     text = lowered.as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text

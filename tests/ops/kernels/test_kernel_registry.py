@@ -22,6 +22,7 @@ from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import perturbed, tiny_config
 from tests.ops.kernels.every_term import every_term
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.tolerances import assert_close
 
 LENGTH, BLOCK = 40, 16  # three key tiles, the last one padded
@@ -198,5 +199,5 @@ def test_every_term_lowers_to_triton() -> None:
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    lowered = jax.jit(jax.grad(loss)).trace(q_BTNH).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(jax.jit(jax.grad(loss)), q_BTNH)
     assert "copejax_attention_dkdv" in lowered.as_text()

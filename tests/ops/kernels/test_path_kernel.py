@@ -30,6 +30,7 @@ from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.path import path_logits_BNQK
 from tests.conftest import perturbed, tiny_config
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay
 from tests.ops.kernels.test_kernel_registry import _compare, _config
@@ -177,7 +178,7 @@ def test_chunked_attention_lowers_to_triton() -> None:
         out, lse = _chunked(q_BMTNH, x, chunk=16, window=20, interpret=False)
         return jnp.sum(out) + jnp.sum(jnp.where(lse > MASKED_LOGIT / 2, lse, 0.0))
 
-    lowered = jax.jit(jax.grad(loss)).trace(q_BMTNH).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_gpu(jax.jit(jax.grad(loss)), q_BMTNH)
     text = lowered.as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text

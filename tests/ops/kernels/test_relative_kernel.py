@@ -24,6 +24,7 @@ from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.relative import RelativeTerm
 from copejax.ops.kernels.terms import KernelTerm
 from tests.conftest import tiny_config
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,
@@ -213,7 +214,7 @@ def test_lowers_to_triton() -> None:
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text
     assert "barrier" in text  # the dq kernel's slab: each write, then the threads wait

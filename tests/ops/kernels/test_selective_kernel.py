@@ -27,6 +27,7 @@ from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
 from tests.conftest import tiny_config
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay, _slope
 from tests.ops.kernels.tolerances import assert_close
@@ -238,7 +239,7 @@ def test_lowers_to_triton() -> None:
         y = _kernel(x, SMALL, window=12, sinks=2, interpret=False)
         return jnp.sum(y.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     names = ("prefix", "attention_forward", "attention_dq", "attention_dkdv")
     for name in names:
         assert f"copejax_{'selective_' if name == 'prefix' else ''}{name}" in text

@@ -14,6 +14,7 @@ import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.terms import KernelTerm
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,
@@ -133,6 +134,6 @@ def test_lowers_to_triton() -> None:
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text

@@ -21,6 +21,7 @@ import pytest
 from copejax.model.kernel_tape import kernel_operands, padded_qk, split_columns
 from copejax.ops.kernels.attention import fused_attention
 from tests.conftest import tiny_config
+from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 
@@ -188,5 +189,5 @@ def test_float32_values_beside_bfloat16_queries_lower(backend: str) -> None:
         text = jax.export.export(grad, platforms=["tpu"])(q, values).mlir_module()
         assert text.count("tpu_custom_call") == 3
     else:
-        text = grad.trace(q, values).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_gpu(grad, q, values).as_text()
         assert "copejax_attention_dkdv" in text

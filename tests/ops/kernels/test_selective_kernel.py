@@ -87,7 +87,16 @@ def penalty_BTS(q, k, ids_BT, nonlinearity: str, *, xp=jnp):
     return xp.cumsum(s, axis=1) - s
 
 
-def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", interpret=None):
+def _kernel(
+    x: dict,
+    shape: dict,
+    window,
+    sinks: int,
+    *,
+    nonlinearity="relu",
+    interpret=None,
+    backend: str = "triton",
+):
     ids, rank = _layout(shape)
     positions = jnp.asarray(rank)
     terms = []
@@ -111,14 +120,22 @@ def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", in
         interpret=interpret,
         terms=terms,
         selective=SelectiveTerm(HEAD, nonlinearity),
+        backend=backend,
     )
 
 
 def _check(
-    shape: dict, dtype: str, window, sinks: int, *, nonlinearity: str = "relu", terms: bool = False
+    shape: dict,
+    dtype: str,
+    window,
+    sinks: int,
+    *,
+    nonlinearity: str = "relu",
+    terms: bool = False,
+    backend: str = "triton",
 ) -> None:
     """Values (float32 inputs: against NumPy float64) and the gradients of q, k, v and the
-    other terms' arrays."""
+    other terms' arrays (the kernels of ``backend``, in interpret mode on the CPU)."""
     x = _inputs(shape, jnp.dtype(dtype), terms=terms)
     ids, rank = _layout(shape)
     allowed = mask_BTS(ids, window, sinks, rank)
@@ -127,7 +144,8 @@ def _check(
     cot = jnp.asarray(cot, jnp.float32)
 
     def kernel(x):
-        return _kernel(x, shape, window, sinks, nonlinearity=nonlinearity).astype(jnp.float32)
+        y = _kernel(x, shape, window, sinks, nonlinearity=nonlinearity, backend=backend)
+        return y.astype(jnp.float32)
 
     def dense(x, frozen: bool = False):  # the same inputs in float32: only roundings differ
         x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
@@ -153,6 +171,7 @@ def _check(
         bias = _terms_BNTS(x64, rank, np) - f64[:, None]
         expected = attention_numpy(x64["q"], x64["k"], x64["v"], bias, allowed)
         assert_close(y, expected, dtype=dtype, summands=length, roundings=0)
+        assert float(np.max(np.where(allowed, f64, 0))) > 1.0  # the penalties are live
     assert_close(y, y_ref, dtype=dtype, summands=length, roundings=2)
     # F sums up to T selections into each logit, and its gradient up to T queries' dF
     pairs = B * length * length // 2  # what a parameter's gradient sums over

@@ -13,117 +13,27 @@ holds 128 keys or the whole padded sequence), the export and the refusals.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from copejax.model.kernel_terms import kernel_refusal, tpu_kernel_refusal
 from copejax.ops.kernels import selective_attention
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.selective import SelectiveTerm
-from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tpu_selective import tpu_selective_forward_call
 from copejax.positions import registry
 from tests.ops.kernels.every_term import every_term
-from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
-from tests.ops.kernels.test_fused_attention import _decay, _slope
-from tests.ops.kernels.test_selective_kernel import (
-    HEAD,
-    B,
-    H,
-    _inputs,
-    _layout,
-    _terms_BNTS,
-    penalty_BTS,
-)
+from tests.ops.kernels.test_selective_kernel import _check
 from tests.ops.kernels.test_tpu_kernels import _on_tpu_kernels
-from tests.ops.kernels.tolerances import assert_close
 
 SLOW = pytest.mark.slow
 SMALL = {"T": 40, "N": 2, "G": 1, "block_q": 16, "block_k": 16, "segments": (17, 15, 8)}
 LARGE = {"T": 200, "N": 4, "G": 2, "block_q": 64, "block_k": 128, "segments": (90, 70, 40)}
 
 
-def _kernel(x: dict, shape: dict, window, sinks: int, *, nonlinearity="relu", interpret=None):
-    ids, rank = _layout(shape)
-    positions = jnp.asarray(rank)
-    terms = []
-    if "slopes" in x:
-        terms = [
-            KernelTerm("slope", _slope, params_NP=x["slopes"]),
-            KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
-        ]
-    return fused_attention(
-        x["q"],
-        x["k"],
-        x["v"],
-        q_positions_BT=positions,
-        k_positions_BT=positions,
-        segment_ids_BT=jnp.asarray(ids),
-        window=window,
-        sink_tokens=sinks,
-        k_rank_BT=positions,
-        block_q=shape["block_q"],
-        block_k=shape["block_k"],
-        interpret=interpret,
-        terms=terms,
-        selective=SelectiveTerm(HEAD, nonlinearity),
-        backend="tpu",
-    )
-
-
-def _check(shape: dict, dtype: str, window, sinks: int, *, nonlinearity: str, terms: bool) -> None:
-    """Values (float32 inputs: against NumPy float64), and the gradients of q, k, v and the
-    other terms' arrays against the dense float32 maths."""
-    x = _inputs(shape, jnp.dtype(dtype), terms=terms)
-    ids, rank = _layout(shape)
-    allowed = mask_BTS(ids, window, sinks, rank)
-    length = shape["T"]
-    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, length, shape["N"], H)))
-    cot = cot.astype(jnp.float32)
-
-    def kernel(x):
-        return _kernel(x, shape, window, sinks, nonlinearity=nonlinearity).astype(jnp.float32)
-
-    def dense(x, frozen: bool = False):  # the same inputs in float32: only roundings differ
-        x32 = {key: value.astype(jnp.float32) for key, value in x.items()}
-        f = penalty_BTS(x32["q"], x32["k"], ids, nonlinearity)
-        f = jax.lax.stop_gradient(f) if frozen else f
-        bias = _terms_BNTS(x32, rank) - f[:, None]
-        return attention_jnp(x32["q"], x32["k"], x32["v"], bias, jnp.asarray(allowed))
-
-    def with_grads(function, x, cot):  # one compilation of the kernels, forward and backward
-        y, pull = jax.vjp(function, x)
-        return y, pull(cot)[0]
-
-    y, grads = jax.jit(functools.partial(with_grads, kernel))(x, cot)
-    y_ref, grads_ref = jax.jit(functools.partial(with_grads, dense))(x, cot)
-    if dtype == "float32":
-        x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
-        f64 = penalty_BTS(x64["q"], x64["k"], ids, nonlinearity, xp=np)
-        bias = _terms_BNTS(x64, rank, np) - f64[:, None]
-        expected = attention_numpy(x64["q"], x64["k"], x64["v"], bias, allowed)
-        assert_close(y, expected, dtype=dtype, summands=length, roundings=0)
-        assert float(np.max(np.where(allowed, f64, 0))) > 1.0  # the penalties are live
-    assert_close(y, y_ref, dtype=dtype, summands=length, roundings=2)
-    pairs = B * length * length // 2  # what a parameter's gradient sums over
-    for key in x:
-        assert grads[key].dtype == x[key].dtype
-        summands = pairs if key == "slopes" else 2 * length
-        assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
-    # The selecting head's q and k get the selection's gradient, not a constant F's.
-    frozen = jax.jit(functools.partial(with_grads, functools.partial(dense, frozen=True)))
-    frozen_grads = frozen(x, cot)[1]
-    for key, head in (("q", HEAD), ("k", HEAD // (shape["N"] // shape["G"]))):
-        gap = np.abs(np.asarray(grads_ref[key] - frozen_grads[key], np.float32)[:, :, head])
-        assert gap.max() > 0.05 * np.abs(np.asarray(grads_ref[key], np.float32)).max()
-
-
 def test_small_float32_window_sinks_gqa_packed_terms() -> None:
-    _check(SMALL, "float32", 12, 2, nonlinearity="relu", terms=True)
+    _check(SMALL, "float32", 12, 2, nonlinearity="relu", terms=True, backend="tpu")
 
 
 @SLOW
@@ -138,7 +48,7 @@ def test_small_float32_window_sinks_gqa_packed_terms() -> None:
     ],
 )
 def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str, terms: bool) -> None:
-    _check(LARGE, dtype, window, sinks, nonlinearity=nonlinearity, terms=terms)
+    _check(LARGE, dtype, window, sinks, nonlinearity=nonlinearity, terms=terms, backend="tpu")
 
 
 def test_lowers_to_mosaic_tpu() -> None:

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, scores_QK
+from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -44,6 +44,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_queries,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
 
 
@@ -64,9 +65,9 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(step == 0)
     def _init() -> None:
-        max_ref[...] = jnp.full(max_ref.shape, MASKED_LOGIT, jnp.float32)
-        for ref in (sum_ref, acc_ref, c_acc) if cope else (sum_ref, acc_ref):
-            ref[...] = jnp.zeros(ref.shape, jnp.float32)
+        init_softmax((max_ref, sum_ref, acc_ref))
+        if cope:
+            c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
 
     if cope:  # every step writes its key tile's count (a skipped tile's is never read)
         c_out[...] = c_acc[...]
@@ -92,25 +93,11 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             c_acc[...] += total_Q1
         else:
             s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-        max_Q1 = max_ref[...]
-        new_max_Q1 = jnp.maximum(max_Q1, jnp.max(s_QK, axis=1, keepdims=True))
-        p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q1), 0.0)
-        rescale_Q1 = jnp.exp(max_Q1 - new_max_Q1)
-        v_KW = v_ref[...]
-        pv_QW = jax.lax.dot(p_QK.astype(v_KW.dtype), v_KW, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * rescale_Q1 + pv_QW
-        sum_ref[...] = sum_ref[...] * rescale_Q1 + jnp.sum(p_QK, axis=1, keepdims=True)
-        max_ref[...] = new_max_Q1
+        softmax_step(s_QK, allowed_QK, v_ref[...], (max_ref, sum_ref, acc_ref))
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish() -> None:
-        sum_Q1 = sum_ref[...]
-        seen_Q1 = sum_Q1 > 0
-        safe_Q1 = jnp.where(seen_Q1, sum_Q1, 1.0)
-        o_ref[...] = (acc_ref[...] / safe_Q1).astype(o_ref.dtype)
-        # A query with no allowed key (padding) gets 0 (with key chunks MASKED_LOGIT): the
-        # backward's weights there are 0.
-        lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), plan.unseen_lse)
+        finish_softmax(plan, o_ref, lse_ref, (max_ref, sum_ref, acc_ref))
 
 
 def tpu_forward_call(

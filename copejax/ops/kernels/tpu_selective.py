@@ -45,7 +45,7 @@ from copejax.ops.kernels.selective import (
     selection_QK,
     term_bias,
 )
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK
+from copejax.ops.kernels.tiles import Plan, content_logits_QK
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -59,6 +59,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 
 F32 = jnp.float32
 TileMap = Callable[[jax.Array, jax.Array], jax.Array]  # (outer, walked) -> tile
@@ -169,9 +170,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
 
     @pl.when(kj == 0)
     def _init() -> None:
-        max_ref[...] = jnp.full(max_ref.shape, MASKED_LOGIT, F32)
-        sum_ref[...] = jnp.zeros(sum_ref.shape, F32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+        init_softmax((max_ref, sum_ref, acc_ref))
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -188,23 +187,11 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
             allowed_QK,
             bias_QK=bias_QK,
         )
-        max_Q1 = max_ref[...]
-        new_max_Q1 = jnp.maximum(max_Q1, jnp.max(s_QK, axis=1, keepdims=True))
-        p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q1), 0.0)
-        rescale_Q1 = jnp.exp(max_Q1 - new_max_Q1)
-        v_KW = v_ref[...]
-        pv_QW = jax.lax.dot(p_QK.astype(v_KW.dtype), v_KW, preferred_element_type=F32)
-        acc_ref[...] = acc_ref[...] * rescale_Q1 + pv_QW
-        sum_ref[...] = sum_ref[...] * rescale_Q1 + jnp.sum(p_QK, axis=1, keepdims=True)
-        max_ref[...] = new_max_Q1
+        softmax_step(s_QK, allowed_QK, v_ref[...], (max_ref, sum_ref, acc_ref))
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish() -> None:
-        sum_Q1 = sum_ref[...]
-        seen_Q1 = sum_Q1 > 0
-        safe_Q1 = jnp.where(seen_Q1, sum_Q1, 1.0)
-        o_ref[...] = acc_ref[...] / safe_Q1
-        lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), plan.unseen_lse)
+        finish_softmax(plan, o_ref, lse_ref, (max_ref, sum_ref, acc_ref))
 
 
 def tpu_selective_forward_call(

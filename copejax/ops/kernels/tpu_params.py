@@ -31,7 +31,10 @@ VMEM per program, counted from the blocks (two buffers each), the scratch and fo
 float32 temporaries, with (Q, 1) tiles padded to (Q, 128) and (1, K) tiles to (8, K): at
 Q = K = 128 and H = W = 128 the forward needs about 1.2 MiB in bfloat16 and 1.4 MiB in
 float32, the dq kernel 1.3 / 1.5 MiB, the dk / dv kernel 1.5 / 1.8 MiB (each term adds at
-most 0.2 MiB); at Q = K = 256 and H = 256 about 4.5 MiB in float32. None of it grows with
+most 0.2 MiB; selective attention's kernels about 0.5 MiB more in the forward and 0.7 MiB in
+each backward kernel, counted the same way: the selecting head's q and k tiles, P or R, the
+selection and its three bfloat16 pieces, the (Q, Q) triangle and the selecting head's
+float32 gradients); at Q = K = 256 and H = 256 about 4.5 MiB in float32. None of it grows with
 T: every operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N, T)
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and

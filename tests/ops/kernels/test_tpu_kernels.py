@@ -207,7 +207,23 @@ def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
     against the (8, 128) tiling, every primitive has a Mosaic rule), with every scheme's term
     summed in one kernel, and with none; exported from the CPU. Mosaic's layout passes run
     only on a TPU (see copejax.ops.kernels.tpu_params)."""
-    heads, length = 2, 256  # two key tiles
+    text = exported_to_tpu(
+        heads=2,
+        kv_heads=1,
+        with_terms=with_terms,
+        normalizer="stickbreaking" if stick else "softmax",
+        include_self=not stick,
+    )
+    assert text.count("tpu_custom_call") == 3
+    for name in ("forward", "dq", "dkdv"):
+        assert f"copejax_attention_{name}_tpu" in text
+
+
+def exported_to_tpu(*, heads: int, kv_heads: int, with_terms: bool, **options: object) -> str:
+    """The MLIR of the gradient of a bfloat16 call of 256 tokens (two key tiles of 128, query
+    tiles of 64, H = 16, a window of 100 with 2 sinks, every scheme's term or none,
+    ``options`` for fused_attention) exported to ``platforms=["tpu"]`` from the CPU."""
+    length = 256
     terms = every_term(heads, length) if with_terms else []
     q_BTNH = jnp.ones((1, length, heads, 16), jnp.bfloat16)
     positions_BT = jnp.arange(length)[None]
@@ -215,8 +231,8 @@ def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
     def loss(q_BTNH: jax.Array) -> jax.Array:
         y = fused_attention(
             q_BTNH,
-            q_BTNH[:, :, :1],
-            q_BTNH[:, :, :1],
+            q_BTNH[:, :, :kv_heads],
+            q_BTNH[:, :, :kv_heads],
             q_positions_BT=positions_BT,
             k_positions_BT=positions_BT,
             segment_ids_BT=jnp.zeros((1, length), jnp.int32),
@@ -228,15 +244,11 @@ def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
             block_k=128,
             interpret=False,
             backend="tpu",
-            normalizer="stickbreaking" if stick else "softmax",
-            include_self=not stick,
+            **options,
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(q_BTNH).mlir_module()
-    assert text.count("tpu_custom_call") == 3
-    for name in ("forward", "dq", "dkdv"):
-        assert f"copejax_attention_{name}_tpu" in text
+    return jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(q_BTNH).mlir_module()
 
 
 def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:

@@ -13,19 +13,15 @@ holds 128 keys or the whole padded sequence), the export and the refusals.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from copejax.model.kernel_terms import kernel_refusal, tpu_kernel_refusal
 from copejax.ops.kernels import selective_attention
-from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.tpu_selective import tpu_selective_forward_call
 from copejax.positions import registry
-from tests.ops.kernels.every_term import every_term
 from tests.ops.kernels.test_selective_kernel import _check
-from tests.ops.kernels.test_tpu_kernels import _on_tpu_kernels
+from tests.ops.kernels.test_tpu_kernels import _on_tpu_kernels, exported_to_tpu
 
 SLOW = pytest.mark.slow
 SMALL = {"T": 40, "N": 2, "G": 1, "block_q": 16, "block_k": 16, "segments": (17, 15, 8)}
@@ -55,32 +51,10 @@ def test_lowers_to_mosaic_tpu() -> None:
     """The prefix, forward and both backward kernels, with every scheme's term beside the
     penalties, GQA and a window with sinks, pass Pallas's Mosaic TPU lowering (exported from
     the CPU; Mosaic's layout passes run only on a TPU)."""
-    heads, length = 4, 256  # two key tiles, four query tiles
-    terms = every_term(heads, length)
-    q_BTNH = jnp.ones((1, length, heads, 16), jnp.bfloat16)
-    positions_BT = jnp.arange(length)[None]
-
-    def loss(q_BTNH: jax.Array) -> jax.Array:
-        y = fused_attention(
-            q_BTNH,
-            q_BTNH[:, :, :2],
-            q_BTNH[:, :, :2],
-            q_positions_BT=positions_BT,
-            k_positions_BT=positions_BT,
-            segment_ids_BT=jnp.zeros((1, length), jnp.int32),
-            terms=terms,
-            window=100,
-            sink_tokens=2,
-            k_rank_BT=positions_BT,
-            block_q=64,
-            block_k=128,
-            interpret=False,
-            backend="tpu",
-            selective=SelectiveTerm(3, "sigmoid"),
-        )
-        return jnp.sum(y.astype(jnp.float32))
-
-    text = jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(q_BTNH).mlir_module()
+    # Four query heads on two key/value heads; two key tiles, four query tiles.
+    text = exported_to_tpu(
+        heads=4, kv_heads=2, with_terms=True, selective=SelectiveTerm(3, "sigmoid")
+    )
     assert text.count("tpu_custom_call") == 4
     for name in ("prefix", "forward", "dq", "dkdv"):
         assert f"copejax_selective_{name}_tpu" in text

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from copejax.ops.kernels.tiles import dot_f32
+
 Ref = Any  # a Pallas ref (a tile of an operand or output, read and written in place)
 
 
@@ -102,13 +104,6 @@ class PairRows:
         self.allowed_QK = allowed_QK
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
-    """A matmul in the operands' dtype, accumulated in float32."""
-    return jax.lax.dot_general(
-        a, b, (((contract[0],), (contract[1],)), ((), ())), preferred_element_type=jnp.float32
-    )
-
-
 def band_pieces(band_RH: jax.Array, dtype: jnp.dtype) -> list[jax.Array]:
     """The float32 band as the matmuls' operands: itself for float32 inputs; for 16-bit
     inputs two pieces in their dtype, ``hi + lo`` (16 bits of mantissa for bfloat16, finer
@@ -122,7 +117,9 @@ def band_pieces(band_RH: jax.Array, dtype: jnp.dtype) -> list[jax.Array]:
 def _band_dot(a: jax.Array, band_RH: jax.Array, contract: tuple[int, int]) -> jax.Array:
     """``a`` (in the inputs' dtype) times the band, through :func:`band_pieces`."""
     pieces = band_pieces(band_RH, a.dtype)
-    return sum((_dot(a, piece, contract) for piece in pieces[1:]), _dot(a, pieces[0], contract))
+    return sum(
+        (dot_f32(a, piece, contract) for piece in pieces[1:]), dot_f32(a, pieces[0], contract)
+    )
 
 
 def relative_term_QK(
@@ -197,7 +194,7 @@ def relative_grads(
             dz_QR = jax.lax.fori_loop(0, static.band, gather, dz_QR) * scale
             dz_QR = dz_QR.astype(q_QH.dtype)
             window = pl.ds(start, static.band)
-            de_ref[window, :] = de_ref[window, :] + _dot(dz_QR, q_QH, (0, 0))
+            de_ref[window, :] = de_ref[window, :] + dot_f32(dz_QR, q_QH, (0, 0))
             sync_slab(barrier)
             return dq_QH + _band_dot(dz_QR, table_ref[window, :], (1, 0))
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.selective import term_bias
 from copejax.ops.kernels.selective_backward import pair_gradients
-from copejax.ops.kernels.tiles import Plan
+from copejax.ops.kernels.tiles import Plan, dot_f32
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -47,10 +47,6 @@ from copejax.ops.kernels.tpu_params import (
 from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
 
 F32 = jnp.float32
-
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jax.lax.dot(a, b, preferred_element_type=F32)
 
 
 def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
@@ -94,9 +90,9 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
         )
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         q_sel_QH = selectors[0]
-        accs[0][...] += _dot((ds_QK * scale).T.astype(q_QH.dtype), q_QH)
-        accs[1][...] += _dot(p_QK.T.astype(do_QW.dtype), do_QW)
-        accs[2][...] += _dot(dl_QK.T.astype(q_sel_QH.dtype), q_sel_QH)
+        accs[0][...] += dot_f32((ds_QK * scale).T.astype(q_QH.dtype), q_QH, (1, 0))
+        accs[1][...] += dot_f32(p_QK.T.astype(do_QW.dtype), do_QW, (1, 0))
+        accs[2][...] += dot_f32(dl_QK.T.astype(q_sel_QH.dtype), q_sel_QH, (1, 0))
         if len(accs) > 3:
             g_params, g_kv = pull(ds_QK)
             grads = [g for g in g_kv if g is not None] + [g for g in g_params if g is not None]
@@ -146,8 +142,8 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
         )
         scale = 1.0 / math.sqrt(k_KH.shape[-1])
         k_sel_KH = selectors[1]
-        accs[0][...] += _dot((ds_QK * scale).astype(k_KH.dtype), k_KH)
-        accs[1][...] += _dot(dl_QK.astype(k_sel_KH.dtype), k_sel_KH)
+        accs[0][...] += dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
+        accs[1][...] += dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
         if len(accs) > 2:
             grads = [g for g in pull(ds_QK)[0] if g is not None]
             for acc, g in zip(accs[2:], grads, strict=True):

@@ -85,6 +85,8 @@ def page(result: dict) -> str:
     for group in result["layer"]:
         for row in group["rows"]:
             time_ms = f"{1e3 * row['time_s']:.2f}" if "time_s" in row else row["status"]
+            if "error" in row:
+                time_ms = f"error: {row['error']}"
             ratio = row.get("ratio_to_fastest_nope")
             lines.append(
                 f"| {group['B']} | {group['N']} | {group['H']} | {group['T']} | "
@@ -93,8 +95,6 @@ def page(result: dict) -> str:
                 f"{row.get('xla_temp_bytes', 0) / 2**20:.0f} |"
             )
         lines.append(f"|  |  |  |  | fastest nope: {fastest_nope(group)} |  |  |  |  |")
-        if "error" in group:
-            lines.append(f"|  |  |  |  | kernel arms failed: {group['error']} |  |  |  |  |")
     lines += ["", "## Through the command line", ""]
     lines += [
         "Steady-state tokens/s (the last progress line), as a fraction of RoPE's. Target: "

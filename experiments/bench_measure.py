@@ -5,6 +5,7 @@ line, and side-by-side rounds of several paths in one process (``experiments.ben
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import subprocess
@@ -22,6 +23,10 @@ from experiments.bench_settings import (
     ROOT,
     STEP_MODEL,
 )
+
+# side_by_side: one timing spans about this long, in at most MAX_CALLS back-to-back calls.
+MIN_TIMING_S = 0.02
+MAX_CALLS = 64
 
 
 def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -181,33 +186,58 @@ def measure(kind: str, scheme: str, length: int, repeats: int, options: dict[str
 
 
 def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
-    """Times every arm at ``length`` in this process, interleaved (see SIDE_BY_SIDE_ARMS)."""
+    """Times every arm at ``length`` in this process, interleaved (see SIDE_BY_SIDE_ARMS).
+
+    An arm that fails to compile or run is a row with ``status="error"`` and its message,
+    and the other arms still run. A timing is ``calls`` back-to-back calls over one
+    ``block_until_ready``, divided by ``calls``: enough calls (from a timed single call after
+    the warm-up) that one timing spans about ``MIN_TIMING_S``, so that the host's dispatch of
+    a call (tens of microseconds) does not pad a kernel of a fraction of a millisecond.
+    """
     import jax
 
     compiled, rows = {}, []
     for label, scheme, options in arms:
-        fn, args = _layer_program(scheme, length, options)
-        program = fn.lower(*args).compile()
-        analysis = program.memory_analysis()
-        xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)
-        if xla > MEMORY_CAP_BYTES:
-            rows.append({"label": label, "status": "over_memory_cap", "xla_temp_bytes": xla})
+        try:
+            fn, args = _layer_program(scheme, length, options)
+            program = fn.lower(*args).compile()
+            analysis = program.memory_analysis()
+            xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)
+            if xla > MEMORY_CAP_BYTES:
+                rows.append({"label": label, "status": "over_memory_cap", "xla_temp_bytes": xla})
+                continue
+            jax.block_until_ready(program(*args))  # warm-up
+            start = time.perf_counter()
+            jax.block_until_ready(program(*args))
+            single_s = time.perf_counter() - start
+        except Exception as error:  # a path that fails here costs its own arm only
+            message = f"{type(error).__name__}: {str(error)[:600]}"
+            rows.append({"label": label, "status": "error", "error": message})
             continue
-        jax.block_until_ready(program(*args))  # warm-up
-        compiled[label] = (program, args)
+        calls = max(1, min(MAX_CALLS, math.ceil(MIN_TIMING_S / max(single_s, 1e-6))))
+        compiled[label] = (program, args, calls)
         path = _path_taken(scheme, length, options)
         rows.append(
-            {"label": label, "status": "ok", "xla_temp_bytes": xla, "times_s": [], "path": path}
+            {
+                "label": label,
+                "status": "ok",
+                "xla_temp_bytes": xla,
+                "times_s": [],
+                "calls": calls,
+                "path": path,
+            }
         )
     by_label = {row["label"]: row for row in rows if row["status"] == "ok"}
     order = list(by_label)
     for round_index in range(rounds):
         shift = round_index % len(order)
         for label in order[shift:] + order[:shift]:
-            program, args = compiled[label]
+            program, args, calls = compiled[label]
             start = time.perf_counter()
-            jax.block_until_ready(program(*args))
-            by_label[label]["times_s"].append(time.perf_counter() - start)
+            for _ in range(calls):
+                out = program(*args)
+            jax.block_until_ready(out)
+            by_label[label]["times_s"].append((time.perf_counter() - start) / calls)
     out = []
     for row in rows:
         times = row.get("times_s", [])

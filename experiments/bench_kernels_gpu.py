@@ -88,6 +88,7 @@ LENGTHS = (4096, 16384)
 # Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme.
 CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "path", "alibi", "t5", "nope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
+PARTS = ("check", "layer", "cli")
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 # JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
 # command-line run (a child process, while this one holds its share) CLI_MEM_FRACTION.
@@ -227,12 +228,17 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m experiments.bench_kernels_gpu")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
-    parser.add_argument("--parts", default="check,layer,cli")
+    parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget_s", type=float, default=420.0)
     parser.add_argument("--cli_steps", type=int, default=40)
     parser.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
+    parser.add_argument("--render", help="rewrite the page of this JSON (ratios recomputed)")
+    parser.add_argument("--note", action="append", default=[], help="with --render: a note")
     args = parser.parse_args(argv)
+    if args.render:
+        render(Path(args.render), Path(args.out_dir), args.note)
+        return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)  # before JAX starts
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit(f"needs a GPU backend (or --smoke), JAX has {jax.default_backend()!r}")
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind, what in tasks:
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:
-            result["skipped"].append(f"{kind} {what}")
+            result["skipped"].append(task_label(kind, what))
             continue
         if kind == "check":
             result["check"].append(check_run(what[0]))
@@ -272,6 +278,32 @@ def main(argv: list[str] | None = None) -> None:
     write_json(out / "bench_kernels_gpu.json", result)
     (out / "bench_kernels_gpu.md").write_text(page(result))
     print(page(result), flush=True)
+
+
+def task_label(kind: str, what: tuple) -> str:
+    """A task as the page names it: ``layer (2, 4, 64) T=4096: dpa, cope kernel``, ``cli
+    fox kernel``, ``check cope``."""
+    if kind == "layer":
+        shape, length, arms = what
+        return f"layer {shape} T={length}: " + ", ".join(label for label, _, _ in arms)
+    return f"{kind} {' '.join(what)}"
+
+
+def render(source: Path, out: Path, notes: list[str]) -> None:
+    """Rewrites the page (and JSON) of a run's ``source`` JSON under ``out``: the ratios
+    recomputed with today's rules (``bench_settings.NOPE_ARMS``), ``notes`` added to its
+    own."""
+    import json
+
+    result = json.loads(source.read_text())
+    for group in result["layer"]:
+        ratios(group["rows"])
+    result["notes"] = [*result.get("notes", []), *notes]
+    labels = {f"{kind} {what}": task_label(kind, what) for kind, what in plan(False, PARTS)[0]}
+    result["skipped"] = [labels.get(task, task) for task in result["skipped"]]
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench_kernels_gpu.json", result)
+    (out / "bench_kernels_gpu.md").write_text(page(result))
 
 
 def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from experiments.bench_gpu import fastest_nope
 
+ONE_SHAPE_MARGIN = 1.2
+
 
 def dispatch_entries(result: dict, source: str) -> list:
     """The measurements for ``copejax.model.measured_paths.MEASURED``: per scheme and T, the
     path of its fastest arm (default blocks only: the table names a path, not its options),
     where the same path won at every measured shape of that T and it is not what ``auto``'s
     rules take there already. Its ratio is the worst over the shapes. A kernel whose check
-    failed on the device is no candidate."""
+    failed on the device is no candidate. A length measured at one shape only admits a path
+    that beat the rule's path there by at least ``ONE_SHAPE_MARGIN`` (the table applies the
+    entry at every shape: a narrow win at one shape is no evidence for the others)."""
     from copejax.model.measured_paths import Measurement
 
     failed = {row["scheme"] for row in result.get("check", []) if not row["ok"]}
@@ -30,16 +34,32 @@ def dispatch_entries(result: dict, source: str) -> list:
                 best[arm["scheme"]] = {**row, "impl": arm["impl"]}
         for scheme, row in best.items():
             row["rule"] = group["rules"][scheme]
+            row["margin"] = _margin(group, scheme, row)
             wins.setdefault((scheme, group["T"]), []).append(row)
     entries = []
     for (scheme, length), rows in sorted(wins.items()):
         impls = {row["impl"] for row in rows}
-        if len(impls) == 1 and impls != {rows[0]["rule"]}:
+        narrow = len(rows) == 1 and rows[0]["margin"] < ONE_SHAPE_MARGIN
+        if len(impls) == 1 and impls != {rows[0]["rule"]} and not narrow:
             ratio = max(row["ratio_to_fastest_nope"] for row in rows)
             entries.append(
                 Measurement("gpu", "bfloat16", scheme, length, impls.pop(), ratio, source)
             )
     return entries
+
+
+def _margin(group: dict, scheme: str, best: dict) -> float:
+    """The time of the path ``auto``'s rules take for ``scheme`` in ``group`` (for nope on
+    cuDNN, the ``dpa`` arm) over ``best``'s; infinity where that path was not measured."""
+    rule = group["rules"][scheme]
+    for row in group["rows"]:
+        arm = group.get("arms", {}).get(row["scheme"])
+        if arm is None or "time_s" not in row or "attention_block" in arm["options"]:
+            continue
+        on_cudnn = arm["scheme"] == "dpa" and (scheme, rule) == ("nope", "dot_product_attention")
+        if on_cudnn or (arm["scheme"], arm["impl"]) == (scheme, rule):
+            return row["time_s"] / best["time_s"]
+    return float("inf")
 
 
 def _check_line(row: dict) -> str:
@@ -75,9 +95,11 @@ def page(result: dict) -> str:
         "## One layer, forward + backward, bfloat16",
         "",
         "Ratio = median over interleaved rounds of the arm's time over the round's fastest "
-        "nope arm (cuDNN's fused kernel, `dpa`). XLA temp = the compiled program's temporary "
-        "buffers. Targets (issue 45): FoX, ALiBi and T5 at most 1.5x, stick-breaking at most "
-        "2x, CoPE and selective at most 2.5x; XLA temporaries at 16K within 1.2x of cuDNN nope's.",
+        "nope arm (cuDNN's fused kernel `dpa` or copejax's own `nope kernel`, whichever was "
+        "faster in that round). Time = back-to-back calls over one sync, per call. XLA temp = "
+        "the compiled program's temporary buffers. Targets (issue 45): FoX, ALiBi and T5 at "
+        "most 1.5x, stick-breaking at most 2x, CoPE and selective at most 2.5x; XLA "
+        "temporaries at 16K within 1.2x of cuDNN nope's.",
         "",
         "| B | N | H | T | arm | path | time ms | ratio | XLA temp MiB |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -112,17 +134,27 @@ def page(result: dict) -> str:
         lines.append(
             f"| {row['scheme']} | {row['attention_impl']} | {status} | {shown} | {versus} |"
         )
+    if result.get("notes"):
+        lines += ["", "## Notes", "", *[f"- {note}" for note in result["notes"]]]
     if result["skipped"]:
         lines += ["", "Skipped (time budget): " + "; ".join(result["skipped"]) + "."]
     lines += ["", "## What auto should take", ""]
     entries = dispatch_entries(result, f"experiments/results/bench_kernels_gpu.md {result['date']}")
     if entries:
         lines += [
-            "Where one path beat auto's rules at every measured shape of a length, the entry "
+            "Where one path beat auto's rules at every measured shape of a length (by at least "
+            f"{ONE_SHAPE_MARGIN}x where one shape was measured), the entry "
             "for `MEASURED` in `copejax/model/measured_paths.py` (commit them with this page):",
             "",
             "```python",
-            *[f"    {entry!r}," for entry in entries],
+            f'SOURCE = "{entries[0].source}"',
+            "MEASURED = (",
+            *[
+                f'    Measurement("{m.backend}", "{m.dtype}", "{m.scheme}", {m.keys}, '
+                f'"{m.impl}", {m.ratio:.3g}, SOURCE),'
+                for m in entries
+            ],
+            ")",
             "```",
         ]
     else:

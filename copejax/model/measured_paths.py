@@ -11,8 +11,12 @@ anything unmeasured, ``auto`` keeps its rules (:func:`copejax.model.attention_pa
 
 The table is filled from a GPU run of ``python -m experiments.bench_kernels_gpu``, whose page
 ends with the entries to paste here (``experiments.bench_kernels_gpu.dispatch_entries``): a
-path enters only if it was the fastest at every measured shape of that length. No GPU has
-measured the fused kernels yet, so the table is empty and ``auto`` never takes them.
+path enters only if it was the fastest at every measured shape of that length, and a length
+measured at one shape only admits a win of at least 1.2x over the rules' path
+(``bench_kernels_page.ONE_SHAPE_MARGIN``). The first GPU page (an H100, 2026-11-27) measured
+one shape, (B, N, H) = (2, 4, 64) at T = 4096: ALiBi, T5, FoX and stick-breaking on the
+kernels beat their rules' paths there (cuDNN with a (B, N, T, S) bias, the engine's walk).
+Plain nope's kernel beat cuDNN by 1.11x only, under the margin, so nope keeps cuDNN.
 
 Shape letters: none (static facts about calls).
 """
@@ -45,8 +49,14 @@ class Measurement:
     source: str
 
 
-# Filled from GPU/TPU pages only (see the module docstring); empty until one is measured.
-MEASURED: tuple[Measurement, ...] = ()
+_H100 = "experiments/results/bench_kernels_gpu.md 2026-11-27"
+# Filled from GPU/TPU pages only (see the module docstring), as their pages print them.
+MEASURED: tuple[Measurement, ...] = (
+    Measurement("gpu", "bfloat16", "alibi", 4096, "kernel", 1.57, _H100),
+    Measurement("gpu", "bfloat16", "fox", 4096, "kernel", 1.46, _H100),
+    Measurement("gpu", "bfloat16", "stickbreaking", 4096, "kernel", 22.7, _H100),
+    Measurement("gpu", "bfloat16", "t5", 4096, "kernel", 13.9, _H100),
+)
 
 
 def measured_impl(

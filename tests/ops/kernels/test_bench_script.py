@@ -87,7 +87,8 @@ def _group(shape: tuple[int, int, int], times: dict[str, float], rules: dict[str
 
 def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
     """FoX's kernel wins at both shapes: an entry (its worst ratio). ALiBi's kernel wins at
-    one shape only, stick-breaking's rule path wins: no entry for them."""
+    one shape only, stick-breaking's rule path wins: no entry for them. Where one shape was
+    measured, a win needs ONE_SHAPE_MARGIN over the rules' path (ALiBi's 1.4 / 1.2)."""
     rules = {"fox": "naive", "alibi": "dot_product_attention", "stickbreaking": "naive"}
     small = {
         "dpa": 1.0,
@@ -119,7 +120,13 @@ def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
     )
     assert entry.impl == "kernel" and entry.ratio == pytest.approx(1.4)
     page = bench_kernels_page.page(result)
-    assert f"    {entry!r}," in page
+    assert '    Measurement("gpu", "bfloat16", "fox", 4096, "kernel", 1.4, SOURCE),' in page
+    # One shape measured: a win over the rules' path under ONE_SHAPE_MARGIN is no entry.
+    one = {**result, "layer": [_group((2, 4, 64), small, rules)]}
+    assert [m.scheme for m in bench_kernels_page.dispatch_entries(one, source)] == ["fox"]
+    wide = {**small, "alibi kernel": 1.4 / bench_kernels_page.ONE_SHAPE_MARGIN - 0.01}
+    one = {**result, "layer": [_group((2, 4, 64), wide, rules)]}
+    assert [m.scheme for m in bench_kernels_page.dispatch_entries(one, source)] == ["alibi", "fox"]
     # A kernel that computed something else on the device is no candidate.
     bad = {"scheme": "fox", "ok": False, "error": "LoweringError: x"}
     assert bench_kernels_page.dispatch_entries({**result, "check": [bad]}, source) == []

@@ -18,6 +18,7 @@ import pytest
 from copejax.model import decode
 from copejax.model.attention_paths import choose_impl
 from copejax.model.kernel_terms import kernel_refusal
+from copejax.model.measured_paths import MEASURED
 from copejax.model.transformer import Transformer
 from copejax.positions import registry
 from tests.conftest import perturbed, tiny_config
@@ -165,15 +166,27 @@ def test_refuses_decoding() -> None:
         decode.init_cache(cfg, 1, 8)
 
 
-def test_auto_never_takes_the_kernels() -> None:
-    """``auto`` keeps its measured choices: no GPU measurement of the kernels exists yet."""
+def test_auto_takes_the_kernels_only_where_a_gpu_measured_them() -> None:
+    """``auto`` takes the kernels exactly where ``measured_paths.MEASURED`` names them: on a
+    GPU, in bfloat16, from the measured length on, for the measured schemes; never on the
+    CPU or a TPU, in float32, below that length, or for another scheme."""
+    kernel_from = {m.scheme: m.keys for m in MEASURED if m.impl == "kernel"}
+    assert {m.backend for m in MEASURED if m.impl == "kernel"} <= {"gpu"}
+    assert set(kernel_from) <= set(COVERED)
     for name in COVERED:
         for dtype in ("float32", "bfloat16"):
-            cfg = tiny_config(name, dtype=dtype)
+            cfg = tiny_config(name, dtype=dtype, d_model=64)  # head dim 32: Triton tiles it
             for backend in ("cpu", "gpu", "tpu"):
                 for length in (16, 4096, 65536):
                     pairs = 8 * length * length
-                    assert choose_impl(cfg, length, False, backend, pairs) != "kernel"
+                    takes = choose_impl(cfg, length, False, backend, pairs) == "kernel"
+                    measured = (backend, dtype) == ("gpu", "bfloat16") and name in kernel_from
+                    assert takes == (measured and length >= kernel_from[name]), (
+                        name,
+                        dtype,
+                        backend,
+                        length,
+                    )
 
 
 def test_every_term_lowers_to_triton() -> None:

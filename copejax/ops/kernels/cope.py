@@ -45,7 +45,7 @@ from copejax.ops.kernels.cope_terms import (
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.stick import newer_ones_KK, tile_sum
+from copejax.ops.kernels.stick import tile_sum
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 
@@ -82,7 +82,7 @@ def cope_scores_QK(
     else:
         gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
         gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits), 0.0)
-    within_QK = tile_sum(gates_QK, newer_ones_KK(gates_QK.shape[1], inclusive=True))
+    within_QK = tile_sum(gates_QK, True)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
     p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
     term_QK = position_term_QK(

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.padding import MIN_BLOCK, power_of_two
+from copejax.ops.kernels.tiles import dot_exact_f32
 
 POSITION_TERMS = ("interpolate", "alibi", "mlp")
 # Eigen's float erf: x * alpha(x^2) / beta(x^2) on [-4, 4], highest power first.
@@ -236,7 +237,11 @@ mlp_units_vjp.defvjp(_mlp_forward, _mlp_backward)
 
 
 def _rows_matmul(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
-    """q . rows^T in float32 (HIGHEST: no TF32 for a position term)."""
+    """q . rows^T in float32 (no TF32 for a position term): bfloat16 queries are exact in
+    bfloat16, so three bfloat16 matmuls of the rows' pieces on the tensor cores
+    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`); float32 queries at HIGHEST."""
+    if q_QH.dtype == jnp.bfloat16:
+        return dot_exact_f32(rows_RH, q_QH, (1, 1), exact_left=True)
     return jax.lax.dot_general(
         q_QH.astype(jnp.float32),
         rows_RH,

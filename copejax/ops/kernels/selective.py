@@ -21,8 +21,8 @@ two): O(T^2 / Q), no (T, S) buffer. The forward kernel is FlashAttention-2's
 (:mod:`copejax.ops.kernels.forward`) with the penalty added per pair: each program
 recomputes the selecting head's S tile from its q and k tiles (one more Q x K x H matmul)
 and ``L @ S``: three Q x Q x K bfloat16 matmuls of S split in bfloat16 pieces, exact to
-float32 (:func:`bf16_pieces`), on a GPU's tensor cores; one bfloat16 or TF32 matmul would
-round the penalties to 3 digits. The backward is
+float32 (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`), on a GPU's tensor cores; one
+bfloat16 or TF32 matmul would round the penalties to 3 digits. The backward is
 :mod:`copejax.ops.kernels.selective_backward`.
 
 Cost: each head's program recomputes the S tile of a pair, so a pair takes, besides
@@ -49,7 +49,13 @@ from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_operands, term_refs
 from copejax.ops.kernels.terms import pair_grid, tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+from copejax.ops.kernels.tiles import (
+    MASKED_LOGIT,
+    Plan,
+    content_logits_QK,
+    dot_exact_f32,
+    dot_f32,
+)
 from copejax.ops.kernels.triton_params import compiler_params
 
 NONLINEARITIES = ("relu", "sigmoid")  # copejax.ops.selective's
@@ -115,16 +121,6 @@ def selection_QK(
     return jnp.where(keep_QK, s_QK, 0.0), jnp.where(keep_QK, slope_QK, 0.0)
 
 
-def bf16_pieces(x: jax.Array) -> list[jax.Array]:
-    """x (float32) as three bfloat16 pieces, smallest first, whose sum is x to float32's
-    precision (8 + 8 + 8 significant bits)."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return [lo, mid, hi]
-
-
 def _triangular_sum_QK(x_QK: jax.Array, newer: bool) -> jax.Array:
     """``L @ x`` or (``newer``) ``L^T @ x``, L[i, k] = 1 where k < i, as three bfloat16
     matmuls with float32 accumulation (tensor cores on a GPU, where a float32 matmul at full
@@ -136,11 +132,7 @@ def _triangular_sum_QK(x_QK: jax.Array, newer: bool) -> jax.Array:
     row_Q1 = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
     column_1Q = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
     ones_QQ = (column_1Q > row_Q1) if newer else (column_1Q < row_Q1)
-    ones_QQ = ones_QQ.astype(jnp.float32).astype(jnp.bfloat16)
-    total_QK = jnp.zeros(x_QK.shape, jnp.float32)
-    for piece in bf16_pieces(x_QK):
-        total_QK = total_QK + dot_f32(ones_QQ, piece, (1, 0))
-    return total_QK
+    return dot_exact_f32(x_QK, ones_QQ.astype(jnp.float32), (0, 1), exact_left=True)
 
 
 def older_sum_QK(x_QK: jax.Array) -> jax.Array:

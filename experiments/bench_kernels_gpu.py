@@ -29,7 +29,10 @@ CoPE's, CoPE's layer group (its own: its kernels may compile longest) and CLI ar
 group, selective attention's and PaTH's groups (their own, as CoPE's), the other shapes'
 groups) and none
 starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
-minutes; skipped ones are listed on the page, which is rewritten after every task. The page
+minutes; skipped ones are listed on the page, which is rewritten after every task. Each layer
+group runs in a child process stopped after at most ``GROUP_TIMEOUT_S`` (its arms then are
+error rows): on the first H100 run CoPE's kernels compiled for over 5.5 minutes and took the
+rest of the call. The page
 ends with the entries for ``copejax.model.measured_paths.MEASURED`` that the measurements
 support.
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import re
 import subprocess
@@ -91,8 +95,10 @@ CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("
 PARTS = ("check", "layer", "cli")
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 # JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
-# command-line run (a child process, while this one holds its share) CLI_MEM_FRACTION.
+# child (a command-line run or a layer group, while this one holds its share) CLI_MEM_FRACTION.
 MEM_FRACTION, CLI_MEM_FRACTION = "0.45", "0.45"
+# A layer group (its compilations included) runs in a child stopped after at most this long.
+GROUP_TIMEOUT_S = 240.0
 
 
 @contextlib.contextmanager
@@ -157,6 +163,44 @@ def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: i
         rows = bench_measure.side_by_side(length, arms, rounds)
     ratios(rows)
     return {**group, "rows": rows}
+
+
+def isolated_group(
+    shape: tuple[int, int, int], length: int, arms: tuple, rounds: int, timeout_s: float
+) -> dict:
+    """:func:`layer_group` in a child process stopped after ``timeout_s``: a compilation
+    that never ends (CoPE's kernels at T = 4096 on the H100 compiled for over 5.5 minutes)
+    costs its own group and no more of the call. The child takes ``CLI_MEM_FRACTION`` of
+    the GPU's memory, as a command-line run does."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as workdir:
+        out = Path(workdir) / "group.json"
+        task = json.dumps([shape, length, arms, rounds, str(out)])
+        command = [sys.executable, "-m", "experiments.bench_kernels_gpu", "--group", task]
+        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
+        try:
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            done = None
+        if done is not None and done.returncode == 0:
+            return json.loads(out.read_text())
+    batch, heads, head_dim = shape
+    why = (
+        f"stopped after {timeout_s:.0f} s (compilation included)"
+        if done is None
+        else f"exit {done.returncode}: {done.stderr[-600:]}"
+    )
+    rows = [{"scheme": label, "status": "error", "error": why} for label, _, _ in arms]
+    return {"B": batch, "N": heads, "H": head_dim, "T": length, "rows": rows, "rules": {}}
 
 
 def check_run(scheme: str) -> dict:
@@ -234,12 +278,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cli_steps", type=int, default=40)
     parser.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
     parser.add_argument("--render", help="rewrite the page of this JSON (ratios recomputed)")
+    parser.add_argument("--group", help=argparse.SUPPRESS)  # isolated_group's child: its task
     parser.add_argument("--note", action="append", default=[], help="with --render: a note")
     args = parser.parse_args(argv)
     if args.render:
         render(Path(args.render), Path(args.out_dir), args.note)
         return
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)  # before JAX starts
+    if args.group:
+        shape, length, arms, rounds, out = json.loads(args.group)
+        arms = tuple((label, scheme, opts) for label, scheme, opts in arms)
+        write_json(Path(out), layer_group(tuple(shape), length, arms, rounds))
+        return
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit(f"needs a GPU backend (or --smoke), JAX has {jax.default_backend()!r}")
     start = time.perf_counter()
@@ -265,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
             result["check"].append(check_run(what[0]))
         elif kind == "layer":
             shape, length, arms = what
-            result["layer"].append(layer_group(shape, length, arms, rounds or args.rounds))
+            left = min(max(args.budget_s + 60 - elapsed, 30), GROUP_TIMEOUT_S)
+            group = isolated_group(shape, length, arms, rounds or args.rounds, left)
+            result["layer"].append(group)
         else:
             left = max(args.budget_s + 60 - elapsed, 30)
             result["cli"].append(cli_run(*what, variant, steps, left))
@@ -293,7 +345,6 @@ def render(source: Path, out: Path, notes: list[str]) -> None:
     """Rewrites the page (and JSON) of a run's ``source`` JSON under ``out``: the ratios
     recomputed with today's rules (``bench_settings.NOPE_ARMS``), ``notes`` added to its
     own."""
-    import json
 
     result = json.loads(source.read_text())
     for group in result["layer"]:

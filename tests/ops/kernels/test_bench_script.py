@@ -152,3 +152,16 @@ def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> No
     # a position-only bias, takes the engine from 512 keys on.
     first = {label for label, _, _ in groups[0][2]}
     assert {"fox kernel", "fox blockwise", "alibi dot_product_attention"} <= first
+
+
+def test_a_layer_group_past_its_time_costs_its_own_rows_only() -> None:
+    """A group runs in a child stopped at its limit (CoPE's kernels compiled for over 5.5
+    minutes on the H100): its arms become error rows, and the page shows why."""
+    arms = (("dpa", "dpa", {}), ("cope kernel", "cope", {"attention_impl": "kernel"}))
+    group = bench_kernels_gpu.isolated_group((1, 2, 16), 128, arms, 1, timeout_s=0.01)
+    assert [row["scheme"] for row in group["rows"]] == ["dpa", "cope kernel"]
+    assert all(row["status"] == "error" for row in group["rows"])
+    assert "stopped after 0 s" in group["rows"][1]["error"]
+    result = {"date": "d", "device": "x", "command": "c", "wall_s": 1.0, "cli": [], "skipped": []}
+    page = bench_kernels_page.page({**result, "layer": [group]})
+    assert "| cope kernel | - | error: stopped after 0 s (compilation included) |" in page

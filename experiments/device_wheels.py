@@ -4,7 +4,8 @@
 
 The accelerator image this project is lent (Python 3.12, jax 0.11.2, flax, optax, orbax and
 their needs, no network) lacks a few of copejax's runtime packages: grain (and array_record,
-which it reads), ml_collections, tensorboardX, portpicker, importlib_resources and tzdata. This
+which it reads), ml_collections, tensorboardX, portpicker, importlib_resources and tzdata, and
+its flax needs a newer release than ours (``DEVICE_VERSIONS``). This
 downloads those at the versions ``constraints.txt`` pins, as CPython 3.12 manylinux wheels
 without their dependencies (the image has the rest), and prints the line that installs them
 there at the start of the device call, e.g. before
@@ -30,6 +31,10 @@ MISSING_ON_DEVICE = (
     "tensorboardX",
     "tzdata",
 )
+# Carried at another version than constraints.txt's: flax 0.12.8 imports
+# jax.experimental.hijax.HiPrimitive, which the device's jax 0.11.2 lacks; 0.12.10 ran the
+# whole test suite on jax 0.11.2 and the first H100 measurement (2026-11-27).
+DEVICE_VERSIONS = {"flax": "0.12.10"}
 PYTHON_VERSION = "3.12"
 PLATFORMS = (  # pip matches a wheel's manylinux tag exactly: the ones these wheels carry
     "manylinux_2_28_x86_64",
@@ -60,7 +65,8 @@ def pins(constraints: Path = ROOT / "constraints.txt") -> list[str]:
     absent = [name for name in MISSING_ON_DEVICE if _normal(name) not in pinned]
     if absent:
         raise ValueError(f"constraints.txt pins no version of {absent}: pin them first")
-    return [pinned[_normal(name)] for name in MISSING_ON_DEVICE]
+    device = [f"{name}=={version}" for name, version in DEVICE_VERSIONS.items()]
+    return [pinned[_normal(name)] for name in MISSING_ON_DEVICE] + device
 
 
 def download_command(out: Path) -> list[str]:

@@ -45,21 +45,19 @@ script end to end without a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from copejax.runtime.results_json import write_json
 from experiments import bench_measure
 from experiments.bench import ROOT
 from experiments.bench_gpu import ratios
+from experiments.bench_kernels_cli import CLI_MEM_FRACTION, MEM_FRACTION, cli_run
 from experiments.bench_kernels_page import page
 
 KERNEL = {"attention_impl": "kernel"}
@@ -93,24 +91,8 @@ LENGTHS = (4096, 16384)
 CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "path", "alibi", "t5", "nope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 PARTS = ("check", "layer", "cli")
-TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
-# JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
-# child (a command-line run or a layer group, while this one holds its share) CLI_MEM_FRACTION.
-MEM_FRACTION, CLI_MEM_FRACTION = "0.45", "0.45"
 # A layer group (its compilations included) runs in a child stopped after at most this long.
 GROUP_TIMEOUT_S = 240.0
-
-
-@contextlib.contextmanager
-def layer_shape(batch: int, heads: int, head_dim: int) -> Iterator[None]:
-    """Runs ``bench_measure``'s layer at another (B, N, H): it reads the module's
-    BATCH, HEADS and HEAD_DIM when it builds a layer."""
-    saved = (bench_measure.BATCH, bench_measure.HEADS, bench_measure.HEAD_DIM)
-    bench_measure.BATCH, bench_measure.HEADS, bench_measure.HEAD_DIM = batch, heads, head_dim
-    try:
-        yield
-    finally:
-        bench_measure.BATCH, bench_measure.HEADS, bench_measure.HEAD_DIM = saved
 
 
 def rule_path(scheme: str, shape: tuple[int, int, int], length: int) -> str:
@@ -119,7 +101,7 @@ def rule_path(scheme: str, shape: tuple[int, int, int], length: int) -> str:
     from copejax.model.attention_paths import rule_impl
 
     batch, heads, _ = shape
-    with layer_shape(*shape):
+    with bench_measure.layer_shape(*shape):
         cfg = bench_measure.layer_config(scheme, length, {"dtype": "bfloat16"})
     return rule_impl(cfg, length, "gpu", batch * heads * length * length)
 
@@ -159,7 +141,8 @@ def layer_group(shape: tuple[int, int, int], length: int, arms: tuple, rounds: i
     }
     schemes = {scheme for _, scheme, _ in arms if scheme != "dpa"}
     group["rules"] = {scheme: rule_path(scheme, shape, length) for scheme in sorted(schemes)}
-    with layer_shape(*shape):  # an arm that fails to compile or run is a row with its error
+    # an arm that fails to compile or run is a row with its error
+    with bench_measure.layer_shape(*shape):
         rows = bench_measure.side_by_side(length, arms, rounds)
     ratios(rows)
     return {**group, "rows": rows}
@@ -211,60 +194,6 @@ def check_run(scheme: str) -> dict:
         return check(scheme)
     except Exception as error:  # a kernel that fails to lower or compile is a finding
         return {"scheme": scheme, "ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
-
-
-def refusal(scheme: str) -> str | None:
-    """The kernels' refusal of ``scheme`` (copejax.model.kernel_terms), or None."""
-    from copejax.model.kernel_terms import kernel_refusal
-    from copejax.positions.registry import make_scheme
-
-    return kernel_refusal(make_scheme(scheme))
-
-
-def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) -> dict:
-    """tokens/s of the last progress line of one training run through the command line."""
-    import tempfile
-
-    row: dict = {"scheme": scheme, "attention_impl": impl}
-    if impl == "kernel" and (why := refusal(scheme)) is not None:
-        return {**row, "status": "refused", "reason": why}
-    arg = f"{variant},position={scheme},steps={steps}"
-    if variant == "paper":
-        arg += ",corpus=stdlib,length=2048,batch_size=8"
-    with tempfile.TemporaryDirectory() as workdir:
-        command = [
-            sys.executable,
-            "-m",
-            "copejax.main",
-            f"--config=configs/lm.py:{arg}",
-            f"--workdir={workdir}/run",
-            "--config.model.dtype=bfloat16",
-            f"--config.model.attention_impl={impl}",
-            f"--config.train.log_every={max(1, steps // 4)}",
-            f"--config.train.eval_every={10 * steps}",
-            f"--config.train.checkpoint_every={10 * steps}",
-            "--config.eval.max_examples=1",
-        ]
-        row["command"] = " ".join(command[1:])
-        start = time.perf_counter()
-        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
-        try:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return {**row, "status": "timeout", "wall_s": timeout_s}
-        row["wall_s"] = time.perf_counter() - start
-    speeds = [float(m.replace(",", "")) for m in TOKENS_PER_S.findall(done.stdout)]
-    if done.returncode != 0 or not speeds:
-        return {**row, "status": "error", "stderr_tail": done.stderr[-800:]}
-    return {**row, "status": "ok", "tokens_per_s": speeds[-1]}
 
 
 def main(argv: list[str] | None = None) -> None:

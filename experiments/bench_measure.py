@@ -5,12 +5,14 @@ line, and side-by-side rounds of several paths in one process (``experiments.ben
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from experiments.bench_settings import (
@@ -27,6 +29,19 @@ from experiments.bench_settings import (
 # side_by_side: one timing spans about this long, in at most MAX_CALLS back-to-back calls.
 MIN_TIMING_S = 0.02
 MAX_CALLS = 64
+
+
+@contextlib.contextmanager
+def layer_shape(batch: int, heads: int, head_dim: int) -> Iterator[None]:
+    """Builds the layer at another (B, N, H) inside the context: the module's BATCH, HEADS
+    and HEAD_DIM, which the layer reads when it is built."""
+    global BATCH, HEADS, HEAD_DIM
+    saved = (BATCH, HEADS, HEAD_DIM)
+    BATCH, HEADS, HEAD_DIM = batch, heads, head_dim
+    try:
+        yield
+    finally:
+        BATCH, HEADS, HEAD_DIM = saved
 
 
 def _position_fields(scheme: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -109,10 +109,10 @@ def test_auto_takes_the_fused_kernel_on_gpu_in_bfloat16_where_it_applies() -> No
 
 
 def test_auto_on_gpu_keeps_the_naive_and_biased_fused_paths_while_their_pairs_fit() -> None:
+    """auto's rules, which apply where no measurement does (``measured_paths.MEASURED`` sends
+    bfloat16 ALiBi to the kernels from 4096 keys: tests/test_measured_paths.py)."""
     budget = attention_paths.GPU_NAIVE_MAX_BYTES
-    choose = lambda cfg, pairs: attention_paths.choose_impl(
-        cfg, 1 << 14, sowing=False, backend="gpu", pairs=pairs
-    )
+    choose = lambda cfg, pairs: attention_paths.rule_impl(cfg, 1 << 14, "gpu", pairs)
     rope32, alibi32 = tiny_config("rope"), tiny_config("alibi")
     for cfg in (rope32, alibi32):
         assert choose(cfg, budget // 4) == "naive"  # float32 logits of exactly the budget

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_kernels_gpu, bench_kernels_page
+from experiments import bench_kernels_cli, bench_kernels_gpu, bench_kernels_page
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -25,7 +25,7 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
     cli = [
         {"scheme": "rope", "attention_impl": "auto", "status": "ok", "tokens_per_s": 1000.0},
         {"scheme": "fox", "attention_impl": "kernel", "status": "ok", "tokens_per_s": 700.0},
-        bench_kernels_gpu.cli_run("dape", "kernel", "paper", steps=1, timeout_s=1),
+        bench_kernels_cli.cli_run("dape", "kernel", "paper", steps=1, timeout_s=1),
     ]
     result = {"date": "2026-11-27", "device": "NVIDIA H100", "command": "c", "wall_s": 400.0}
     page = bench_kernels_page.page({**result, "layer": layer, "cli": cli, "skipped": ["x"]})

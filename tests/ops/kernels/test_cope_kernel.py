@@ -14,8 +14,8 @@ import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, cope_term, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,

@@ -22,8 +22,8 @@ import scipy.special
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.cope_terms import erf_f32, mlp_units_QK, mlp_units_vjp
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.conftest import tiny_config
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 

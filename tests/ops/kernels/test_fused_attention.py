@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm, pair_grid, table_lookup
 from copejax.ops.kernels.tiles import Plan
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 

@@ -20,10 +20,10 @@ from copejax.model.attention_paths import choose_impl
 from copejax.model.kernel_terms import kernel_refusal
 from copejax.model.measured_paths import MEASURED
 from copejax.model.transformer import Transformer
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.positions import registry
 from tests.conftest import perturbed, tiny_config
 from tests.ops.kernels.every_term import every_term
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.tolerances import assert_close
 
 LENGTH, BLOCK = 40, 16  # three key tiles, the last one padded

@@ -26,11 +26,11 @@ from copejax.model.kernel_path import path_attention, path_chunk
 from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.path import path_logits_BNQK
 from tests.conftest import perturbed, tiny_config
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay
 from tests.ops.kernels.test_kernel_registry import _compare, _config

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.relative import RelativeTerm
 from copejax.ops.kernels.terms import KernelTerm
 from tests.conftest import tiny_config
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,

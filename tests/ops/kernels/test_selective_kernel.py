@@ -22,12 +22,12 @@ import pytest
 from copejax.ops import segments
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.selective import SelectiveTerm, prefix_call, rows_of
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
 from tests.conftest import tiny_config
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay, _slope
 from tests.ops.kernels.tolerances import assert_close

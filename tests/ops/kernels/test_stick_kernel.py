@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,

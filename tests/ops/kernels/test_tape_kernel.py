@@ -20,8 +20,8 @@ import pytest
 
 from copejax.model.kernel_tape import kernel_operands, padded_qk, split_columns
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.conftest import tiny_config
-from tests.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels.reference import mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 

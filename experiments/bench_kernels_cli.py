@@ -1,0 +1,73 @@
+"""Part ``cli`` of :mod:`experiments.bench_kernels_gpu`: steady-state tokens/s of one
+training run through the command line (``python -m copejax.main``), in a child process with
+its own share of the GPU's memory; a scheme the kernels refuse is recorded with the refusal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from experiments.bench import ROOT
+
+TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
+# JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
+# child (a command-line run or a layer group, while this one holds its share) CLI_MEM_FRACTION.
+MEM_FRACTION, CLI_MEM_FRACTION = "0.45", "0.45"
+
+
+def refusal(scheme: str) -> str | None:
+    """The kernels' refusal of ``scheme`` (copejax.model.kernel_terms), or None."""
+    from copejax.model.kernel_terms import kernel_refusal
+    from copejax.positions.registry import make_scheme
+
+    return kernel_refusal(make_scheme(scheme))
+
+
+def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) -> dict:
+    """tokens/s of the last progress line of one training run through the command line."""
+    import tempfile
+
+    row: dict = {"scheme": scheme, "attention_impl": impl}
+    if impl == "kernel" and (why := refusal(scheme)) is not None:
+        return {**row, "status": "refused", "reason": why}
+    arg = f"{variant},position={scheme},steps={steps}"
+    if variant == "paper":
+        arg += ",corpus=stdlib,length=2048,batch_size=8"
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [
+            sys.executable,
+            "-m",
+            "copejax.main",
+            f"--config=configs/lm.py:{arg}",
+            f"--workdir={workdir}/run",
+            "--config.model.dtype=bfloat16",
+            f"--config.model.attention_impl={impl}",
+            f"--config.train.log_every={max(1, steps // 4)}",
+            f"--config.train.eval_every={10 * steps}",
+            f"--config.train.checkpoint_every={10 * steps}",
+            "--config.eval.max_examples=1",
+        ]
+        row["command"] = " ".join(command[1:])
+        start = time.perf_counter()
+        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
+        try:
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "timeout", "wall_s": timeout_s}
+        row["wall_s"] = time.perf_counter() - start
+    speeds = [float(m.replace(",", "")) for m in TOKENS_PER_S.findall(done.stdout)]
+    if done.returncode != 0 or not speeds:
+        return {**row, "status": "error", "stderr_tail": done.stderr[-800:]}
+    return {**row, "status": "ok", "tokens_per_s": speeds[-1]}

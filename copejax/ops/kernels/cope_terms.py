@@ -149,14 +149,60 @@ def gelu_f32(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def interpolate_QK(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
     """``z_i`` read at the fractional ``p_ij`` in [0, P - 1] by linear interpolation: a sum
-    over the P rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the value and derivative of
-    :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no gather."""
-    rows_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
-    out_QK = jnp.zeros(p_QK.shape, jnp.float32)
-    for row in range(z_QP.shape[1]):
-        z_Q1 = jnp.sum(jnp.where(rows_QP == row, z_QP, 0.0), axis=1, keepdims=True)
-        out_QK = out_QK + z_Q1 * jax.nn.relu(1.0 - jnp.abs(p_QK - row))
-    return out_QK
+    over the table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the value and derivative of
+    :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no gather.
+    The loop (not unrolled) runs over the rows the tile's positions reach only
+    (:func:`_reached_rows`): once the count passes p_max every p is P - 1 and one row is
+    read."""
+    first, end = _reached_rows(p_QK, z_QP.shape[1])
+
+    def row(r: jax.Array, out_QK: jax.Array) -> jax.Array:
+        hat_QK = jnp.maximum(1.0 - jnp.abs(p_QK - r.astype(jnp.float32)), 0.0)
+        return out_QK + _column(z_QP, r) * hat_QK
+
+    return jax.lax.fori_loop(first, end, row, jnp.zeros(p_QK.shape, jnp.float32))
+
+
+def _reached_rows(p_QK: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """[first, end) of the table rows r with ``|p - r| < 1`` for some p of the tile."""
+    first = jnp.maximum(jnp.floor(jnp.min(p_QK)).astype(jnp.int32), 0)
+    return first, jnp.minimum(jnp.floor(jnp.max(p_QK)).astype(jnp.int32) + 2, rows)
+
+
+@jax.custom_vjp
+def interpolate_vjp(z_QP: jax.Array, p_QK: jax.Array) -> jax.Array:
+    """:func:`interpolate_QK` with a pull-back that loops over the same rows (autodiff of
+    the loop would keep a (Q, K) residual per row); for the backward kernels, as
+    :func:`mlp_units_vjp`."""
+    return interpolate_QK(z_QP, p_QK)
+
+
+def _interpolate_forward(z_QP: jax.Array, p_QK: jax.Array) -> tuple:
+    return interpolate_QK(z_QP, p_QK), (z_QP, p_QK)
+
+
+def _interpolate_backward(residuals: tuple, g_QK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """d z[:, r] = sum_j g hat(p - r); d p = sum_r g z[:, r] hat'(p - r), with hat' =
+    -sign(p - r) inside |p - r| < 1 and 0 elsewhere (autodiff's of max and abs)."""
+    z_QP, p_QK = residuals
+    first, end = _reached_rows(p_QK, z_QP.shape[1])
+    cols_QP = jax.lax.broadcasted_iota(jnp.int32, z_QP.shape, 1)
+
+    def row(r: jax.Array, state: tuple) -> tuple:
+        d_z_QP, d_p_QK = state
+        x_QK = p_QK - r.astype(jnp.float32)
+        inside_QK = jnp.abs(x_QK) < 1.0
+        hat_QK = jnp.where(inside_QK, 1.0 - jnp.abs(x_QK), 0.0)
+        d_z_QP = d_z_QP + jnp.where(cols_QP == r, jnp.sum(g_QK * hat_QK, axis=1, keepdims=True), 0)
+        # -sign(x) without lax.sign, whose Mosaic lowering reads the TPU's chip info
+        slope_QK = jnp.where(inside_QK & (x_QK != 0.0), jnp.where(x_QK > 0.0, -1.0, 1.0), 0.0)
+        return d_z_QP, d_p_QK + g_QK * _column(z_QP, r) * slope_QK
+
+    init = (jnp.zeros(z_QP.shape, jnp.float32), jnp.zeros(p_QK.shape, jnp.float32))
+    return jax.lax.fori_loop(first, end, row, init)
+
+
+interpolate_vjp.defvjp(_interpolate_forward, _interpolate_backward)
 
 
 def _column(x_QF: jax.Array, f: jax.Array) -> jax.Array:
@@ -273,7 +319,8 @@ def position_term_QK(
     """
     if kind == "interpolate":
         (e_PH,) = params
-        return interpolate_QK(_rows_matmul(q_QH, e_PH), p_QK)
+        interpolate = interpolate_vjp if backward else interpolate_QK
+        return interpolate(_rows_matmul(q_QH, e_PH), p_QK)
     if kind == "alibi":
         (m_11,) = params
         return m_11 * p_QK

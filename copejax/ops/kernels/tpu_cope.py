@@ -128,7 +128,9 @@ def cope_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, extra: tu
             allowed_QK=allowed_QK,
             inputs=inputs,
             gk_KH=gk_KH,
-            backward=True,
+            # with unit gates no input of the positions is differentiated here, and a
+            # custom vjp (interpolation, MLP) whose inputs are not lowers nowhere
+            backward=not plan.cope.unit_gates,
         )
 
     logits_QK = content_logits_QK(q_QH, k_ref[...])

@@ -67,7 +67,10 @@ def _kernel(x: dict, gates: str, term: str, length_blocks: tuple, backend: str, 
     length, block_q, block_k = length_blocks
     segments, positions = _layout(length)
     gate_k = None if GATE_OPERAND[gates] is None else x[GATE_OPERAND[gates]]
-    static = CopeStatic(P_MAX, position_term=term, mlp_units=F, mlp_scale=1.0 / P_MAX)
+    unit_gates = kw.pop("unit_gates", False)
+    static = CopeStatic(
+        P_MAX, unit_gates=unit_gates, position_term=term, mlp_units=F, mlp_scale=1.0 / P_MAX
+    )
     return fused_attention(
         x["q"],
         x["k"],
@@ -179,14 +182,19 @@ def test_tpu_kernels_equal_reference(gates: str, term: str) -> None:
     _check(gates, term, "float32", TPU, backend="tpu", window=WINDOW)
 
 
-@pytest.mark.parametrize(("gates", "term"), [("sep_keys", "mlp"), ("values", "alibi")])
-def test_lowers_to_triton_and_mosaic_tpu(gates: str, term: str) -> None:
+@pytest.mark.parametrize(
+    ("gates", "term", "unit_gates"),
+    [("sep_keys", "mlp", False), ("values", "alibi", False), ("keys", "interpolate", True)],
+)
+def test_lowers_to_triton_and_mosaic_tpu(gates: str, term: str, unit_gates: bool) -> None:
     """Forward and both backward kernels pass Pallas's Triton lowering (for CUDA) and Mosaic
-    TPU export, from the CPU."""
+    TPU export, from the CPU. With unit gates nothing of the positions is differentiated in
+    the dk / dv kernel, so the custom pull-backs (which lower only where an input is) stay
+    out of it."""
     x = _inputs(SMALL[0], jnp.bfloat16)
 
     def loss(x, backend, length_blocks):
-        y = _kernel(x, gates, term, length_blocks, backend, interpret=False)
+        y = _kernel(x, gates, term, length_blocks, backend, interpret=False, unit_gates=unit_gates)
         return jnp.sum(y.astype(jnp.float32))
 
     gpu = jax.jit(jax.grad(functools.partial(loss, backend="triton", length_blocks=SMALL)))
@@ -253,6 +261,7 @@ MODEL_VARIANTS = [
     ("cope", {"position_term": "mlp", "mlp_hidden": 8}),
     ("cope+rope", {"gates": "sep_keys", "position_term": "mlp", "mlp_hidden": 8}),
     ("cope+rope", {"gates": "values"}),
+    ("cope", {"force_unit_gates": True, "position_term": "mlp", "mlp_hidden": 8}),
 ]
 
 

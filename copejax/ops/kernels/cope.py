@@ -45,7 +45,7 @@ from copejax.ops.kernels.cope_terms import (
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.stick import tile_sum
+from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 
@@ -71,18 +71,22 @@ def cope_scores_QK(
     allowed_QK: jax.Array,
     gk_KH: jax.Array | None = None,
     backward: bool = False,
+    query_side: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
     given its content logits, the term's parameters, the newer tiles' count ``c_Q``, (Q,) on
     a GPU or (Q, 1) on a TPU (the total takes its shape), and the gate keys (None: the gates
     read the content logits); float32. The kernels take the logits' cotangent through the
-    content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it."""
+    content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
+    (the gates among its inputs unless they are unit gates), ``query_side``: q and the
+    term's parameters too (the dq kernels)."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
         gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
         gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits), 0.0)
-    within_QK = tile_sum(gates_QK, True)
+    sum_newer = tile_sum_vjp if backward and not static.unit_gates else tile_sum
+    within_QK = sum_newer(gates_QK, True)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
     p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
     term_QK = position_term_QK(
@@ -93,6 +97,7 @@ def cope_scores_QK(
         units=static.mlp_units,
         input_scale=static.mlp_scale,
         backward=backward,
+        query_side=query_side,
     )
     if static.scale_term:
         term_QK = term_QK / math.sqrt(q_QH.shape[-1])
@@ -100,7 +105,17 @@ def cope_scores_QK(
 
 
 def pair_scores(
-    plan: Plan, logits_QK, q_QH, params, *, c_Q, allowed_QK, inputs, gk_KH=None, backward=False
+    plan: Plan,
+    logits_QK,
+    q_QH,
+    params,
+    *,
+    c_Q,
+    allowed_QK,
+    inputs,
+    gk_KH=None,
+    backward=False,
+    query_side=False,
 ) -> tuple:
     """The pair's masked scores (CoPE's and the other terms') and gate total."""
     s_QK, total_Q = cope_scores_QK(
@@ -112,6 +127,7 @@ def pair_scores(
         allowed_QK=allowed_QK,
         gk_KH=gk_KH,
         backward=backward,
+        query_side=query_side,
     )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])
@@ -233,6 +249,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     inputs=inputs,
                     gk_KH=gk_KH,
                     backward=True,
+                    query_side=True,
                 )
 
             c_Q = c_in_ref[pl.ds(kj, 1), :][0]

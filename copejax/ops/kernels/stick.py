@@ -68,6 +68,26 @@ def _tile_sum_jvp(inclusive: bool, primals: tuple, tangents: tuple) -> tuple:
 tile_sum.defjvp(_tile_sum_jvp)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def tile_sum_vjp(x_QK: jax.Array, inclusive: bool) -> jax.Array:
+    """:func:`tile_sum` whose pull-back ``ct @ ones^T`` is float32-exact on the tensor cores
+    too (:func:`tile_sum`'s JVP transposes to a float32 FMA matmul). A custom vjp lowers only
+    where its input is differentiated: for CoPE's backward kernels, whose gates are."""
+    return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False)
+
+
+def _tile_sum_forward(x_QK: jax.Array, inclusive: bool) -> tuple[jax.Array, None]:
+    return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False), None
+
+
+def _tile_sum_backward(inclusive: bool, _: None, ct_QK: jax.Array) -> tuple[jax.Array]:
+    ones_KK = newer_ones_KK(ct_QK.shape[1], inclusive)
+    return (pieces_dot(ct_QK, ones_KK, (1, 1), False),)
+
+
+tile_sum_vjp.defvjp(_tile_sum_forward, _tile_sum_backward)
+
+
 def as_mixed(a_QK: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """The weights as the forward's value matmul took them (rounded to the values' dtype):
     with them ``sum_k G_ik`` is ``dO_i . y_i = D_i`` up to float32 order, and ``D_i - u_i -

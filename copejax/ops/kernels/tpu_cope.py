@@ -81,6 +81,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 inputs=inputs,
                 gk_KH=gk_KH,
                 backward=True,
+                query_side=True,
             )
 
         cope_params = read_refs(cope_p_refs)

@@ -19,6 +19,24 @@ TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 MEM_FRACTION, CLI_MEM_FRACTION = "0.45", "0.45"
 
 
+def run_child(command: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+    """``command`` from the repository root with CLI_MEM_FRACTION of the GPU's memory, its
+    output captured; None if it ran past ``timeout_s`` (then it is killed)."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
+    try:
+        return subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def refusal(scheme: str) -> str | None:
     """The kernels' refusal of ``scheme`` (copejax.model.kernel_terms), or None."""
     from copejax.model.kernel_terms import kernel_refusal
@@ -53,18 +71,8 @@ def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) 
         ]
         row["command"] = " ".join(command[1:])
         start = time.perf_counter()
-        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
-        try:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
+        done = run_child(command, timeout_s)
+        if done is None:
             return {**row, "status": "timeout", "wall_s": timeout_s}
         row["wall_s"] = time.perf_counter() - start
     speeds = [float(m.replace(",", "")) for m in TOKENS_PER_S.findall(done.stdout)]

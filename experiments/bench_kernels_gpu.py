@@ -48,7 +48,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ from copejax.runtime.results_json import write_json
 from experiments import bench_measure
 from experiments.bench import ROOT
 from experiments.bench_gpu import ratios
-from experiments.bench_kernels_cli import CLI_MEM_FRACTION, MEM_FRACTION, cli_run
+from experiments.bench_kernels_cli import MEM_FRACTION, cli_run, run_child
 from experiments.bench_kernels_page import page
 
 KERNEL = {"attention_impl": "kernel"}
@@ -161,19 +160,7 @@ def isolated_group(
         out = Path(workdir) / "group.json"
         task = json.dumps([shape, length, arms, rounds, str(out)])
         command = [sys.executable, "-m", "experiments.bench_kernels_gpu", "--group", task]
-        env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
-        try:
-            done = subprocess.run(
-                command,
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            done = None
+        done = run_child(command, timeout_s)
         if done is not None and done.returncode == 0:
             return json.loads(out.read_text())
     batch, heads, head_dim = shape

@@ -48,6 +48,7 @@ scheme to one of the two.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -69,6 +70,7 @@ from copejax.ops.kernels.terms import (
     pair_grid,
     param_scalars,
     table_lookup,
+    table_lookup_pull,
     tile_shape,
 )
 from copejax.positions.alibi import alibi_bias, alibi_slopes
@@ -101,23 +103,30 @@ def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     return KernelTerm("alibi", _alibi_tile, params_NP=slopes_N1)
 
 
-def _t5_tile(
-    table_P: jax.Array, tile: TermTile, *, bidirectional: bool, buckets: int, max_distance: int
-) -> jax.Array:
-    # buckets: the scheme's; the kernels pad the table's rows (to a power of two on a GPU)
-    q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
-    relative_QK = k_1K - q_Q1
-    bucket_QK = t5_bucket(relative_QK, bidirectional, buckets, max_distance)
-    return table_lookup(bucket_QK, table_P)
+@dataclasses.dataclass(frozen=True)
+class T5Tile:
+    """T5's tile function: ``table[bucket(j - i)]`` for one head (the scheme's bucket count;
+    the kernels pad the table's rows, to a power of two on a GPU), with its table's pull-back
+    by hand (:func:`~copejax.ops.kernels.terms.table_lookup_pull`): most tiles of a long
+    sequence read only the last bucket, and a hand-written ``cond`` skips the others."""
+
+    bidirectional: bool
+    buckets: int
+    max_distance: int
+
+    def buckets_QK(self, tile: TermTile) -> jax.Array:
+        q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
+        return t5_bucket(k_1K - q_Q1, self.bidirectional, self.buckets, self.max_distance)
+
+    def __call__(self, table_P: jax.Array, tile: TermTile) -> jax.Array:
+        return table_lookup(self.buckets_QK(tile), table_P)
+
+    def pull_params(self, table_P: jax.Array, tile: TermTile, g_QK: jax.Array) -> jax.Array:
+        return table_lookup_pull(self.buckets_QK(tile), table_P, g_QK)
 
 
 def _t5(scheme: T5Bias, term: BlockTerm, dims: Dims) -> KernelTerm:
-    tile = functools.partial(
-        _t5_tile,
-        bidirectional=scheme.bidirectional,
-        buckets=scheme.num_buckets,
-        max_distance=scheme.max_distance,
-    )
+    tile = T5Tile(scheme.bidirectional, scheme.num_buckets, scheme.max_distance)
     return KernelTerm("t5", tile, params_NP=jnp.transpose(term.params))
 
 

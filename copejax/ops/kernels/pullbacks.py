@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.terms import TermTile, pulled_by_hand, tile_bias_QK
 from copejax.ops.kernels.tiles import Plan
 
 
@@ -51,11 +51,22 @@ def pull_key_values_and_params(
     if not (key_sums or param_sums):
         return key_sums, param_sums
     params, q_values, k_values, q_pos_Q, k_pos_K = inputs
+    by_hand = [pulled_by_hand(b) for b in plan.biases]
+    auto = [i for i, hand in enumerate(by_hand) if not hand]
+    pick = lambda xs: [xs[i] for i in auto]
 
     def bias(p: list, kv: list) -> jax.Array:
-        return tile_bias_QK(plan.biases, (p, q_values, kv), q_pos_Q, k_pos_K)
+        arrays = (p, pick(q_values), kv)
+        return tile_bias_QK(tuple(pick(plan.biases)), arrays, q_pos_Q, k_pos_K)
 
-    g_params, g_kv = jax.vjp(bias, params, k_values)[1](ds_QK)
+    g_auto, g_kv_auto = jax.vjp(bias, pick(params), pick(k_values))[1](ds_QK)
+    g_params, g_kv = list(params), list(k_values)
+    for i, g, gkv in zip(auto, g_auto, g_kv_auto, strict=True):
+        g_params[i], g_kv[i] = g, gkv
+    for i, hand in enumerate(by_hand):
+        if hand:  # its pull-back (a term pulled by hand has parameters and no key values)
+            tile = TermTile(q_pos_Q, k_pos_K, q_values[i], k_values[i])
+            g_params[i] = plan.biases[i].pull_params(params[i], tile, ds_QK)
     return add_present(key_sums, g_kv), add_present(param_sums, g_params)
 
 

@@ -119,12 +119,67 @@ def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
     """``table_P[index_QK]`` as a one-hot sum over the P rows (a static loop of compares and
     selects), which every Pallas backend lowers, unlike a gather; its derivative sums the
     cotangent of the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: P
-    elementwise passes over the tile, so meant for small tables (T5's 32 buckets).
-    """
-    out_QK = jnp.zeros(index_QK.shape, jnp.float32)
-    for row, value in enumerate(param_scalars(table_P)):
-        out_QK = out_QK + jnp.where(index_QK == row, value, 0.0)
+    elementwise passes over the tile, so meant for small tables (T5's 32 buckets); a tile
+    whose pairs all read one row (T5: every pair past max_distance, most tiles of a long
+    sequence) reads that row once (:func:`_lookup`)."""
+    # float indices (small integers): an integer input would get a float0 tangent, which
+    # no Pallas backend lowers; and Mosaic reduces floats
+    return _lookup(index_QK.astype(jnp.float32), table_P)
+
+
+@jax.custom_jvp
+def _lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
+    """The lookup, one row's value where every pair reads it. The branch is taken in the
+    value only: the JVP is the sum over every row, since autodiff through a ``cond`` leaves
+    placeholders that no Pallas backend lowers."""
+    low, high = jnp.min(index_QK), jnp.max(index_QK)
+    rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
+    # the reductions outside the branches, and no new constant array in them
+    value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
+    values = param_scalars(table_P)
+    one_row = lambda: index_QK * 0.0 + value
+    return jax.lax.cond(low == high, one_row, lambda: _every_row(index_QK, values))
+
+
+def _every_row(index_QK: jax.Array, values: list[jax.Array]) -> jax.Array:
+    out_QK = index_QK * 0.0
+    for p, value in enumerate(values):
+        out_QK = out_QK + jnp.where(index_QK == p, value, 0.0)
     return out_QK
+
+
+@_lookup.defjvp
+def _lookup_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    index_QK, table_P = primals
+    _, table_dot_P = tangents
+    return _lookup(index_QK, table_P), _every_row(index_QK, param_scalars(table_dot_P))
+
+
+def table_lookup_pull(index_QK: jax.Array, table_P: jax.Array, g_QK: jax.Array) -> jax.Array:
+    """:func:`table_lookup`'s pull-back, ``d table[p] = sum_{index = p} g``, shaped as
+    ``table_P``: one sum where every pair reads one row, else one masked sum per row. For a
+    term's ``pull_params`` (see :func:`pulled_by_hand`): its own ``cond``, which autodiff of
+    the lookup cannot take."""
+    index_QK = index_QK.astype(jnp.float32)
+    low, high = jnp.min(index_QK), jnp.max(index_QK)
+    rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
+    rows_P = rows_P.astype(jnp.float32)
+    total = jnp.sum(g_QK)
+
+    def every_row() -> jax.Array:
+        d_P = table_P * 0.0
+        for p in range(table_P.shape[-1]):
+            d_P = d_P + jnp.where(rows_P == p, jnp.sum(jnp.where(index_QK == p, g_QK, 0.0)), 0.0)
+        return d_P
+
+    return jax.lax.cond(low == high, lambda: jnp.where(rows_P == low, total, 0.0), every_row)
+
+
+def pulled_by_hand(bias: TileBias) -> bool:
+    """Whether a tile function brings its parameters' pull-back, ``bias.pull_params(params,
+    tile, g_QK)``, which the dk / dv programs call instead of autodiff (a lookup's ``cond``
+    that autodiff cannot take; :class:`copejax.model.kernel_terms.T5Tile`)."""
+    return callable(getattr(bias, "pull_params", None))
 
 
 def param_scalars(params_P: jax.Array) -> list[jax.Array]:

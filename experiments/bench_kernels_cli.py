@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 
 from experiments.bench import ROOT
+from experiments.bench_measure import lm_command
 
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
 # JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
@@ -57,11 +57,7 @@ def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) 
         arg += ",corpus=stdlib,length=2048,batch_size=8"
     with tempfile.TemporaryDirectory() as workdir:
         command = [
-            sys.executable,
-            "-m",
-            "copejax.main",
-            f"--config=configs/lm.py:{arg}",
-            f"--workdir={workdir}/run",
+            *lm_command(arg, workdir),
             "--config.model.dtype=bfloat16",
             f"--config.model.attention_impl={impl}",
             f"--config.train.log_every={max(1, steps // 4)}",

@@ -127,6 +127,13 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
     return jax.jit(fwd_bwd), (params, x_BTD)
 
 
+def lm_command(config_arg: str, workdir: str) -> list[str]:
+    """``python -m copejax.main`` on ``configs/lm.py:config_arg``, writing under ``workdir``
+    (the command line's flags follow)."""
+    command = [sys.executable, "-m", "copejax.main", f"--config=configs/lm.py:{config_arg}"]
+    return [*command, f"--workdir={workdir}/run"]
+
+
 def cli_step(scheme: str, length: int) -> dict:
     """One training step of the bench's small model (STEP_MODEL) at ``length`` through the
     command line (``python -m copejax.main``, configs/lm.py, batch 1, one eval example): its
@@ -141,11 +148,7 @@ def cli_step(scheme: str, length: int) -> dict:
     row: dict[str, Any] = {"kind": "cli_step", "scheme": scheme, "T": length}
     with tempfile.TemporaryDirectory() as workdir:
         command = [
-            sys.executable,
-            "-m",
-            "copejax.main",
-            f"--config=configs/lm.py:{arg}",
-            f"--workdir={workdir}/run",
+            *lm_command(arg, workdir),
             "--config.eval.batch_size=1",
             "--config.eval.max_examples=1",
             "--config.train.warmup_steps=0",

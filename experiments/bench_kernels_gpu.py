@@ -24,10 +24,9 @@ Part ``cli``: steady-state tokens/s of ``python -m copejax.main`` on ``configs/l
 with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"): RoPE
 with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
-Tasks run in priority order (the checks, the first shape's layer group, the CLI arms but
-CoPE's, CoPE's layer group (its own: its kernels may compile longest) and CLI arm, the lever
-group, selective attention's and PaTH's groups (their own, as CoPE's), the other shapes'
-groups) and none
+Tasks run in priority order (the checks, the first shape's layer group, CoPE's layer group
+(its own, so that a slow compile costs it alone), the CLI arms, the lever group, selective
+attention's and PaTH's groups (their own, as CoPE's), the other shapes' groups) and none
 starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
 minutes; skipped ones are listed on the page, which is rewritten after every task. Each layer
 group runs in a child process stopped after at most ``GROUP_TIMEOUT_S`` (its arms then are
@@ -275,10 +274,10 @@ def render(source: Path, out: Path, notes: list[str]) -> None:
 
 def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:
     """The tasks in priority order (the kernels' checks against the naive path, the first
-    shape's layer group, the CLI arms but CoPE's,
-    CoPE's layer group and CLI arm, the cheaper lever's group, then the other shapes'
-    groups), so that a time budget cuts the least informative ones; and the rounds (None:
-    the command line's). Each kernel group also runs the path ``auto``'s rules take."""
+    shape's layer group, CoPE's layer group, the CLI arms, the cheaper lever's group, then
+    the other shapes' groups), so that a time budget cuts the least informative ones; and
+    the rounds (None: the command line's). Each kernel group also runs the path ``auto``'s
+    rules take."""
     if smoke:
         arms = tuple(a for a in LAYER_ARMS if a[0] in ("dpa", "fox kernel"))
         shape, length = (1, 2, 16), 128
@@ -317,7 +316,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []
     cli = cli if "cli" in parts else []
-    tasks = checks + layer[:1] + cli[:-1] + layer[1:2] + cli[-1:] + lever + layer[2:]
+    tasks = checks + layer[:2] + cli + lever + layer[2:]
     return tasks, rounds
 
 

@@ -25,7 +25,8 @@ with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Wh
 with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
 ``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
 Tasks run in priority order (the checks, the first shape's layer group, CoPE's layer group
-(its own, so that a slow compile costs it alone), the CLI arms, the lever group, selective
+(its own, so that a slow compile costs it alone), a group of each kernel scheme at 4 and 8
+Triton warps (``warps_arms``), the CLI arms, the lever group, selective
 attention's and PaTH's groups (their own, as CoPE's), the other shapes' groups) and none
 starts past ``--budget_s``, so that the whole call, compilation included, stays within 8
 minutes; skipped ones are listed on the page, which is rewritten after every task. Each layer
@@ -81,6 +82,9 @@ PATH_ARMS = (("dpa", "dpa", {}), ("path kernel", "path", KERNEL))
 # blockwise engine with blocks of 512 and 1024 keys (fewer trips of the latency-bound walk;
 # auto's rules take 256 from T = 4096), beside their kernels, on the first shape.
 LEVER_BLOCKS = (512, 1024)
+# Another lever: 8 warps per Triton program at H = 64 (4 by default), which spills less on the
+# H100 target (experiments/kernel_ptx.py), beside the default, for each kernel scheme.
+WARPS_SCHEMES = ("nope", "alibi", "t5", "fox", "stickbreaking", "cope")
 LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
@@ -113,6 +117,15 @@ def rule_arms(arms: tuple, shape: tuple[int, int, int], length: int) -> tuple:
         if opts == KERNEL and (scheme != "nope" or impl != "dot_product_attention"):
             out.append((f"{scheme} {impl}", scheme, {"attention_impl": impl}))
     return tuple(out)
+
+
+def warps_arms() -> tuple:
+    """Each kernel scheme with the default warps and with 8, beside cuDNN's nope."""
+    arms = [("dpa", "dpa", {})]
+    for scheme in WARPS_SCHEMES:
+        arms.append((f"{scheme} kernel", scheme, KERNEL))
+        arms.append((f"{scheme} kernel w8", scheme, {**KERNEL, "kernel_warps": 8}))
+    return tuple(arms)
 
 
 def lever_arms() -> tuple:
@@ -274,10 +287,10 @@ def render(source: Path, out: Path, notes: list[str]) -> None:
 
 def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | None]:
     """The tasks in priority order (the kernels' checks against the naive path, the first
-    shape's layer group, CoPE's layer group, the CLI arms, the cheaper lever's group, then
-    the other shapes' groups), so that a time budget cuts the least informative ones; and
-    the rounds (None: the command line's). Each kernel group also runs the path ``auto``'s
-    rules take."""
+    shape's layer group, CoPE's layer group, the warps lever's group, the CLI arms, the
+    engine blocks lever's group, then the other shapes' groups), so that a time budget cuts
+    the least informative ones; and the rounds (None: the command line's). Each kernel group
+    also runs the path ``auto``'s rules take."""
     if smoke:
         arms = tuple(a for a in LAYER_ARMS if a[0] in ("dpa", "fox kernel"))
         shape, length = (1, 2, 16), 128
@@ -300,6 +313,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
             )
         ]
         cli = [("cli", arm) for arm in (("rope", "auto"), ("dape", "kernel"))]
+        warps = []
         rounds = 1
     else:
         layer = [
@@ -309,6 +323,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
             for arms in (LAYER_ARMS, COPE_ARMS, SELECTIVE_ARMS, PATH_ARMS)
         ]
         lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
+        warps = [("layer", (SHAPES[0], LENGTHS[0], warps_arms()))]
         cli = [("cli", arm) for arm in CLI_ARMS]
         rounds = None
     checks = [("check", (scheme,)) for scheme in (("fox",) if smoke else CHECK_SCHEMES)]
@@ -316,7 +331,8 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []
     cli = cli if "cli" in parts else []
-    tasks = checks + layer[:2] + cli + lever + layer[2:]
+    warps = warps if "layer" in parts else []
+    tasks = checks + layer[:2] + warps + cli + lever + layer[2:]
     return tasks, rounds
 
 

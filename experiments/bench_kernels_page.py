@@ -26,8 +26,8 @@ def dispatch_entries(result: dict, source: str) -> list:
             arm = group.get("arms", {}).get(row["scheme"])
             if arm is None or "ratio_to_fastest_nope" not in row or arm["scheme"] == "dpa":
                 continue
-            if "attention_block" in arm["options"]:
-                continue
+            if {"attention_block", "kernel_warps"} & set(arm["options"]):
+                continue  # the table names a path, not its options
             if arm["impl"] == "kernel" and arm["scheme"] in failed:
                 continue
             if arm["scheme"] not in best or row["time_s"] < best[arm["scheme"]]["time_s"]:
@@ -54,7 +54,9 @@ def _margin(group: dict, scheme: str, best: dict) -> float:
     rule = group["rules"][scheme]
     for row in group["rows"]:
         arm = group.get("arms", {}).get(row["scheme"])
-        if arm is None or "time_s" not in row or "attention_block" in arm["options"]:
+        if arm is None or "time_s" not in row:
+            continue
+        if {"attention_block", "kernel_warps"} & set(arm["options"]):
             continue
         on_cudnn = arm["scheme"] == "dpa" and (scheme, rule) == ("nope", "dot_product_attention")
         if on_cudnn or (arm["scheme"], arm["impl"]) == (scheme, rule):

@@ -215,10 +215,15 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     import jax
 
     compiled, rows = {}, []
-    for label, scheme, options in arms:
+    from copejax.ops.kernels.triton_params import warps_for_tracing
+
+    for label, scheme, arm_options in arms:
+        # "kernel_warps": the Triton kernels' warps for this arm (a benchmark lever only)
+        options = {k: v for k, v in arm_options.items() if k != "kernel_warps"}
         try:
             fn, args = _layer_program(scheme, length, options)
-            program = fn.lower(*args).compile()
+            with warps_for_tracing(arm_options.get("kernel_warps")):
+                program = fn.lower(*args).compile()
             analysis = program.memory_analysis()
             xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)
             if xla > MEMORY_CAP_BYTES:

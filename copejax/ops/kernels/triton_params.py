@@ -23,10 +23,33 @@ refuses others there), and parameter rows are padded to one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from jax.experimental.pallas import triton as pltriton
+
+_WARPS: list[int] = []  # warps_for_tracing's setting, innermost last
 
 
 def compiler_params(head_dim: int) -> pltriton.CompilerParams:
     """Triton's launch parameters: 4 warps up to H = 64, 8 above (the choice of
-    ``jax.experimental.pallas.ops.gpu.attention``), two pipeline stages."""
-    return pltriton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    ``jax.experimental.pallas.ops.gpu.attention``), or what :func:`warps_for_tracing` says;
+    two pipeline stages."""
+    warps = _WARPS[-1] if _WARPS else (4 if head_dim <= 64 else 8)
+    return pltriton.CompilerParams(num_warps=warps, num_stages=2)
+
+
+@contextlib.contextmanager
+def warps_for_tracing(warps: int | None) -> Iterator[None]:
+    """Kernels traced inside take ``warps`` warps (None: the default above), for the GPU
+    benchmark's arms: with 8 warps at H = 64 the H100 target spills less (ALiBi's dk / dv
+    236 -> 48 bytes per thread, FoX's 128 -> 0; ``experiments/kernel_ptx.py``), which only a
+    GPU can say is faster."""
+    if warps is None:
+        yield
+        return
+    _WARPS.append(warps)
+    try:
+        yield
+    finally:
+        _WARPS.pop()

@@ -165,3 +165,20 @@ def test_a_layer_group_past_its_time_costs_its_own_rows_only() -> None:
     result = {"date": "d", "device": "x", "command": "c", "wall_s": 1.0, "cli": [], "skipped": []}
     page = bench_kernels_page.page({**result, "layer": [group]})
     assert "| cope kernel | - | error: stopped after 0 s (compilation included) |" in page
+
+
+def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
+    """``kernel_warps`` arms trace their kernels with that many warps, and only them."""
+    from copejax.ops.kernels.triton_params import compiler_params, warps_for_tracing
+
+    assert (compiler_params(64).num_warps, compiler_params(128).num_warps) == (4, 8)
+    with warps_for_tracing(8):
+        assert compiler_params(64).num_warps == 8
+        with warps_for_tracing(2):
+            assert compiler_params(128).num_warps == 2
+        assert compiler_params(64).num_warps == 8
+    with warps_for_tracing(None):
+        assert compiler_params(64).num_warps == 4
+    arms = dict((label, opts) for label, _, opts in bench_kernels_gpu.warps_arms())
+    assert arms["cope kernel w8"] == {"attention_impl": "kernel", "kernel_warps": 8}
+    assert "kernel_warps" not in arms["cope kernel"]

@@ -60,11 +60,13 @@ def pull_key_values_and_params(
         return tile_bias_QK(tuple(pick(plan.biases)), arrays, q_pos_Q, k_pos_K)
 
     g_auto, g_kv_auto = jax.vjp(bias, pick(params), pick(k_values))[1](ds_QK)
-    g_params, g_kv = list(params), list(k_values)
+    g_params, g_kv = [None] * len(params), [None] * len(k_values)
     for i, g, gkv in zip(auto, g_auto, g_kv_auto, strict=True):
         g_params[i], g_kv[i] = g, gkv
     for i, hand in enumerate(by_hand):
-        if hand:  # its pull-back (a term pulled by hand has parameters and no key values)
+        if hand:  # its own pull-back: a term pulled by hand has parameters, no key values
+            if k_values[i] is not None:
+                raise ValueError(f"term {i} brings pull_params but has per-key values")
             tile = TermTile(q_pos_Q, k_pos_K, q_values[i], k_values[i])
             g_params[i] = plan.biases[i].pull_params(params[i], tile, ds_QK)
     return add_present(key_sums, g_kv), add_present(param_sums, g_params)

@@ -134,7 +134,7 @@ def _lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
     placeholders that no Pallas backend lowers."""
     low, high = jnp.min(index_QK), jnp.max(index_QK)
     rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
-    # the reductions outside the branches, and no new constant array in them
+    # the row's value and the table's entries: P-long sums, before the branch
     value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
     values = param_scalars(table_P)
     one_row = lambda: index_QK * 0.0 + value

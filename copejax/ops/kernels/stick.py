@@ -55,14 +55,18 @@ def tile_sum(x_QK: jax.Array, inclusive: bool) -> jax.Array:
     ``x @ newer_ones_KK``, to float32's precision on the tensor cores (sums of logs: no
     TF32; :func:`~copejax.ops.kernels.tiles.dot_exact_f32`). Its derivative (for CoPE's
     autodiff backward) is one float32 matmul at ``Precision.HIGHEST``."""
+    return _newer_sum(x_QK, inclusive)
+
+
+def _newer_sum(x_QK: jax.Array, inclusive: bool) -> jax.Array:
+    """``x @ newer_ones_KK`` in bfloat16 pieces, without a custom derivative."""
     return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False)
 
 
 def _tile_sum_jvp(inclusive: bool, primals: tuple, tangents: tuple) -> tuple:
     (x_QK,), (x_dot_QK,) = primals, tangents
     ones_KK = newer_ones_KK(x_QK.shape[1], inclusive)
-    out_QK = pieces_dot(x_QK, ones_KK, (1, 0), False)
-    return out_QK, highest_dot(x_dot_QK, ones_KK, (1, 0), False)
+    return _newer_sum(x_QK, inclusive), highest_dot(x_dot_QK, ones_KK, (1, 0), False)
 
 
 tile_sum.defjvp(_tile_sum_jvp)
@@ -73,11 +77,11 @@ def tile_sum_vjp(x_QK: jax.Array, inclusive: bool) -> jax.Array:
     """:func:`tile_sum` whose pull-back ``ct @ ones^T`` is float32-exact on the tensor cores
     too (:func:`tile_sum`'s JVP transposes to a float32 FMA matmul). A custom vjp lowers only
     where its input is differentiated: for CoPE's backward kernels, whose gates are."""
-    return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False)
+    return _newer_sum(x_QK, inclusive)
 
 
 def _tile_sum_forward(x_QK: jax.Array, inclusive: bool) -> tuple[jax.Array, None]:
-    return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False), None
+    return _newer_sum(x_QK, inclusive), None
 
 
 def _tile_sum_backward(inclusive: bool, _: None, ct_QK: jax.Array) -> tuple[jax.Array]:

@@ -26,7 +26,7 @@ def dispatch_entries(result: dict, source: str) -> list:
             arm = group.get("arms", {}).get(row["scheme"])
             if arm is None or "ratio_to_fastest_nope" not in row or arm["scheme"] == "dpa":
                 continue
-            if {"attention_block", "kernel_warps"} & set(arm["options"]):
+            if not _default_options(arm):
                 continue  # the table names a path, not its options
             if arm["impl"] == "kernel" and arm["scheme"] in failed:
                 continue
@@ -48,15 +48,18 @@ def dispatch_entries(result: dict, source: str) -> list:
     return entries
 
 
+def _default_options(arm: dict) -> bool:
+    """Whether the arm runs its path with the defaults (no block length or warps lever)."""
+    return not {"attention_block", "kernel_warps"} & set(arm["options"])
+
+
 def _margin(group: dict, scheme: str, best: dict) -> float:
     """The time of the path ``auto``'s rules take for ``scheme`` in ``group`` (for nope on
     cuDNN, the ``dpa`` arm) over ``best``'s; infinity where that path was not measured."""
     rule = group["rules"][scheme]
     for row in group["rows"]:
         arm = group.get("arms", {}).get(row["scheme"])
-        if arm is None or "time_s" not in row:
-            continue
-        if {"attention_block", "kernel_warps"} & set(arm["options"]):
+        if arm is None or "time_s" not in row or not _default_options(arm):
             continue
         on_cudnn = arm["scheme"] == "dpa" and (scheme, rule) == ("nope", "dot_product_attention")
         if on_cudnn or (arm["scheme"], arm["impl"]) == (scheme, rule):

@@ -221,8 +221,9 @@ def measure(op: Any, out: Path, timeout_s: float) -> dict:
     ptx_files = sorted(kernel_dir.glob("*.ptx"))
     if ptx_files:
         ptx_path = kernel_dir / f"{name}.ptx"
-        ptx_path.write_text(ptx_files[-1].read_text())
-        row.update(ptx_counts(entry_ptx(ptx_path.read_text(), name)))
+        ptx = ptx_files[-1].read_text()
+        ptx_path.write_text(ptx)
+        row.update(ptx_counts(entry_ptx(ptx, name)))
         report = subprocess.run(
             [ptxas(), "-arch=sm_90a", "-O3", "-v", str(ptx_path), "-o", os.devnull],
             capture_output=True,

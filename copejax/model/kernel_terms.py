@@ -94,8 +94,12 @@ NOT_YET = {
 
 
 def _alibi_tile(params_P: jax.Array, tile: TermTile) -> jax.Array:
+    """The slopes are the paper's constants, not parameters: stopping their gradient drops
+    the dk / dv kernel's per-tile sum for a slope gradient nobody reads (with it, that
+    kernel spilled 236 bytes per thread on an H100; ``experiments/results/kernel_ptx.md``)."""
     q_BT, k_BS = batch_rows(tile)
-    return alibi_bias(q_BT, k_BS, params_P).reshape(tile_shape(tile))
+    slopes_P = jax.lax.stop_gradient(params_P)
+    return alibi_bias(q_BT, k_BS, slopes_P).reshape(tile_shape(tile))
 
 
 def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:

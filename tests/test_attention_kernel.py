@@ -111,3 +111,41 @@ def test_kernel_refuses_schemes_with_other_sites(position: str) -> None:
 def test_unknown_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match=r"attention_impl must be one of .*'flash'"):
         tiny_config("nope", attention_impl="flash")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_kernel_without_segment_ids_masks_by_index(
+    window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No segment ids: the kernel gets ``is_causal`` (and the window as
+    ``local_window_size``) instead of a (B, 1, T, S) mask array, with the same values and
+    gradients; given ids (even one document), it gets the mask."""
+    einsum_cfg = tiny_config("alibi", window=window)
+    kernel_cfg = dataclasses.replace(einsum_cfg, attention_impl="dot_product_attention")
+    tokens_BT, positions_BT = jnp.asarray(TOKENS_BT), jnp.asarray(POSITIONS_BT)
+    params = Transformer(einsum_cfg).init(jax.random.key(0), tokens_BT, positions_BT)["params"]
+    calls = []
+    kernel = jax.nn.dot_product_attention
+
+    def recorded(*args: object, **kwargs: object) -> jax.Array:
+        calls.append({k: kwargs[k] for k in ("mask", "is_causal", "local_window_size")})
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recorded)
+
+    def loss(cfg: object, p: object, *ids: jax.Array) -> jax.Array:
+        logits = Transformer(cfg).apply({"params": p}, tokens_BT, positions_BT, *ids)
+        return jnp.sum(jnp.sin(logits))
+
+    value_e, grads_e = jax.value_and_grad(lambda p: loss(einsum_cfg, p))(params)
+    value_k, grads_k = jax.value_and_grad(lambda p: loss(kernel_cfg, p))(params)
+    np.testing.assert_allclose(value_k, value_e, rtol=1e-5, atol=1e-5)
+    for g_k, g_e in zip(jax.tree.leaves(grads_k), jax.tree.leaves(grads_e), strict=True):
+        np.testing.assert_allclose(g_k, g_e, rtol=1e-4, atol=1e-6)
+    assert calls and all(c["mask"] is None and c["is_causal"] for c in calls)
+    expected = None if window is None else (window - 1, 0)
+    assert all(c["local_window_size"] == expected for c in calls)
+    calls.clear()
+    one_document_BT = jnp.zeros_like(tokens_BT)
+    Transformer(kernel_cfg).apply({"params": params}, tokens_BT, positions_BT, one_document_BT)
+    assert calls and all(c["mask"] is not None and not c["is_causal"] for c in calls)

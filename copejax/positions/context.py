@@ -110,6 +110,9 @@ class AttentionContext:
         how the keys (the ring's slots in key order, then the new keys) map back to the ring's
         slots (``copejax.ops.kv_cache.RingView``), for a site that keeps per-key arrays of its own;
         None otherwise.
+      packed: whether segment ids were given (static): False promises one document per row,
+        so that a fused kernel may take the causal mask from indices, with no (T, S) array
+        (:func:`is_plain_causal`).
     """
 
     x_BTD: jax.Array
@@ -131,6 +134,7 @@ class AttentionContext:
     k_index_BS: jax.Array | None = None
     k_rank_BS: jax.Array | None = None
     ring_view: Any = None
+    packed: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
     def create(
@@ -153,7 +157,21 @@ class AttentionContext:
             k_positions_BS=positions_BT,
             q_segment_ids_BT=ids_BT,
             k_segment_ids_BS=ids_BT,
+            packed=segment_ids_BT is not None,
             **fields,
+        )
+
+    def is_plain_causal(self) -> bool:
+        """Whether :attr:`mask_BTS` is known, statically, to be causal self-attention by index
+        (within the window, if any, and without sink tokens) over one document per row: no
+        segment ids, no cache, no test mask, keys in order."""
+        return (
+            not self.packed
+            and not self.decode
+            and self.explicit_mask_BTS is None
+            and self.k_index_BS is None
+            and self.sink_tokens == 0
+            and self.q_positions_BT.shape[1] == self.k_positions_BS.shape[1]
         )
 
     def ids(self) -> tuple[jax.Array, jax.Array]:

@@ -25,7 +25,8 @@ STEPS = 5
 
 def _run(workdirs: list[Path], spec: dict, devices: int = 1) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # The device count, after the flags conftest.py sets (which the subprocess inherits).
+    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
     command = [sys.executable, "-m", "tests.train.run_tiny", ",".join(map(str, workdirs))]
     return subprocess.Popen(
         [*command, json.dumps(spec)],

@@ -81,7 +81,8 @@ def test_extending_names_the_schedule_change() -> None:
 
 def _run(workdirs: list[Path], spec: dict, devices: int) -> str:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # The device count, after the flags conftest.py sets (which the subprocess inherits).
+    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
     command = [sys.executable, "-m", "tests.train.run_tiny", ",".join(map(str, workdirs))]
     done = subprocess.run(
         [*command, json.dumps(spec)],

@@ -10,7 +10,7 @@ a kernel term here, built from the same block term the engine runs
 functions, evaluated tile by tile in the kernels:
 
 - alibi: ``-m_h (i - j)`` (``alibi_bias``), from one slope per head;
-- t5: ``table[bucket(j - i), h]`` (``t5_bucket``, the table read by a one-hot sum);
+- t5: ``table[bucket(j - i), h]`` (``t5_bucket``; :mod:`copejax.model.kernel_t5`);
 - kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
 - fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
@@ -48,7 +48,6 @@ scheme to one of the two.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -57,6 +56,7 @@ import jax.numpy as jnp
 
 from copejax.model.kernel_cope import cope_refusal, cope_term
 from copejax.model.kernel_path import PATH, path_refusal
+from copejax.model.kernel_t5 import T5Tile
 from copejax.model.kernel_tape import TAPE, tape_refusal
 from copejax.model.kernel_xl import XL, xl_refusal
 from copejax.ops.engine_blocks import BlockTerm
@@ -69,15 +69,13 @@ from copejax.ops.kernels.terms import (
     batch_rows,
     pair_grid,
     param_scalars,
-    table_lookup,
-    table_lookup_pull,
     tile_shape,
 )
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
 from copejax.positions.fire import fire_normalized_distance
 from copejax.positions.kerple import Kerple, kerple_bias
-from copejax.positions.t5 import T5Bias, t5_bucket
+from copejax.positions.t5 import T5Bias
 
 # Sites that leave the attention logits to q . k / sqrt(H) (and the softmax in place).
 CONTENT_SITES = frozenset({"embed", "qk", "output"})
@@ -86,6 +84,7 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
+
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).
 NOT_YET = {
@@ -105,28 +104,6 @@ def _alibi_tile(params_P: jax.Array, tile: TermTile) -> jax.Array:
 def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     slopes_N1 = jnp.asarray(alibi_slopes(dims.num_heads), jnp.float32)[:, None]
     return KernelTerm("alibi", _alibi_tile, params_NP=slopes_N1)
-
-
-@dataclasses.dataclass(frozen=True)
-class T5Tile:
-    """T5's tile function: ``table[bucket(j - i)]`` for one head (the scheme's bucket count;
-    the kernels pad the table's rows, to a power of two on a GPU), with its table's pull-back
-    by hand (:func:`~copejax.ops.kernels.terms.table_lookup_pull`): most tiles of a long
-    sequence read only the last bucket, and a hand-written ``cond`` skips the others."""
-
-    bidirectional: bool
-    buckets: int
-    max_distance: int
-
-    def buckets_QK(self, tile: TermTile) -> jax.Array:
-        q_Q1, k_1K = pair_grid(tile.q_positions_Q, tile.k_positions_K)
-        return t5_bucket(k_1K - q_Q1, self.bidirectional, self.buckets, self.max_distance)
-
-    def __call__(self, table_P: jax.Array, tile: TermTile) -> jax.Array:
-        return table_lookup(self.buckets_QK(tile), table_P)
-
-    def pull_params(self, table_P: jax.Array, tile: TermTile, g_QK: jax.Array) -> jax.Array:
-        return table_lookup_pull(self.buckets_QK(tile), table_P, g_QK)
 
 
 def _t5(scheme: T5Bias, term: BlockTerm, dims: Dims) -> KernelTerm:

@@ -25,6 +25,7 @@ the tile's queries / keys.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -119,26 +120,63 @@ def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
     """``table_P[index_QK]`` as a one-hot sum over the P rows (a static loop of compares and
     selects), which every Pallas backend lowers, unlike a gather; its derivative sums the
     cotangent of the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: P
-    elementwise passes over the tile, so meant for small tables (T5's 32 buckets); a tile
-    whose pairs all read one row (T5: every pair past max_distance, most tiles of a long
-    sequence) reads that row once (:func:`_lookup`)."""
+    elementwise passes over the tile, so meant for small tables; a tile whose pairs all read
+    one row reads that row once (:func:`indexed_lookup`, whose bounds here are the index's
+    min and max over the tile)."""
     # float indices (small integers): an integer input would get a float0 tangent, which
     # no Pallas backend lowers; and Mosaic reduces floats
-    return _lookup(index_QK.astype(jnp.float32), table_P)
+    return indexed_lookup(_given, _min_max, (index_QK.astype(jnp.float32),), table_P)
 
 
-@jax.custom_jvp
-def _lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
-    """The lookup, one row's value where every pair reads it. The branch is taken in the
-    value only: the JVP is the sum over every row, since autodiff through a ``cond`` leaves
-    placeholders that no Pallas backend lowers."""
-    low, high = jnp.min(index_QK), jnp.max(index_QK)
+def _given(index_QK: jax.Array) -> jax.Array:
+    return index_QK
+
+
+def _min_max(index_QK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.min(index_QK), jnp.max(index_QK)
+
+
+# (float arrays of the tile) -> the (Q, K) float row index of each pair.
+IndexFn = Callable[..., jax.Array]
+# (the same arrays) -> float scalars (low, high) bounding the tile's indices: equal when
+# every pair reads row low. Cheap bounds (T5's from the positions' extremes,
+# copejax.model.kernel_t5) skip the index on such tiles altogether.
+BoundsFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def indexed_lookup(
+    index_fn: IndexFn, bounds_fn: BoundsFn, inputs: tuple, table_P: jax.Array
+) -> jax.Array:
+    """``table_P[index_fn(*inputs)]`` (Q, K): one row's value where ``bounds_fn`` says every
+    pair reads it, else :func:`table_lookup`'s one-hot sum. ``index_fn`` and ``bounds_fn``
+    are static (hashable) and ``inputs`` float arrays. The branch is taken in the value only:
+    the JVP is the one-hot sum of the tangent table, since autodiff through a ``cond`` leaves
+    placeholders that no Pallas backend lowers (the GPU's dk / dv pull the table back by
+    hand, :func:`indexed_lookup_pull`)."""
+    low, high = bounds_fn(*inputs)
     rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
-    # the row's value and the table's entries: P-long sums, before the branch
+    # the row's value before the branch; the table's P entries (P sums) in the branch that
+    # reads them, with the iota made out here (no new constant array in a branch)
     value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
-    values = param_scalars(table_P)
-    one_row = lambda: index_QK * 0.0 + value
-    return jax.lax.cond(low == high, one_row, lambda: _every_row(index_QK, values))
+
+    def every_row() -> jax.Array:
+        return _every_row(index_fn(*inputs), _entries(table_P, rows_P))
+
+    return jax.lax.cond(low == high, lambda: _tile_zeros(inputs) + value, every_row)
+
+
+def _tile_zeros(inputs: tuple) -> jax.Array:
+    """Zeros of the tile's (Q, K) shape from its inputs: one (Q, K) array, or per-query and
+    per-key arrays that broadcast to it (:func:`pair_grid`)."""
+    if len(inputs) == 1:
+        return inputs[0] * 0.0
+    q_x, k_x = pair_grid(inputs[0], inputs[1])
+    return q_x * 0.0 + k_x * 0.0
+
+
+def _entries(table_P: jax.Array, rows_P: jax.Array) -> list[jax.Array]:
+    return [jnp.sum(jnp.where(rows_P == row, table_P, 0.0)) for row in range(rows_P.shape[-1])]
 
 
 def _every_row(index_QK: jax.Array, values: list[jax.Array]) -> jax.Array:
@@ -148,25 +186,36 @@ def _every_row(index_QK: jax.Array, values: list[jax.Array]) -> jax.Array:
     return out_QK
 
 
-@_lookup.defjvp
-def _lookup_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
-    index_QK, table_P = primals
+@indexed_lookup.defjvp
+def _lookup_jvp(
+    index_fn: IndexFn, bounds_fn: BoundsFn, primals: tuple, tangents: tuple
+) -> tuple[jax.Array, jax.Array]:
+    inputs, table_P = primals
     _, table_dot_P = tangents
-    return _lookup(index_QK, table_P), _every_row(index_QK, param_scalars(table_dot_P))
+    out = indexed_lookup(index_fn, bounds_fn, inputs, table_P)
+    return out, _every_row(index_fn(*inputs), param_scalars(table_dot_P))
 
 
 def table_lookup_pull(index_QK: jax.Array, table_P: jax.Array, g_QK: jax.Array) -> jax.Array:
-    """:func:`table_lookup`'s pull-back, ``d table[p] = sum_{index = p} g``, shaped as
+    """:func:`table_lookup`'s pull-back: :func:`indexed_lookup_pull` of the given index."""
+    inputs = (index_QK.astype(jnp.float32),)
+    return indexed_lookup_pull(_given, _min_max, inputs, table_P, g_QK)
+
+
+def indexed_lookup_pull(
+    index_fn: IndexFn, bounds_fn: BoundsFn, inputs: tuple, table_P: jax.Array, g_QK: jax.Array
+) -> jax.Array:
+    """:func:`indexed_lookup`'s pull-back, ``d table[p] = sum_{index = p} g``, shaped as
     ``table_P``: one sum where every pair reads one row, else one masked sum per row. For a
     term's ``pull_params`` (see :func:`pulled_by_hand`): its own ``cond``, which autodiff of
     the lookup cannot take."""
-    index_QK = index_QK.astype(jnp.float32)
-    low, high = jnp.min(index_QK), jnp.max(index_QK)
+    low, high = bounds_fn(*inputs)
     rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
     rows_P = rows_P.astype(jnp.float32)
     total = jnp.sum(g_QK)
 
     def every_row() -> jax.Array:
+        index_QK = index_fn(*inputs)
         d_P = table_P * 0.0
         for p in range(table_P.shape[-1]):
             d_P = d_P + jnp.where(rows_P == p, jnp.sum(jnp.where(index_QK == p, g_QK, 0.0)), 0.0)

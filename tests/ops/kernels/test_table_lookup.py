@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model.kernel_terms import T5Tile
+from copejax.model.kernel_t5 import T5Tile
 from copejax.ops.kernels.terms import TermTile, pulled_by_hand, table_lookup, table_lookup_pull
+from copejax.positions.t5 import t5_bucket
 
 ROWS = 8
 
@@ -48,3 +49,29 @@ def test_t5_tile_pulls_its_table_as_autodiff_does() -> None:
         tile = TermTile(q, k, None, None)
         want = jax.vjp(lambda t, tile=tile: tile_fn(t, tile), table)[1](g)[0]
         np.testing.assert_allclose(tile_fn.pull_params(table, tile, g), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_tile_equals_the_table_read_at_every_pairs_bucket(bidirectional: bool) -> None:
+    """The one-bucket test reads only the positions' extremes: it must take the one-row path
+    exactly where every pair shares a bucket, whatever the positions (packed documents
+    restart them; keys after the queries; both signs of j - i bidirectionally)."""
+    tile_fn = T5Tile(bidirectional=bidirectional, buckets=8, max_distance=16)
+    rng = np.random.default_rng(3)
+    table = jnp.asarray(rng.normal(size=8), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(16, 16)), jnp.float32)
+    restart = np.concatenate([np.arange(40, 48), np.arange(8)])  # a document boundary
+    cases = [(16, 0), (160, 0), (0, 160), (0, 8), (40, 60), (100, 96)]
+    tiles = [(np.arange(q, q + 16), np.arange(k, k + 16)) for q, k in cases]
+    tiles.append((restart, np.arange(200, 216)))
+    tiles.append((np.arange(300, 316), restart))
+    for q, k in tiles:
+        tile = TermTile(jnp.asarray(q, jnp.int32), jnp.asarray(k, jnp.int32), None, None)
+        bucket_QK = np.asarray(t5_bucket(k[None, :] - q[:, None], bidirectional, 8, 16))
+        np.testing.assert_array_equal(tile_fn(table, tile), np.asarray(table)[bucket_QK])
+        want = np.zeros(8)
+        np.add.at(want, bucket_QK, np.asarray(g))
+        pulled = tile_fn.pull_params(table, tile, g)
+        np.testing.assert_allclose(pulled, want, rtol=1e-5, atol=1e-5)
+        low, high = tile_fn.bounds(*tile_fn.positions(tile))
+        assert (low == high) == (bucket_QK.min() == bucket_QK.max())

@@ -16,8 +16,14 @@ import jax.numpy as jnp
 import pytest
 
 from copejax.model import decode, measured_paths
-from copejax.model.attention_paths import choose_impl, rule_impl
+from copejax.model.attention_paths import (
+    CARRY_BYTES_PER_PAIR,
+    KERNEL_CARRY_MAX_BYTES,
+    choose_impl,
+    rule_impl,
+)
 from copejax.model.config import ATTENTION_IMPLS
+from copejax.model.kernel_terms import carries_across_tiles
 from copejax.model.measured_paths import MEASURED, Measurement, measured_impl
 from copejax.model.transformer import Transformer
 from copejax.positions import registry
@@ -92,6 +98,27 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
     assert choose_impl(relative, 64, False, "tpu") == rule_impl(relative, 64, "tpu")
     fox = tiny_config("fox", dtype="bfloat16", max_len=64)
     assert choose_impl(fox, 64, False, "tpu") == "kernel"
+
+
+def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_cap(
+    table,
+) -> None:
+    """Stick-breaking's (and CoPE's, selective's) GPU kernels keep O(T^2 / 64) carries: auto
+    follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES; FoX's kernels
+    keep O(T) and follow it at any length."""
+    table(_entry("stickbreaking", 4096, "kernel"), _entry("fox", 4096, "kernel"))
+    stick = tiny_config("stickbreaking", dtype="bfloat16", max_len=65536)
+    fox = tiny_config("fox", dtype="bfloat16", max_len=65536)
+    for length, batch_heads in ((16384, 96), (32768, 96), (65536, 8)):
+        pairs = batch_heads * length * length
+        fits = CARRY_BYTES_PER_PAIR * pairs <= KERNEL_CARRY_MAX_BYTES
+        want = "kernel" if fits else rule_impl(stick, length, "gpu", pairs)
+        assert choose_impl(stick, length, False, "gpu", pairs) == want
+        assert choose_impl(fox, length, False, "gpu", pairs) == "kernel"
+    assert choose_impl(stick, 16384, False, "gpu", 96 * 16384**2) == "kernel"
+    assert choose_impl(stick, 32768, False, "gpu", 96 * 32768**2) == "blockwise"
+    composite = tiny_config("alibi+stickbreaking", dtype="bfloat16", max_len=65536)
+    assert carries_across_tiles(composite.scheme) and not carries_across_tiles(fox.scheme)
 
 
 def test_the_committed_measurements_name_real_schemes_paths_and_pages() -> None:

@@ -84,6 +84,16 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
+# Schemes whose GPU kernels keep a float32 carry per (key tile, query) for their dk / dv
+# kernel: stick-breaking's remainders, CoPE's counts and their cotangents (2 arrays of
+# (B, N, T / 64, T) each), selective attention's penalty prefixes: O(T^2 / 64) memory
+# (experiments/results/kernel_memory.md), where the engine keeps O(T).
+CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
+
+
+def carries_across_tiles(scheme: PositionScheme) -> bool:
+    """Whether a part of ``scheme`` is one of :data:`CARRIED`."""
+    return any(part.name in CARRIED for part in parts(scheme))
 
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).

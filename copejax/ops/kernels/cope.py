@@ -45,7 +45,7 @@ from copejax.ops.kernels.cope_terms import (
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
+from copejax.ops.kernels.stick import GPU_SCAN, tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 
@@ -72,6 +72,7 @@ def cope_scores_QK(
     gk_KH: jax.Array | None = None,
     backward: bool = False,
     query_side: bool = False,
+    scan: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
     given its content logits, the term's parameters, the newer tiles' count ``c_Q``, (Q,) on
@@ -79,14 +80,15 @@ def cope_scores_QK(
     read the content logits); float32. The kernels take the logits' cotangent through the
     content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
     (the gates among its inputs unless they are unit gates), ``query_side``: q and the
-    term's parameters too (the dq kernels)."""
+    term's parameters too (the dq kernels); ``scan``: the within-tile count by prefix sums
+    (the GPU kernels, :data:`copejax.ops.kernels.stick.GPU_SCAN`)."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
         gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
         gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits), 0.0)
     sum_newer = tile_sum_vjp if backward and not static.unit_gates else tile_sum
-    within_QK = sum_newer(gates_QK, True)
+    within_QK = sum_newer(gates_QK, True, scan)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
     p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
     term_QK = position_term_QK(
@@ -128,6 +130,7 @@ def pair_scores(
         gk_KH=gk_KH,
         backward=backward,
         query_side=query_side,
+        scan=GPU_SCAN and plan.backend == "triton",
     )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])

@@ -39,6 +39,13 @@ from copejax.ops.kernels.pullbacks import (
 )
 from copejax.ops.kernels.tiles import Plan, dot_f32, highest_dot, pieces_dot, scores_QK
 
+# The GPU kernels' within-tile sums: prefix sums (Triton's scan). On the H100 target
+# (experiments/kernel_ptx.py) the bfloat16-pieces matmuls they replace held stick-breaking's
+# forward at 255 registers with 12 more wgmma per tile; the scan's forward takes 197 and
+# spills nothing (dq 572 -> 36, dk/dv 1548 -> 680 spilled bytes). The TPU kernels keep the
+# matmuls (Mosaic lowers no cumsum).
+GPU_SCAN = True
+
 
 def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
     """M[k, j] = 1 where key k is newer than key j (or is j, ``inclusive``), bfloat16 (exact):
@@ -49,44 +56,60 @@ def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
     return newer.astype(jnp.float32).astype(jnp.bfloat16)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def tile_sum(x_QK: jax.Array, inclusive: bool) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def tile_sum(x_QK: jax.Array, inclusive: bool, scan: bool = False) -> jax.Array:
     """Each row's sum over the newer keys of the tile (``inclusive``: and the key itself),
-    ``x @ newer_ones_KK``, to float32's precision on the tensor cores (sums of logs: no
-    TF32; :func:`~copejax.ops.kernels.tiles.dot_exact_f32`). Its derivative (for CoPE's
-    autodiff backward) is one float32 matmul at ``Precision.HIGHEST``."""
-    return _newer_sum(x_QK, inclusive)
+    ``x @ newer_ones_KK``, to float32's precision: on the tensor cores
+    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`, sums of logs: no TF32), or with
+    ``scan`` as a float32 prefix sum along the keys (``jnp.cumsum``, Triton's scan: no
+    matmul, fewer live registers; Mosaic TPU lowers no cumsum), the row total minus the
+    prefix. Its derivative (for CoPE's autodiff backward) is one float32 matmul at
+    ``Precision.HIGHEST``."""
+    return _newer_sum(x_QK, inclusive, scan)
 
 
-def _newer_sum(x_QK: jax.Array, inclusive: bool) -> jax.Array:
-    """``x @ newer_ones_KK`` in bfloat16 pieces, without a custom derivative."""
+def _newer_sum(x_QK: jax.Array, inclusive: bool, scan: bool) -> jax.Array:
+    """:func:`tile_sum` without a custom derivative."""
+    if scan:  # sum_{k > j} x_k = total - sum_{k <= j} x_k; a forward scan (Triton lowers no
+        # reverse one)
+        newer_QK = jnp.sum(x_QK, axis=1, keepdims=True) - jnp.cumsum(x_QK, axis=1)
+        return newer_QK + x_QK if inclusive else newer_QK
     return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False)
 
 
-def _tile_sum_jvp(inclusive: bool, primals: tuple, tangents: tuple) -> tuple:
+def _older_sum(ct_QK: jax.Array, inclusive: bool, scan: bool) -> jax.Array:
+    """The pull-back of :func:`_newer_sum`, ``ct @ ones^T``: each key's sum over the older
+    keys of the tile (``inclusive``: and itself)."""
+    if scan:
+        older_QK = jnp.cumsum(ct_QK, axis=1)
+        return older_QK if inclusive else older_QK - ct_QK
+    return pieces_dot(ct_QK, newer_ones_KK(ct_QK.shape[1], inclusive), (1, 1), False)
+
+
+def _tile_sum_jvp(inclusive: bool, scan: bool, primals: tuple, tangents: tuple) -> tuple:
     (x_QK,), (x_dot_QK,) = primals, tangents
     ones_KK = newer_ones_KK(x_QK.shape[1], inclusive)
-    return _newer_sum(x_QK, inclusive), highest_dot(x_dot_QK, ones_KK, (1, 0), False)
+    return _newer_sum(x_QK, inclusive, scan), highest_dot(x_dot_QK, ones_KK, (1, 0), False)
 
 
 tile_sum.defjvp(_tile_sum_jvp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def tile_sum_vjp(x_QK: jax.Array, inclusive: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def tile_sum_vjp(x_QK: jax.Array, inclusive: bool, scan: bool = False) -> jax.Array:
     """:func:`tile_sum` whose pull-back ``ct @ ones^T`` is float32-exact on the tensor cores
-    too (:func:`tile_sum`'s JVP transposes to a float32 FMA matmul). A custom vjp lowers only
-    where its input is differentiated: for CoPE's backward kernels, whose gates are."""
-    return _newer_sum(x_QK, inclusive)
+    (or, ``scan``, a prefix sum) too (:func:`tile_sum`'s JVP transposes to a float32 FMA
+    matmul). A custom vjp lowers only where its input is differentiated: for CoPE's backward
+    kernels, whose gates are."""
+    return _newer_sum(x_QK, inclusive, scan)
 
 
-def _tile_sum_forward(x_QK: jax.Array, inclusive: bool) -> tuple[jax.Array, None]:
-    return _newer_sum(x_QK, inclusive), None
+def _tile_sum_forward(x_QK: jax.Array, inclusive: bool, scan: bool) -> tuple[jax.Array, None]:
+    return _newer_sum(x_QK, inclusive, scan), None
 
 
-def _tile_sum_backward(inclusive: bool, _: None, ct_QK: jax.Array) -> tuple[jax.Array]:
-    ones_KK = newer_ones_KK(ct_QK.shape[1], inclusive)
-    return (pieces_dot(ct_QK, ones_KK, (1, 1), False),)
+def _tile_sum_backward(inclusive: bool, scan: bool, _: None, ct_QK: jax.Array) -> tuple:
+    return (_older_sum(ct_QK, inclusive, scan),)
 
 
 tile_sum_vjp.defvjp(_tile_sum_forward, _tile_sum_backward)
@@ -106,25 +129,35 @@ def _column(x_Q: jax.Array) -> jax.Array:
     return x_Q[:, None] if x_Q.ndim == 1 else x_Q
 
 
-def stick_weights_QK(z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array) -> tuple:
+def stick_weights_QK(
+    z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array, scan: bool = False
+) -> tuple:
     """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r,
-    (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms)."""
+    (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms); ``scan``: the
+    within-tile sums as :func:`tile_sum`'s prefix sums (the GPU kernels)."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
     e_QK = jnp.exp(-jnp.abs(z_QK))
     log1p_QK = jnp.log1p(e_QK)
     softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
-    after_QK = tile_sum(softplus_QK, False)
+    after_QK = tile_sum(softplus_QK, False, scan)
     a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
     return a_QK, softplus_QK, e_QK
 
 
 def stick_dz_QK(
-    z_QK: jax.Array, allowed_QK: jax.Array, *, e_QK: jax.Array, g_QK: jax.Array, delta_Q, u_Q
+    z_QK: jax.Array,
+    allowed_QK: jax.Array,
+    *,
+    e_QK: jax.Array,
+    g_QK: jax.Array,
+    delta_Q: jax.Array,
+    u_Q: jax.Array,
+    scan: bool = False,
 ) -> jax.Array:
     """The score gradient of one pair (module docstring), from exp(-|z|) and G."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
-    within_QK = tile_sum(g_QK, True)
+    within_QK = tile_sum(g_QK, True, scan)
     older_QK = _column(delta_Q) - _column(u_Q) - within_QK
     sigmoid_QK = jnp.where(z_QK >= 0, 1.0, e_QK) / (1.0 + e_QK)
     sigmoid_neg_QK = jnp.where(z_QK >= 0, e_QK, 1.0) / (1.0 + e_QK)
@@ -156,7 +189,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
-            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q)
+            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, GPU_SCAN)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
@@ -204,10 +237,12 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q)
+            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q, GPU_SCAN)
             v_KW = v_ref[keys, :]
             g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
-            dz_QK = stick_dz_QK(z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q)
+            dz_QK = stick_dz_QK(
+                z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q, scan=GPU_SCAN
+            )
             dq_QH = dq_QH + dot_f32((dz_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dqv = pull_query_values(plan, dz_QK, inputs, dqv)
             r_Q = r_Q + jnp.sum(softplus_QK, axis=1)
@@ -231,7 +266,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
 
     def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
         z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
-        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows])
+        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows], GPU_SCAN)
         g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
         dz_QK = stick_dz_QK(
             z_QK,
@@ -240,6 +275,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
             g_QK=g_QK,
             delta_Q=delta_ref[tile.rows],
             u_Q=u_in_ref[tile.rows],
+            scan=GPU_SCAN,
         )
         return a_QK, dz_QK
 

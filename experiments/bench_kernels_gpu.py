@@ -85,6 +85,9 @@ LEVER_BLOCKS = (512, 1024)
 # Another lever: 8 warps per Triton program at H = 64 (4 by default), which spills less on the
 # H100 target (experiments/kernel_ptx.py), beside the default, for each kernel scheme.
 WARPS_SCHEMES = ("nope", "alibi", "t5", "fox", "stickbreaking", "cope")
+# And the within-tile sums: prefix sums by default on a GPU, tensor-core matmuls (what issue
+# 45 suggested, and the TPU's) beside them; the scan spills less on the H100 target.
+SCAN_SCHEMES = ("stickbreaking", "cope")
 LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
@@ -120,11 +123,15 @@ def rule_arms(arms: tuple, shape: tuple[int, int, int], length: int) -> tuple:
 
 
 def warps_arms() -> tuple:
-    """Each kernel scheme with the default warps and with 8, beside cuDNN's nope."""
+    """Each kernel scheme with the default warps and with 8, and the schemes with
+    within-tile sums with those as tensor-core matmuls instead of prefix sums
+    (``copejax.ops.kernels.stick.scan_for_tracing``), beside cuDNN's nope."""
     arms = [("dpa", "dpa", {})]
     for scheme in WARPS_SCHEMES:
         arms.append((f"{scheme} kernel", scheme, KERNEL))
         arms.append((f"{scheme} kernel w8", scheme, {**KERNEL, "kernel_warps": 8}))
+        if scheme in SCAN_SCHEMES:
+            arms.append((f"{scheme} kernel matmul sums", scheme, {**KERNEL, "kernel_scan": False}))
     return tuple(arms)
 
 

@@ -4,6 +4,7 @@ dispatch entries its measurements support for ``copejax.model.measured_paths.MEA
 from __future__ import annotations
 
 from experiments.bench_gpu import fastest_nope
+from experiments.bench_measure import LEVER_KEYS
 
 ONE_SHAPE_MARGIN = 1.2
 
@@ -49,8 +50,9 @@ def dispatch_entries(result: dict, source: str) -> list:
 
 
 def _default_options(arm: dict) -> bool:
-    """Whether the arm runs its path with the defaults (no block length or warps lever)."""
-    return not {"attention_block", "kernel_warps"} & set(arm["options"])
+    """Whether the arm runs its path with the defaults (no block length, warps or sums
+    lever)."""
+    return not {"attention_block", *LEVER_KEYS} & set(arm["options"])
 
 
 def _margin(group: dict, scheme: str, best: dict) -> float:

@@ -28,6 +28,8 @@ from experiments.bench_settings import (
 
 # side_by_side: one timing spans about this long, in at most MAX_CALLS back-to-back calls.
 MIN_TIMING_S = 0.02
+# Arm options that steer how the kernels are traced, not the model (side_by_side).
+LEVER_KEYS = ("kernel_warps", "kernel_scan")
 MAX_CALLS = 64
 
 
@@ -215,14 +217,17 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     import jax
 
     compiled, rows = {}, []
+    from copejax.ops.kernels.stick import scan_for_tracing
     from copejax.ops.kernels.triton_params import warps_for_tracing
 
     for label, scheme, arm_options in arms:
-        # "kernel_warps": the Triton kernels' warps for this arm (a benchmark lever only)
-        options = {k: v for k, v in arm_options.items() if k != "kernel_warps"}
+        # benchmark levers only: "kernel_warps", the Triton kernels' warps for this arm;
+        # "kernel_scan", their within-tile sums as prefix sums or tensor-core matmuls
+        options = {k: v for k, v in arm_options.items() if k not in LEVER_KEYS}
         try:
             fn, args = _layer_program(scheme, length, options)
-            with warps_for_tracing(arm_options.get("kernel_warps")):
+            warps, scan = arm_options.get("kernel_warps"), arm_options.get("kernel_scan")
+            with warps_for_tracing(warps), scan_for_tracing(scan):
                 program = fn.lower(*args).compile()
             analysis = program.memory_analysis()
             xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)

@@ -45,7 +45,7 @@ from copejax.ops.kernels.cope_terms import (
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.stick import GPU_SCAN, tile_sum, tile_sum_vjp
+from copejax.ops.kernels.stick import gpu_scan, tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
 
@@ -81,7 +81,7 @@ def cope_scores_QK(
     content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
     (the gates among its inputs unless they are unit gates), ``query_side``: q and the
     term's parameters too (the dq kernels); ``scan``: the within-tile count by prefix sums
-    (the GPU kernels, :data:`copejax.ops.kernels.stick.GPU_SCAN`)."""
+    (the GPU kernels, :func:`copejax.ops.kernels.stick.gpu_scan`)."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
@@ -130,7 +130,7 @@ def pair_scores(
         gk_KH=gk_KH,
         backward=backward,
         query_side=query_side,
-        scan=GPU_SCAN and plan.backend == "triton",
+        scan=gpu_scan() and plan.backend == "triton",
     )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])

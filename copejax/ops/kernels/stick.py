@@ -4,10 +4,11 @@ Key j breaks off ``beta_ij = sigmoid(z_ij)`` of what the nearer keys left:
 ``A_ij = exp(log_sigmoid(z_ij) - sum_{j < k, k allowed} softplus(z_ik))`` and ``y_i = sum_j
 A_ij v_j``, no normaliser. A query tile walks its key tiles newest first with the carry
 ``r_i``, the softplus total of the newer tiles (the log stick remainder); within a tile the
-newer keys' sum is a matmul with a strictly triangular ones matrix, so that it runs on the
-tensor cores (three bfloat16 matmuls of the float32 terms' pieces: one float32 matmul at full
-precision lowers to an FMA loop in Triton; with it these kernels measured 22.7x the nope
-kernel on an H100). The scores ``z`` are the content logits plus the terms' biases, as for softmax.
+newer keys' sum is, on a GPU, the row total minus a float32 prefix sum (:func:`tile_sum`'s
+scan), and on a TPU a matmul with a strictly triangular ones matrix on the MXU (three
+bfloat16 matmuls of the float32 terms' pieces; one float32 matmul at full precision lowers
+to an FMA loop in Triton, with which these kernels measured 22.7x the nope kernel on an
+H100). The scores ``z`` are the content logits plus the terms' biases, as for softmax.
 
 Backward, with ``G_ij = A_ij (dY_i . v_j)`` and ``D_i = dY_i . y_i = sum_k G_ik``
 (:mod:`copejax.ops.stick_flash` derives it):
@@ -25,8 +26,10 @@ Shape letters as in :mod:`copejax.ops.kernels.forward`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +42,32 @@ from copejax.ops.kernels.pullbacks import (
 )
 from copejax.ops.kernels.tiles import Plan, dot_f32, highest_dot, pieces_dot, scores_QK
 
-# The GPU kernels' within-tile sums: prefix sums (Triton's scan). On the H100 target
-# (experiments/kernel_ptx.py) the bfloat16-pieces matmuls they replace held stick-breaking's
-# forward at 255 registers with 12 more wgmma per tile; the scan's forward takes 197 and
-# spills nothing (dq 572 -> 36, dk/dv 1548 -> 680 spilled bytes). The TPU kernels keep the
-# matmuls (Mosaic lowers no cumsum).
-GPU_SCAN = True
+# Whether the GPU kernels' within-tile sums are prefix sums (Triton's scan), innermost
+# setting last (scan_for_tracing). On the H100 target (experiments/kernel_ptx.py) the
+# bfloat16-pieces matmuls they replace held stick-breaking's forward at 255 registers with 12
+# more wgmma per tile; the scan's forward takes 197 and spills nothing (dq 572 -> 36, dk/dv
+# 1548 -> 696 spilled bytes). The TPU kernels keep the matmuls (Mosaic lowers no cumsum).
+_GPU_SCAN: list[bool] = [True]
+
+
+def gpu_scan() -> bool:
+    """Whether GPU kernels traced now take :func:`tile_sum`'s prefix sums (default True)."""
+    return _GPU_SCAN[-1]
+
+
+@contextlib.contextmanager
+def scan_for_tracing(scan: bool | None) -> Iterator[None]:
+    """GPU kernels traced inside take the prefix sums (True) or the tensor-core matmuls
+    (False; None: the default), for the GPU benchmark's arms: the scan spills less on the
+    H100 target, which only a GPU can say is faster."""
+    if scan is None:
+        yield
+        return
+    _GPU_SCAN.append(scan)
+    try:
+        yield
+    finally:
+        _GPU_SCAN.pop()
 
 
 def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
@@ -189,7 +212,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
-            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, GPU_SCAN)
+            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan())
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
@@ -237,11 +260,11 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q, GPU_SCAN)
+            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan())
             v_KW = v_ref[keys, :]
             g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
             dz_QK = stick_dz_QK(
-                z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q, scan=GPU_SCAN
+                z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_Q, u_Q=u_Q, scan=gpu_scan()
             )
             dq_QH = dq_QH + dot_f32((dz_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dqv = pull_query_values(plan, dz_QK, inputs, dqv)
@@ -266,7 +289,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
 
     def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
         z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
-        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows], GPU_SCAN)
+        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows], gpu_scan())
         g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
         dz_QK = stick_dz_QK(
             z_QK,
@@ -275,7 +298,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
             g_QK=g_QK,
             delta_Q=delta_ref[tile.rows],
             u_Q=u_in_ref[tile.rows],
-            scan=GPU_SCAN,
+            scan=gpu_scan(),
         )
         return a_QK, dz_QK
 

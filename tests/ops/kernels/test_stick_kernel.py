@@ -14,6 +14,7 @@ import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
+from copejax.ops.kernels.stick import gpu_scan, scan_for_tracing
 from copejax.ops.kernels.terms import KernelTerm
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
@@ -113,6 +114,16 @@ def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, inclu
     for key in ("slopes", "table"):
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=pairs, roundings=4)
     assert G < N  # grouped heads are exercised
+
+
+@pytest.mark.slow
+def test_gradients_with_matmul_sums_equal_dense() -> None:
+    """The GPU kernels' within-tile sums as tensor-core matmuls (the benchmark's lever,
+    ``scan_for_tracing(False)``) instead of prefix sums: the same gradients."""
+    with scan_for_tracing(False):
+        assert not gpu_scan()
+        test_gradients_equal_dense("float32", 20, 3, False)
+    assert gpu_scan()
 
 
 def test_lowers_to_triton() -> None:

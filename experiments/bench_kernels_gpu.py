@@ -125,7 +125,7 @@ def rule_arms(arms: tuple, shape: tuple[int, int, int], length: int) -> tuple:
 def warps_arms() -> tuple:
     """Each kernel scheme with the default warps and with 8, and the schemes with
     within-tile sums with those as tensor-core matmuls instead of prefix sums
-    (``copejax.ops.kernels.stick.scan_for_tracing``), beside cuDNN's nope."""
+    (``copejax.ops.kernels.triton_params.scan_for_tracing``), beside cuDNN's nope."""
     arms = [("dpa", "dpa", {})]
     for scheme in WARPS_SCHEMES:
         arms.append((f"{scheme} kernel", scheme, KERNEL))

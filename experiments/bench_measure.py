@@ -217,8 +217,7 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     import jax
 
     compiled, rows = {}, []
-    from copejax.ops.kernels.stick import scan_for_tracing
-    from copejax.ops.kernels.triton_params import warps_for_tracing
+    from copejax.ops.kernels.triton_params import scan_for_tracing, warps_for_tracing
 
     for label, scheme, arm_options in arms:
         # benchmark levers only: "kernel_warps", the Triton kernels' warps for this arm;

@@ -45,9 +45,10 @@ from copejax.ops.kernels.cope_terms import (
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.stick import gpu_scan, tile_sum, tile_sum_vjp
+from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+from copejax.ops.kernels.triton_params import gpu_scan
 
 __all__ = [  # CopeStatic and CopeTerm live with the term's maths; callers import them here
     "CopeStatic",
@@ -81,7 +82,7 @@ def cope_scores_QK(
     content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
     (the gates among its inputs unless they are unit gates), ``query_side``: q and the
     term's parameters too (the dq kernels); ``scan``: the within-tile count by prefix sums
-    (the GPU kernels, :func:`copejax.ops.kernels.stick.gpu_scan`)."""
+    (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`)."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:

@@ -56,7 +56,7 @@ from copejax.ops.kernels.tiles import (
     dot_exact_f32,
     dot_f32,
 )
-from copejax.ops.kernels.triton_params import compiler_params
+from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
 NONLINEARITIES = ("relu", "sigmoid")  # copejax.ops.selective's
 
@@ -135,13 +135,20 @@ def _triangular_sum_QK(x_QK: jax.Array, newer: bool) -> jax.Array:
     return dot_exact_f32(x_QK, ones_QQ.astype(jnp.float32), (0, 1), exact_left=True)
 
 
-def older_sum_QK(x_QK: jax.Array) -> jax.Array:
-    """``sum_{k < i} x_kj`` over the tile's rows (``L @ x``), float32."""
+def older_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
+    """``sum_{k < i} x_kj`` over the tile's rows (``L @ x``), float32; ``scan``: as a
+    prefix sum down the rows (the GPU kernels, :func:`~copejax.ops.kernels.triton_params.
+    gpu_scan`), not matmuls."""
+    if scan:
+        return jnp.cumsum(x_QK, axis=0) - x_QK
     return _triangular_sum_QK(x_QK, newer=False)
 
 
-def newer_sum_QK(x_QK: jax.Array) -> jax.Array:
-    """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32."""
+def newer_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
+    """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32; ``scan``: the
+    column total minus a prefix sum (Triton lowers no reverse scan)."""
+    if scan:
+        return jnp.sum(x_QK, axis=0, keepdims=True) - jnp.cumsum(x_QK, axis=0)
     return _triangular_sum_QK(x_QK, newer=True)
 
 
@@ -153,15 +160,17 @@ def penalized_scores_QK(
     allowed_QK: jax.Array,
     *,
     bias_QK: jax.Array | None = None,
+    scan: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the masked scores ``q . k / sqrt(H) + bias - F``, dS/dl of the selection) of one
-    pair; ``bias_QK``: the other terms' (:func:`term_bias`), or None.
+    pair; ``bias_QK``: the other terms' (:func:`term_bias`), or None; ``scan``: F's sum over
+    the older selectors as :func:`older_sum_QK`'s prefix sum.
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
     prefix P of this query tile at the keys, (K,) on a GPU or (1, K) on a TPU)."""
     q_sel_QH, k_sel_KH, keep_QK, prefix_K = selectors
     s_QK, slope_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
-    f_QK = (prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K) + older_sum_QK(s_QK)
+    f_QK = (prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K) + older_sum_QK(s_QK, scan)
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK
     if bias_QK is not None:
         scores_QK = scores_QK + bias_QK
@@ -228,7 +237,13 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
             k_values = [None if r is None else r[keys] for r in kv_refs]
             bias_QK = term_bias(plan, (params, q_values, k_values), q_pos_Q, kpos_ref[keys])
             s_QK, _ = penalized_scores_QK(
-                nonlinearity, q_QH, k_ref[keys, :], selectors, allowed_QK, bias_QK=bias_QK
+                nonlinearity,
+                q_QH,
+                k_ref[keys, :],
+                selectors,
+                allowed_QK,
+                bias_QK=bias_QK,
+                scan=gpu_scan(),
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)

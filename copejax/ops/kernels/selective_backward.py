@@ -46,25 +46,28 @@ from copejax.ops.kernels.selective import (
 )
 from copejax.ops.kernels.terms import pair_grid
 from copejax.ops.kernels.tiles import Plan, dot_f32
-from copejax.ops.kernels.triton_params import compiler_params
+from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
 
-def pair_gradients(nonlinearity: str, tiles: tuple, selectors: tuple, stats: tuple) -> tuple:
+def pair_gradients(
+    nonlinearity: str, tiles: tuple, selectors: tuple, stats: tuple, scan: bool = False
+) -> tuple:
     """(P, dS, dl / sqrt(H) of the selection with the carry R) of one pair, float32 (Q, K);
     the GPU's and the TPU's (:mod:`copejax.ops.kernels.tpu_selective_backward`) kernels.
 
     ``tiles``: (q, k, v, dO, allowed, the other terms' bias or None); ``selectors`` as
     :func:`~copejax.ops.kernels.selective.penalized_scores_QK` takes them; ``stats``: (lse,
-    D, R at the keys), as (Q,), (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU)."""
+    D, R at the keys), as (Q,), (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU); ``scan``:
+    the sums over the tile's rows as prefix sums (the GPU kernels)."""
     q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK = tiles
     lse_Q, delta_Q, r_K = stats
     (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
     s_QK, slope_QK = penalized_scores_QK(
-        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK
+        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan
     )
     p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
     ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q1)
-    g_QK = r_1K - newer_sum_QK(ds_QK)  # dF = -dS
+    g_QK = r_1K - newer_sum_QK(ds_QK, scan)  # dF = -dS
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     return p_QK, ds_QK, g_QK * slope_QK * scale
 
@@ -111,6 +114,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
                 (q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK),
                 (q_sel_QH, k_sel_KH, keep, prefix_K),
                 (lse_ref[queries], delta_ref[queries], r_K),
+                gpu_scan(),
             )
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
             dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
@@ -174,6 +178,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
                 (q_QH, k_KH, v_ref[keys, :], do_QW, allowed_QK, bias_QK),
                 (q_sel_QH, k_sel_KH, keep, prefix_ref[keys]),
                 (lse_Q, delta_Q, r_ref[keys]),
+                gpu_scan(),
             )
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dqsel_QH = dqsel_QH + dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))

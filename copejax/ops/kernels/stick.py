@@ -26,10 +26,8 @@ Shape letters as in :mod:`copejax.ops.kernels.forward`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,33 +39,7 @@ from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
 from copejax.ops.kernels.tiles import Plan, dot_f32, highest_dot, pieces_dot, scores_QK
-
-# Whether the GPU kernels' within-tile sums are prefix sums (Triton's scan), innermost
-# setting last (scan_for_tracing). On the H100 target (experiments/kernel_ptx.py) the
-# bfloat16-pieces matmuls they replace held stick-breaking's forward at 255 registers with 12
-# more wgmma per tile; the scan's forward takes 197 and spills nothing (dq 572 -> 36, dk/dv
-# 1548 -> 696 spilled bytes). The TPU kernels keep the matmuls (Mosaic lowers no cumsum).
-_GPU_SCAN: list[bool] = [True]
-
-
-def gpu_scan() -> bool:
-    """Whether GPU kernels traced now take :func:`tile_sum`'s prefix sums (default True)."""
-    return _GPU_SCAN[-1]
-
-
-@contextlib.contextmanager
-def scan_for_tracing(scan: bool | None) -> Iterator[None]:
-    """GPU kernels traced inside take the prefix sums (True) or the tensor-core matmuls
-    (False; None: the default), for the GPU benchmark's arms: the scan spills less on the
-    H100 target, which only a GPU can say is faster."""
-    if scan is None:
-        yield
-        return
-    _GPU_SCAN.append(scan)
-    try:
-        yield
-    finally:
-        _GPU_SCAN.pop()
+from copejax.ops.kernels.triton_params import gpu_scan
 
 
 def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:

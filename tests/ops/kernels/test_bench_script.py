@@ -185,7 +185,7 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
     # the within-tile sums' lever: stick-breaking's and CoPE's kernels with matmul sums
     assert arms["stickbreaking kernel matmul sums"]["kernel_scan"] is False
     assert "alibi kernel matmul sums" not in arms
-    from copejax.ops.kernels.stick import gpu_scan, scan_for_tracing
+    from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
 
     with scan_for_tracing(False):
         assert not gpu_scan()

@@ -14,8 +14,8 @@ import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
-from copejax.ops.kernels.stick import gpu_scan, scan_for_tracing
 from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
     POSITIONS_BT,

@@ -89,8 +89,11 @@ def ptxas() -> str:
     raise FileNotFoundError("no ptxas under the nvidia packages: pip install nvidia-cuda-nvcc")
 
 
-def lowered_layer(scheme: str, length: int, shape: tuple[int, int, int], dtype: str) -> Any:
-    """The layer's forward + backward lowered for the H100 on the kernels."""
+def lowered_layer(
+    scheme: str, length: int, shape: tuple[int, int, int], dtype: str, impl: str = "kernel"
+) -> Any:
+    """The layer's forward + backward lowered for the H100 on ``impl`` (the model's
+    attention_impl; ``experiments.bench_measure``'s scheme "dpa" brings its own)."""
     import jax
 
     from copejax.ops.kernels.gpu_lowering import abstract_gpu
@@ -98,7 +101,7 @@ def lowered_layer(scheme: str, length: int, shape: tuple[int, int, int], dtype: 
 
     with bench_measure.layer_shape(*shape):
         fn, args = bench_measure._layer_program(
-            scheme, length, {"attention_impl": "kernel", "dtype": dtype}
+            scheme, length, {"attention_impl": impl, "dtype": dtype}
         )
     sharding = jax.sharding.SingleDeviceSharding(h100())
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="2,4,64", help="B,N,H")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--timeout", type=float, default=600.0, help="per kernel, seconds")
+    parser.add_argument("--warps", type=int, help="Triton warps (default: the kernels')")
     parser.add_argument("--out", default="/tmp/kernel_ptx", help="PTX, ptxas logs, rows.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # compile_child's module
     args = parser.parse_args(argv)
@@ -257,9 +261,13 @@ def main(argv: list[str] | None = None) -> None:
         compile_child(Path(args.child), Path(args.child).parent)
         return
     shape = tuple(int(x) for x in args.shape.split(","))
-    out = Path(args.out) / f"{args.scheme}_{args.length}"
+    out = Path(args.out) / f"{args.scheme}_{args.length}" / f"w{args.warps or 'default'}"
     start = time.perf_counter()
-    module = lowered_layer(args.scheme, args.length, shape, args.dtype).compiler_ir("stablehlo")
+    from copejax.ops.kernels.triton_params import warps_for_tracing
+
+    with warps_for_tracing(args.warps):
+        lowered = lowered_layer(args.scheme, args.length, shape, args.dtype)
+    module = lowered.compiler_ir("stablehlo")
     print(
         f"# {args.scheme}, T = {args.length}, (B, N, H) = {shape}, {args.dtype}: lowered in "
         f"{time.perf_counter() - start:.1f} s; sm_90a, per thread",

@@ -53,6 +53,7 @@ def test_quick_mode_writes_json_page_and_plots(tmp_path: Path) -> None:
         "nope blockwise",
         "cope",
         "cope naive",
+        "cope remat",
     }
     assert all(len(r["times_s"]) == 2 for r in side)
     assert "## Side by side" in page

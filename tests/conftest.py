@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests start as subprocesses too. JAX_DISABLE_MOST_OPTIMIZATIONS=0 restores the default.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA's CPU fusion emitters (MLIR) take about twice as long to compile a tiny program as its
-# older LLVM IR emitters: without them, four of test_blockwise_equivalence.py's tests take 25 s
+# older LLVM IR emitters: without them, six of test_blockwise_equivalence.py's tests take 25 s
 # instead of 65 s on a 2-core CPU. Again only code generation changes, for the subprocesses
 # too; XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restores the default.
 if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):

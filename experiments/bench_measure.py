@@ -86,8 +86,13 @@ def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:
     return choose_impl(cfg, length, sowing=False, backend=jax.default_backend(), pairs=pairs)
 
 
-def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
-    """(jitted fwd+bwd fn, its args) for one attention layer of ``scheme`` at ``length``."""
+def _layer_program(
+    scheme: str, length: int, options: dict[str, Any], abstract: bool = False
+) -> tuple:
+    """(jitted fwd+bwd fn, its args) for one attention layer of ``scheme`` at ``length``;
+    ``abstract``: the args as shapes only, the parameters' init traced, not run (for a
+    compile without running: the kernels' init on a CPU runs Pallas's interpreter, which at
+    (B, N, H) = (4, 16, 128), T = 16384 took over 24 GB of host memory)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -118,7 +123,11 @@ def _layer_program(scheme: str, length: int, options: dict[str, Any]) -> tuple:
             return self.attention(emb.x_BTD, ctx)[0]
 
     module = Layer()
-    params = module.init(key_p, x_BTD)
+    if abstract:
+        x_BTD, cot_BTD = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (x_BTD, cot_BTD))
+        params = jax.eval_shape(module.init, key_p, x_BTD)
+    else:
+        params = module.init(key_p, x_BTD)
 
     # the cotangent an argument, not a constant of the program: a (B, T, D) constant is
     # folded by XLA's compiler (minutes at B = 4, T = 16384, D = 2048 for a deviceless

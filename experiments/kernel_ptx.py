@@ -101,7 +101,7 @@ def lowered_layer(
 
     with bench_measure.layer_shape(*shape):
         fn, args = bench_measure._layer_program(
-            scheme, length, {"attention_impl": impl, "dtype": dtype}
+            scheme, length, {"attention_impl": impl, "dtype": dtype}, abstract=True
         )
     sharding = jax.sharding.SingleDeviceSharding(h100())
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)

@@ -161,7 +161,7 @@ def indexed_lookup(
     value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
 
     def every_row() -> jax.Array:
-        return _every_row(index_fn(*inputs), _entries(table_P, rows_P))
+        return _every_row(index_fn(*inputs), param_scalars(table_P, rows_P))
 
     return jax.lax.cond(low == high, lambda: _tile_zeros(inputs) + value, every_row)
 
@@ -173,10 +173,6 @@ def _tile_zeros(inputs: tuple) -> jax.Array:
         return inputs[0] * 0.0
     q_x, k_x = pair_grid(inputs[0], inputs[1])
     return q_x * 0.0 + k_x * 0.0
-
-
-def _entries(table_P: jax.Array, rows_P: jax.Array) -> list[jax.Array]:
-    return [jnp.sum(jnp.where(rows_P == row, table_P, 0.0)) for row in range(rows_P.shape[-1])]
 
 
 def _every_row(index_QK: jax.Array, values: list[jax.Array]) -> jax.Array:
@@ -231,9 +227,12 @@ def pulled_by_hand(bias: TileBias) -> bool:
     return callable(getattr(bias, "pull_params", None))
 
 
-def param_scalars(params_P: jax.Array) -> list[jax.Array]:
+def param_scalars(params_P: jax.Array, rows_P: jax.Array | None = None) -> list[jax.Array]:
     """The entries of a head's parameter row, (P,) or (1, P), as scalars, each a masked sum
-    (Triton lowers no slice of a register tile; see :func:`table_lookup`)."""
-    rows_P = jax.lax.broadcasted_iota(jnp.int32, params_P.shape, params_P.ndim - 1)
+    (Triton lowers no slice of a register tile; see :func:`table_lookup`); ``rows_P``: the
+    row's iota, made by the caller (outside a ``cond`` branch, which takes no new constant
+    array), or None."""
+    if rows_P is None:
+        rows_P = jax.lax.broadcasted_iota(jnp.int32, params_P.shape, params_P.ndim - 1)
     size = params_P.shape[-1]  # (P,) on a GPU, (1, P) on a TPU
     return [jnp.sum(jnp.where(rows_P == row, params_P, 0.0)) for row in range(size)]

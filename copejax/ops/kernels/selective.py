@@ -55,6 +55,7 @@ from copejax.ops.kernels.tiles import (
     content_logits_QK,
     dot_exact_f32,
     dot_f32,
+    scan_sum,
 )
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
@@ -140,15 +141,15 @@ def older_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
     prefix sum down the rows (the GPU kernels, :func:`~copejax.ops.kernels.triton_params.
     gpu_scan`), not matmuls."""
     if scan:
-        return jnp.cumsum(x_QK, axis=0) - x_QK
+        return scan_sum(x_QK, 0, newer=False, inclusive=False)
     return _triangular_sum_QK(x_QK, newer=False)
 
 
 def newer_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
     """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32; ``scan``: the
-    column total minus a prefix sum (Triton lowers no reverse scan)."""
+    column total minus a prefix sum."""
     if scan:
-        return jnp.sum(x_QK, axis=0, keepdims=True) - jnp.cumsum(x_QK, axis=0)
+        return scan_sum(x_QK, 0, newer=True, inclusive=False)
     return _triangular_sum_QK(x_QK, newer=True)
 
 

@@ -38,7 +38,14 @@ from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
-from copejax.ops.kernels.tiles import Plan, dot_f32, highest_dot, pieces_dot, scores_QK
+from copejax.ops.kernels.tiles import (
+    Plan,
+    dot_f32,
+    highest_dot,
+    pieces_dot,
+    scan_sum,
+    scores_QK,
+)
 from copejax.ops.kernels.triton_params import gpu_scan
 
 
@@ -65,10 +72,8 @@ def tile_sum(x_QK: jax.Array, inclusive: bool, scan: bool = False) -> jax.Array:
 
 def _newer_sum(x_QK: jax.Array, inclusive: bool, scan: bool) -> jax.Array:
     """:func:`tile_sum` without a custom derivative."""
-    if scan:  # sum_{k > j} x_k = total - sum_{k <= j} x_k; a forward scan (Triton lowers no
-        # reverse one)
-        newer_QK = jnp.sum(x_QK, axis=1, keepdims=True) - jnp.cumsum(x_QK, axis=1)
-        return newer_QK + x_QK if inclusive else newer_QK
+    if scan:
+        return scan_sum(x_QK, 1, newer=True, inclusive=inclusive)
     return pieces_dot(x_QK, newer_ones_KK(x_QK.shape[1], inclusive), (1, 0), False)
 
 
@@ -76,8 +81,7 @@ def _older_sum(ct_QK: jax.Array, inclusive: bool, scan: bool) -> jax.Array:
     """The pull-back of :func:`_newer_sum`, ``ct @ ones^T``: each key's sum over the older
     keys of the tile (``inclusive``: and itself)."""
     if scan:
-        older_QK = jnp.cumsum(ct_QK, axis=1)
-        return older_QK if inclusive else older_QK - ct_QK
+        return scan_sum(ct_QK, 1, newer=False, inclusive=inclusive)
     return pieces_dot(ct_QK, newer_ones_KK(ct_QK.shape[1], inclusive), (1, 1), False)
 
 

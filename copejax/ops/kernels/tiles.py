@@ -191,6 +191,19 @@ def dot_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:
     )
 
 
+def scan_sum(x: jax.Array, axis: int, newer: bool, inclusive: bool) -> jax.Array:
+    """Each entry's sum over the entries after it along ``axis`` (``newer``) or before it,
+    itself included with ``inclusive``, float32, from one forward prefix sum (``jnp.cumsum``,
+    Triton's scan; its lowering has no reverse scan): the newer sum is the total minus the
+    prefix. The GPU kernels' within-tile sums (:func:`~copejax.ops.kernels.triton_params.
+    gpu_scan`), where the tensor-core form is a matmul with a triangular ones matrix."""
+    if newer:
+        after = jnp.sum(x, axis=axis, keepdims=True) - jnp.cumsum(x, axis=axis)
+        return after + x if inclusive else after
+    prefix = jnp.cumsum(x, axis=axis)
+    return prefix if inclusive else prefix - x
+
+
 def bf16_pieces(x: jax.Array) -> list[jax.Array]:
     """x (float32) as three bfloat16 pieces, smallest first, whose sum is x to float32's
     precision (8 + 8 + 8 significant bits)."""

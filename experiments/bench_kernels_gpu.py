@@ -88,6 +88,10 @@ WARPS_SCHEMES = ("nope", "alibi", "t5", "fox", "stickbreaking", "cope")
 # And the within-tile sums: prefix sums by default on a GPU, tensor-core matmuls (what issue
 # 45 suggested, and the TPU's) beside them; the scan spills less on the H100 target.
 SCAN_SCHEMES = ("stickbreaking", "cope")
+# And stick-breaking's and CoPE's carries: one checkpoint per carry group by default (O(T H)
+# memory, fewer and longer dk / dv programs), one per key tile beside it (O(T^2 / 64), one
+# program per key tile: copejax.ops.kernels.carry_groups).
+PER_TILE_CARRIES = {**KERNEL, "kernel_carry_groups": 2**30}
 LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
@@ -123,15 +127,18 @@ def rule_arms(arms: tuple, shape: tuple[int, int, int], length: int) -> tuple:
 
 
 def warps_arms() -> tuple:
-    """Each kernel scheme with the default warps and with 8, and the schemes with
-    within-tile sums with those as tensor-core matmuls instead of prefix sums
-    (``copejax.ops.kernels.triton_params.scan_for_tracing``), beside cuDNN's nope."""
+    """Each kernel scheme with the default warps and with 8, the schemes with within-tile
+    sums with those as tensor-core matmuls instead of prefix sums
+    (``copejax.ops.kernels.triton_params.scan_for_tracing``) and those with a carry
+    checkpoint per key tile (``PER_TILE_CARRIES``), beside cuDNN's nope."""
     arms = [("dpa", "dpa", {})]
     for scheme in WARPS_SCHEMES:
         arms.append((f"{scheme} kernel", scheme, KERNEL))
         arms.append((f"{scheme} kernel w8", scheme, {**KERNEL, "kernel_warps": 8}))
         if scheme in SCAN_SCHEMES:
             arms.append((f"{scheme} kernel matmul sums", scheme, {**KERNEL, "kernel_scan": False}))
+        if scheme in SCAN_SCHEMES:
+            arms.append((f"{scheme} kernel per-tile carries", scheme, PER_TILE_CARRIES))
     return tuple(arms)
 
 

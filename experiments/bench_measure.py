@@ -29,7 +29,7 @@ from experiments.bench_settings import (
 # side_by_side: one timing spans about this long, in at most MAX_CALLS back-to-back calls.
 MIN_TIMING_S = 0.02
 # Arm options that steer how the kernels are traced, not the model (side_by_side).
-LEVER_KEYS = ("kernel_warps", "kernel_scan")
+LEVER_KEYS = ("kernel_warps", "kernel_scan", "kernel_carry_groups")
 MAX_CALLS = 64
 
 
@@ -229,16 +229,19 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     import jax
 
     compiled, rows = {}, []
+    from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
     from copejax.ops.kernels.triton_params import scan_for_tracing, warps_for_tracing
 
     for label, scheme, arm_options in arms:
         # benchmark levers only: "kernel_warps", the Triton kernels' warps for this arm;
-        # "kernel_scan", their within-tile sums as prefix sums or tensor-core matmuls
+        # "kernel_scan", their within-tile sums as prefix sums or tensor-core matmuls;
+        # "kernel_carry_groups", stick-breaking's carry checkpoints per head
         options = {k: v for k, v in arm_options.items() if k not in LEVER_KEYS}
         try:
             fn, args = _layer_program(scheme, length, options)
             warps, scan = arm_options.get("kernel_warps"), arm_options.get("kernel_scan")
-            with warps_for_tracing(warps), scan_for_tracing(scan):
+            groups = arm_options.get("kernel_carry_groups")
+            with warps_for_tracing(warps), scan_for_tracing(scan), carry_groups_for_tracing(groups):
                 program = fn.lower(*args).compile()
             analysis = program.memory_analysis()
             xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)

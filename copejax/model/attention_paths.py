@@ -48,7 +48,7 @@ AUTO_BLOCKWISE_FROM = 512
 GPU_NAIVE_MAX_BYTES = 2**30
 # The fused kernels' tile length (queries and keys) when model.attention_block is None.
 KERNEL_BLOCK = 64
-# "auto" follows a measured kernel path for a scheme whose GPU kernels keep per-tile carries
+# "auto" follows a measured kernel path for a scheme whose kernels keep per-tile carries
 # (kernel_terms.CARRIED: about 2 float32 per (key tile, query), B N T S / 8 bytes) only
 # while those take at most this: at B = 8, N = 12 that is T = 16384 (3 GiB) but not 32768
 # (12 GiB, a seventh of an H100's memory per layer's backward). Beyond, the engine's O(T)
@@ -98,7 +98,7 @@ def _can_take(
     if decoding or kernel_config_refusal(cfg) is not None:
         return False
     carry_bytes = CARRY_BYTES_PER_PAIR * (pairs or 0)
-    if carries_across_tiles(cfg.scheme) and carry_bytes > KERNEL_CARRY_MAX_BYTES:
+    if carries_across_tiles(cfg.scheme, backend) and carry_bytes > KERNEL_CARRY_MAX_BYTES:
         return False
     if backend == "tpu":  # the Mosaic TPU kernels run fewer schemes
         return tpu_kernel_refusal(cfg.scheme, cfg.dims) is None

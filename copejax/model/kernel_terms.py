@@ -84,16 +84,20 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
-# Schemes whose GPU kernels keep a float32 carry per (key tile, query) for their dk / dv
-# kernel: stick-breaking's remainders, CoPE's counts and their cotangents (2 arrays of
-# (B, N, T / 64, T) each), selective attention's penalty prefixes: O(T^2 / 64) memory
-# (experiments/results/kernel_memory.md), where the engine keeps O(T).
+# Schemes whose kernels keep a float32 carry per (key tile, query) for their dk / dv kernel:
+# selective attention's penalty prefixes, and on a TPU stick-breaking's remainders and CoPE's
+# counts and their cotangents: O(T^2 / 64) memory (experiments/results/kernel_memory.md),
+# where the engine keeps O(T). Stick-breaking's and CoPE's GPU kernels keep theirs per carry
+# group instead, O(T H) (copejax.ops.kernels.carry_groups).
 CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
+GROUPED_ON_GPU = frozenset({"cope", *NORMALIZERS})
 
 
-def carries_across_tiles(scheme: PositionScheme) -> bool:
-    """Whether a part of ``scheme`` is one of :data:`CARRIED`."""
-    return any(part.name in CARRIED for part in parts(scheme))
+def carries_across_tiles(scheme: PositionScheme, backend: str = "gpu") -> bool:
+    """Whether a part of ``scheme`` is one of :data:`CARRIED` on ``backend`` ("gpu" or
+    "tpu"; on a GPU not those of :data:`GROUPED_ON_GPU`)."""
+    carried = CARRIED - GROUPED_ON_GPU if backend == "gpu" else CARRIED
+    return any(part.name in carried for part in parts(scheme))
 
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).

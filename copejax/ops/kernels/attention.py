@@ -27,12 +27,14 @@ heads, H head dim, W value width.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.backward import backward_calls
+from copejax.ops.kernels.carry_groups import carry_starts
 from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
 from copejax.ops.kernels.padding import (
@@ -153,6 +155,9 @@ def fused_attention(
         include_self=include_self,
         cope=None if cope is None else cope.kernel_static(),
     )
+    if (plan.stick or plan.cope is not None) and backend == "triton":  # carry checkpoints
+        starts = carry_starts(plan, q_BTNH.shape[-1], q_BTNH.dtype.itemsize)
+        plan = dataclasses.replace(plan, carry_starts=starts)
     widths = (q_BTNH.shape[-1], v_BTGW.shape[-1])
     if (
         backend == "triton"

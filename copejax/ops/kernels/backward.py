@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from copejax.ops.kernels.cope import cope_dkdv_kernel, cope_dq_kernel
+from copejax.ops.kernels.cope_backward import cope_dkdv_kernel, cope_dq_kernel
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
 from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
@@ -149,7 +149,7 @@ def backward_calls(
     cope_counts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments;
-    ``cope_counts``: the forward's counts entering each key tile).
+    ``cope_counts``: unused, the GPU forward keeps no count; the TPU's reads them).
 
     Returns:
       (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW float32 per query head, the terms'
@@ -180,8 +180,8 @@ def backward_calls(
     out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
     out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
-    # Per key tile (rows padded to a power of two): stick-breaking's carries entering it,
-    # CoPE's count entering it (in) and its cotangent leaving it (out).
+    # Per carry group (rows padded to a power of two, with a spare): the carries entering it
+    # (stick-breaking's r and u, CoPE's count and S).
     rows = plan.carry_rows
     carry_spec = pl.BlockSpec((None, None, rows, sq), lambda b, n, i: (b, n, 0, i))
     carry_shape = jax.ShapeDtypeStruct((batch, heads, rows, length_q), f32)
@@ -190,19 +190,12 @@ def backward_calls(
         dq_body = stick_dq_kernel
         out_specs += [carry_spec, carry_spec]
         out_shape += [carry_shape] * 2
-    if plan.cope is not None:  # also its parameters' gradients per query tile
+    if plan.cope is not None:  # the count and S entering each group, and D
         gate_k = [gate_k_BSGH] if plan.cope.gate_keys else []
-        dq_body, extra_in = cope_dq_kernel, [*cope, *gate_k, cope_counts]
-        term_specs = [*term_specs, *per_head_specs(cope), *specs[1:2] * len(gate_k), carry_spec]
-        out_specs += [carry_spec]
-        out_specs += [
-            pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i: (b, n, i, 0, 0))
-            for x in cope
-        ]
-        out_shape += [carry_shape]
-        out_shape += [
-            jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32) for x in cope
-        ]
+        dq_body, extra_in = cope_dq_kernel, [*cope, *gate_k]
+        term_specs = [*term_specs, *per_head_specs(cope), *specs[1:2] * len(gate_k)]
+        out_specs += [carry_spec] * 2 + [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i))]
+        out_shape += [carry_shape] * 2 + [jax.ShapeDtypeStruct((batch, heads, length_q), f32)]
     dq_BTNH, *dqv = pl.pallas_call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q),
@@ -215,26 +208,31 @@ def backward_calls(
     )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in)
     carries = dqv[len(q_terms) :]
     dqv = dqv[: len(q_terms)]
-    d_cope = None
-    if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
-        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in carries[1:]), "gate_k": None}
-        carries = [cope_counts, carries[0]]
+    d_cope, after = None, []
+    if plan.cope is not None:  # the dk / dv kernel reads the counts, S and D
+        carries, after = carries[:2], [carries[2]]
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
-    has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
+    whole = plan.stick or plan.cope is not None  # one program per carry group (whole rows)
+    has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=not whole)
     q_spec = None
     if plan.chunk is not None:  # the queries of the key tile's chunk
         chunk_tiles = plan.chunk // sk
         q_spec = pl.BlockSpec(
             (None, None, length_q, None, dim), lambda b, n, j: (b, j // chunk_tiles, 0, n, 0)
         )
-    specs = dkdv_operand_specs(plan, q_spec, length_q=length_q, dim=dim, width=width)
+    specs = dkdv_operand_specs(
+        plan, q_spec, length_q=length_q, dim=dim, width=width, whole_keys=whole
+    )
     sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
-    out_specs, out_shape = dkdv_outputs(plan, terms, **sizes)
+    out_specs, out_shape = dkdv_outputs(
+        plan, terms, **sizes, dtypes=(k_BSGH.dtype, v_BSGW.dtype), whole_keys=whole
+    )
     carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
-    dkdv_body = stick_dkdv_kernel if plan.stick else _dkdv_kernel
+    dkdv_body, grid_k = (stick_dkdv_kernel if plan.stick else _dkdv_kernel), plan.count_k
     extra_in, extra_specs = [], []
-    if plan.cope is not None:  # the gate keys' gradient per query head, like dk
+    if plan.cope is not None:  # the gate keys' gradient per query head, like dk; then the
+        # term's parameters' gradients per carry group
         dkdv_body, extra_in = cope_dkdv_kernel, [*cope]
         extra_specs = per_head_specs(cope)
         if plan.cope.gate_keys:
@@ -242,16 +240,50 @@ def backward_calls(
             extra_specs.append(specs[1])
             out_specs.append(out_specs[0])
             out_shape.append(out_shape[0])
+        out_specs += [
+            pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, j: (b, n, j, 0, 0))
+            for x in cope
+        ]
+        out_shape += [
+            jax.ShapeDtypeStruct((batch, heads, plan.carry_groups, *x.shape[1:]), f32) for x in cope
+        ]
+    aliases, after_specs = {}, []
+    if whole:  # the carries, updated in place: aliased to two more outputs
+        grid_k = plan.carry_groups
+        first = len(specs) + len(term_in) + len(extra_in)
+        aliases = {first: len(out_specs), first + 1: len(out_specs) + 1}
+        out_specs += carry_specs * 2
+        out_shape += [carry_shape] * 2
+        after_specs = [pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0))] * len(after)
     dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
         functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
-        grid=(batch, heads, plan.count_k),
-        in_specs=specs + term_specs + extra_specs + carry_specs * len(carries),
+        grid=(batch, heads, grid_k),
+        in_specs=specs + term_specs + extra_specs + carry_specs * len(carries) + after_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dkdv",
-    )(q_BTNH, k_BSGH, v_BSGW, do_BTNW, lse_BNT, delta_BNT, *ints_in, *term_in, *extra_in, *carries)
+    )(
+        q_BTNH,
+        k_BSGH,
+        v_BSGW,
+        do_BTNW,
+        lse_BNT,
+        delta_BNT,
+        *ints_in,
+        *term_in,
+        *extra_in,
+        *carries,
+        *after,
+    )
+    if whole:  # the carries, spent
+        rest = rest[:-2]
+    if plan.cope is not None:
+        count = len(cope)
+        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in rest[len(rest) - count :])}
+        d_cope["gate_k"], rest = None, rest[: len(rest) - count]
     if plan.cope is not None and plan.cope.gate_keys:
         d_cope["gate_k"] = rest.pop()
     return dq_BTNH, dk_BSNH, dv_BSNW, term_gradients(terms, dqv, rest), d_cope

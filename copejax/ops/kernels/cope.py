@@ -4,7 +4,8 @@ Gates ``g_ij = sigmoid(q_i . k_j / sqrt(H))`` on allowed keys, positions ``p_ij 
 >= j} g_ik, p_max - 1)`` (eq. 4) and the term ``z_i[p_ij]``, ``z_i[p] = q_i . e[p]`` read by
 linear interpolation (eq. 7-8), added to the content logits. A query tile walks its key tiles
 newest first with the count of the newer tiles' gates as carry ``c_i``; within a tile the
-suffix sum is a matmul with a triangular ones matrix (tensor cores), and the interpolation is
+suffix sum is a float32 prefix sum on a GPU (a matmul with a triangular ones matrix on a TPU's
+MXU: :func:`copejax.ops.kernels.stick.tile_sum`), and the interpolation is
 a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value and
 derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
 gather. ``z`` for the tile (Q, P) is one more matmul per pair.
@@ -15,17 +16,17 @@ sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s
 its gradient summed per key tile like dk), and the position terms "alibi" and "mlp" in place
 of the interpolation (:mod:`copejax.ops.kernels.cope_terms`).
 
-The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, the
-term's parameters, c, and the gate keys); the kernels differentiate it with ``jax.vjp``. The
-forward writes the carry entering each key tile (B, N, count_k, T). The dq kernel walks the
-key tiles oldest first: the cotangent of the carry leaving tile t is the sum of the older
-tiles' pulls on their entering carries, so it is known when tile t is reached; it writes that
-cotangent per tile for the dk / dv kernel, whose programs own a key tile. Both carries are
-O(T^2 / K) floats per head. Supported: every gate ("keys", "sep_keys", "values") and position
-term ("interpolate" with a table shared by the heads or one per head, "alibi", "mlp"),
-``scale_position_term`` and ``force_unit_gates``. The term's parameters' gradients are summed
-per query tile in the dq kernel and added up outside. Shape letters as in
-:mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
+The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, the term's
+parameters, c, and the gate keys), the composition of the positions' stage
+(:func:`cope_positions_QK`) and the term's (:func:`cope_term_QK`); the kernels differentiate it
+with ``jax.vjp``. The forward keeps no count: the backward kernels
+(:mod:`copejax.ops.kernels.cope_backward`) keep O(groups x T) floats per head, not one carry
+per key tile. (The TPU kernels, :mod:`copejax.ops.kernels.tpu_cope`, keep the count entering
+each key tile and its cotangent leaving it: O(T^2 / K).) Supported: every gate ("keys",
+"sep_keys", "values") and position term ("interpolate" with a table shared by the heads or one
+per head, "alibi", "mlp"), ``scale_position_term`` and ``force_unit_gates``. The term's
+parameters' gradients are summed per query tile in the dq kernel and added up outside. Shape
+letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from copejax.ops.kernels.cope_terms import (
     position_term_QK,
 )
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
 from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
@@ -53,8 +53,6 @@ from copejax.ops.kernels.triton_params import gpu_scan
 __all__ = [  # CopeStatic and CopeTerm live with the term's maths; callers import them here
     "CopeStatic",
     "CopeTerm",
-    "cope_dkdv_kernel",
-    "cope_dq_kernel",
     "cope_forward_kernel",
     "cope_refs",
     "cope_scores_QK",
@@ -82,7 +80,35 @@ def cope_scores_QK(
     content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
     (the gates among its inputs unless they are unit gates), ``query_side``: q and the
     term's parameters too (the dq kernels); ``scan``: the within-tile count by prefix sums
-    (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`)."""
+    (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`). The two stages
+    :func:`cope_positions_QK` and :func:`cope_term_QK`."""
+    p_QK, total_Q, _ = cope_positions_QK(
+        static,
+        logits_QK,
+        q_QH,
+        c_Q=c_Q,
+        allowed_QK=allowed_QK,
+        gk_KH=gk_KH,
+        backward=backward,
+        scan=scan,
+    )
+    term_QK = cope_term_QK(static, q_QH, params, p_QK, backward=backward, query_side=query_side)
+    return logits_QK + term_QK, total_Q
+
+
+def cope_positions_QK(
+    static: CopeStatic,
+    logits_QK: jax.Array,
+    q_QH: jax.Array,
+    *,
+    c_Q: jax.Array,
+    allowed_QK: jax.Array,
+    gk_KH: jax.Array | None = None,
+    backward: bool = False,
+    scan: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the capped positions p, the gate total, the uncapped ``sum_{k >= j} g_ik + c_i``)
+    of one pair (arguments as :func:`cope_scores_QK`'s)."""
     if static.unit_gates:
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
@@ -91,7 +117,22 @@ def cope_scores_QK(
     sum_newer = tile_sum_vjp if backward and not static.unit_gates else tile_sum
     within_QK = sum_newer(gates_QK, True, scan)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
-    p_QK = jnp.minimum(within_QK + c_Q1, static.p_max - 1.0)
+    uncapped_QK = within_QK + c_Q1
+    p_QK = jnp.minimum(uncapped_QK, static.p_max - 1.0)
+    return p_QK, jnp.sum(gates_QK, axis=1, keepdims=c_Q.ndim == 2), uncapped_QK
+
+
+def cope_term_QK(
+    static: CopeStatic,
+    q_QH: jax.Array,
+    params: tuple,
+    p_QK: jax.Array,
+    *,
+    backward: bool = False,
+    query_side: bool = False,
+) -> jax.Array:
+    """CoPE's position term of one pair at positions ``p_QK`` (scaled by 1 / sqrt(H) with
+    ``scale_position_term``), float32 (Q, K)."""
     term_QK = position_term_QK(
         static.position_term,
         q_QH,
@@ -104,7 +145,7 @@ def cope_scores_QK(
     )
     if static.scale_term:
         term_QK = term_QK / math.sqrt(q_QH.shape[-1])
-    return logits_QK + term_QK, jnp.sum(gates_QK, axis=1, keepdims=c_Q.ndim == 2)
+    return term_QK
 
 
 def pair_scores(
@@ -146,12 +187,10 @@ def cope_refs(refs: list, static: CopeStatic) -> tuple[list, Any, list]:
 
 
 def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """The forward program of one query tile; also writes the carry entering each key tile."""
+    """The forward program of one query tile (the backward's dq kernel replays the count)."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
-    cope_p_refs, gk_ref, (o_ref, lse_ref, c_out_ref) = cope_refs(
-        list(refs[8 + num_term_refs :]), plan.cope
-    )
+    cope_p_refs, gk_ref, (o_ref, lse_ref) = cope_refs(list(refs[8 + num_term_refs :]), plan.cope)
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
     q_QH, q_pos_Q, q_seg_Q = q_ref[...], qpos_ref[...], qseg_ref[...]
@@ -168,7 +207,6 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
 
         def compute(state: tuple) -> tuple:
             max_Q, sum_Q, acc_QW, c_Q = state
-            c_out_ref[pl.ds(kj, 1), :] = c_Q[None, :]
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
@@ -201,161 +239,3 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
     safe_sum_Q = jnp.where(seen_Q, sum_Q, 1.0)
     o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), 0.0)
-
-
-def _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax.Array]:
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
-
-
-def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dq, the position term's parameters' partial gradients, the terms' per-query
-    gradients, and the carry cotangent leaving each key tile; key tiles oldest first."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
-    c_in_ref, dq_ref, *rest = rest
-    count = plan.cope.num_params
-    dqv_refs, dc_out_ref, dparam_refs = rest[: -1 - count], rest[-1 - count], rest[-count:]
-    qi = pl.program_id(2)
-    q_first = qi * plan.size_q
-    q_QH, do_QW, lse_Q, delta_Q = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
-    cope_params = tuple(r[...] for r in cope_p_refs)
-    params = [None if r is None else r[...] for r in p_refs]
-    q_values = [None if r is None else r[...] for r in qv_refs]
-    scale = 1.0 / math.sqrt(q_QH.shape[-1])
-    first, end = plan.key_tiles(qi)
-
-    def pair(kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
-
-        def compute(state: tuple) -> tuple:
-            dq_QH, d_params, dqv, dc_Q = state
-            dc_out_ref[pl.ds(kj, 1), :] = dc_Q[None, :]
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-            k_KH, k_pos_K, v_KW = k_ref[keys, :], kpos_ref[keys], v_ref[keys, :]
-            k_values = [None if r is None else r[keys] for r in kv_refs]
-            gk_KH = None if gk_ref is None else gk_ref[keys, :]
-
-            def scores(logits_QK, q_QH, cope_params, c_Q, qv):
-                inputs = (params, qv, k_values, q_pos_Q, k_pos_K)
-                return pair_scores(
-                    plan,
-                    logits_QK,
-                    q_QH,
-                    cope_params,
-                    c_Q=c_Q,
-                    allowed_QK=allowed_QK,
-                    inputs=inputs,
-                    gk_KH=gk_KH,
-                    backward=True,
-                    query_side=True,
-                )
-
-            c_Q = c_in_ref[pl.ds(kj, 1), :][0]
-            primals = (content_logits_QK(q_QH, k_KH), q_QH, cope_params, c_Q, q_values)
-            (s_QK, _), pull = jax.vjp(scores, *primals)
-            _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
-            d_logits, d_q, d_p, d_c, d_qv = pull((ds_QK, dc_Q))
-            d_logits = (d_logits * scale).astype(k_KH.dtype)
-            d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
-            dqv = add_present(dqv, d_qv)
-            d_params = tuple(a + g for a, g in zip(d_params, d_p, strict=True))
-            # the carry entering this tile left the newer one: its cotangent, d c, passes on
-            return dq_QH + d_q, d_params, dqv, dc_Q + d_c
-
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
-
-    zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
-    init = (
-        jnp.zeros(q_QH.shape, jnp.float32),
-        tuple(jnp.zeros(x.shape, jnp.float32) for x in cope_params),
-    )
-    init = (*init, [zeros_Q for _ in dqv_refs], zeros_Q)
-    dq_QH, d_params, dqv, _ = jax.lax.fori_loop(first, end, pair, init)
-    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
-    for ref, value in zip(dparam_refs, d_params, strict=True):
-        ref[...] = value
-    for ref, value in zip(dqv_refs, dqv, strict=True):
-        ref[...] = value
-
-
-def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dk, dv, the gate keys' gradient, the terms' per-key gradients and parameters, from
-    the saved carries."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
-    c_in_ref, dc_in_ref, dk_ref, dv_ref, *grad_refs = rest
-    dgk_ref = grad_refs.pop() if gk_ref is not None else None
-    num_dkv = sum(h[2] for h in has)
-    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
-    kj = pl.program_id(2)
-    k_first = kj * plan.size_k
-    k_KH, v_KW = k_ref[...], v_ref[...]
-    cope_params = tuple(r[...] for r in cope_p_refs)
-    gk_KH = None if gk_ref is None else gk_ref[...]
-    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
-    params = [None if r is None else r[...] for r in p_refs]
-    k_values = [None if r is None else r[...] for r in kv_refs]
-    scale = 1.0 / math.sqrt(k_KH.shape[-1])
-
-    def pair(qi: jax.Array, state: tuple) -> tuple:
-        q_first = qi * plan.size_q
-        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-        q_seg_Q = qseg_ref[queries]
-
-        def compute(state: tuple) -> tuple:
-            (dk_KH, dv_KW, dkv, dparams), dgk_KH = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-            q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
-            q_values = [None if r is None else r[queries] for r in qv_refs]
-
-            def scores(logits_QK, p, kv, gk_KH):
-                inputs = (p, q_values, kv, q_pos_Q, k_pos_K)
-                c_Q = c_in_ref[queries]
-                return pair_scores(
-                    plan,
-                    logits_QK,
-                    q_QH,
-                    cope_params,
-                    c_Q=c_Q,
-                    allowed_QK=allowed_QK,
-                    inputs=inputs,
-                    gk_KH=gk_KH,
-                    # with unit gates no input of the positions is differentiated here, and a
-                    # custom vjp (interpolation, MLP) whose inputs are not lowers nowhere
-                    backward=not plan.cope.unit_gates,
-                )
-
-            logits_QK = content_logits_QK(q_QH, k_KH)
-            (s_QK, _), pull = jax.vjp(scores, logits_QK, params, k_values, gk_KH)
-            dp_QK = dot_f32(do_QW, v_KW, (1, 1))
-            lse_Q, delta_Q = lse_ref[queries], delta_ref[queries]
-            p_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-            d_logits, d_p, d_kv, d_gk = pull((ds_QK, dc_in_ref[queries]))
-            d_logits = (d_logits * scale).astype(q_QH.dtype)
-            d_k = dot_f32(d_logits, q_QH, (0, 0))
-            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
-            dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
-            if d_gk is not None:
-                dgk_KH = dgk_KH + d_gk
-            return (dk_KH + d_k, dv_KW, dkv, dparams), dgk_KH
-
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
-
-    first, end = plan.query_tiles(kj)
-    refs = (dkv_refs, dp_refs)
-    dgk_KH = None if gk_KH is None else jnp.zeros(gk_KH.shape, jnp.float32)
-    init = (key_tile_sums(plan, k_KH, v_KW, refs), dgk_KH)
-    sums, dgk_KH = jax.lax.fori_loop(first, end, pair, init)
-    write_key_tile_sums(sums, dk_ref, dv_ref, refs)
-    if dgk_ref is not None:
-        dgk_ref[...] = dgk_KH

@@ -99,8 +99,8 @@ def forward_call(
       gate_k_BSGH: CoPE's gate keys (sep-keys, val-gates) with ``plan.cope.gate_keys``.
 
     Returns:
-      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
-      with CoPE [the count entering each key tile (B, N, carry_rows, T)]). The output stays
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), [] (no
+      carry: the backward's dq kernels replay them)). The output stays
       float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's gradient subtracts
       from D, where a bfloat16 output's rounding would show).
     """
@@ -132,16 +132,12 @@ def forward_call(
     ]
     extra = []
     if plan.cope is not None:  # the term's parameters, the gate keys (whole, like k)
-        body, rows = cope_forward_kernel, plan.carry_rows
+        body = cope_forward_kernel
         extra = list(cope)
         term_specs = [*term_specs, *per_head_specs(cope)]
         if plan.cope.gate_keys:
             extra.append(gate_k_BSGH)
             term_specs.append(in_specs[1])
-        out_specs.append(
-            pl.BlockSpec((None, None, rows, plan.size_q), lambda b, n, i: (b, n, 0, i))
-        )
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, rows, length_q), jnp.float32))
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_inputs))
     o_BTNW, lse_BNT, *carries = pl.pallas_call(
         kernel,

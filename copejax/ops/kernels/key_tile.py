@@ -51,23 +51,36 @@ PairGrads = Callable[[QueryTile, jax.Array, jax.Array], tuple[jax.Array, jax.Arr
 
 
 def key_tile_program(
-    refs: tuple, *, plan: Plan, has: tuple, num_term_refs: int, num_extra: int, grads: PairGrads
+    refs: tuple,
+    *,
+    plan: Plan,
+    has: tuple,
+    num_term_refs: int,
+    num_extra: int,
+    grads: PairGrads,
+    kj: jax.Array | None = None,
 ) -> None:
     """The dk / dv kernel body for refs (q, k, v, dO, lse, D, the five int refs, the terms'
     refs, ``num_extra`` refs of the kernel's own, then the outputs dk, dv, the terms' per-key
-    gradients and parameter partial sums); ``grads`` gives each pair's W and dS."""
+    gradients and parameter partial sums); ``grads`` gives each pair's W and dS. One key
+    tile: the program's (its refs' blocks are the tile's), or ``kj`` of whole-row refs
+    (keys, key ints and per-key outputs (S, ...), parameter sums (count_k, P): a program that
+    walks several key tiles, stick-breaking's carry groups)."""
     q_ref, k_ref, v_ref, do_ref = refs[:4]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     dk_ref, dv_ref, *grad_refs = refs[11 + num_term_refs + num_extra :]
     num_dkv = sum(h[2] for h in has)
     dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
-    kj = pl.program_id(2)
+    whole = kj is not None
+    if not whole:
+        kj = pl.program_id(2)
     k_first = kj * plan.size_k
-    k_KH, v_KW = k_ref[...], v_ref[...]
-    k_pos_K, k_seg_K, k_rank_K = kpos_ref[...], kseg_ref[...], krank_ref[...]
+    keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k) if whole else slice(None)
+    k_KH, v_KW = k_ref[keys, :], v_ref[keys, :]
+    k_pos_K, k_seg_K, k_rank_K = kpos_ref[keys], kseg_ref[keys], krank_ref[keys]
     params = [None if r is None else r[...] for r in p_refs]
-    k_values = [None if r is None else r[...] for r in kv_refs]
+    k_values = [None if r is None else r[keys] for r in kv_refs]
     scale = 1.0 / math.sqrt(k_KH.shape[-1])
 
     def pair(qi: jax.Array, state: tuple) -> tuple:
@@ -93,5 +106,6 @@ def key_tile_program(
 
     first, end = plan.query_tiles(kj)
     sum_refs = (dkv_refs, dp_refs)
-    sums = jax.lax.fori_loop(first, end, pair, key_tile_sums(plan, k_KH, v_KW, sum_refs))
-    write_key_tile_sums(sums, dk_ref, dv_ref, sum_refs)
+    init = key_tile_sums(plan, k_KH, v_KW, (dkv_refs, [r.at[0] if whole else r for r in dp_refs]))
+    sums = jax.lax.fori_loop(first, end, pair, init)
+    write_key_tile_sums(sums, dk_ref, dv_ref, sum_refs, (keys, pl.ds(kj, 1)) if whole else None)

@@ -84,11 +84,20 @@ def key_tile_sums(plan: Plan, k_KH: jax.Array, v_KW: jax.Array, refs: tuple) -> 
     )
 
 
-def write_key_tile_sums(sums: tuple, dk_ref: Any, dv_ref: Any, refs: tuple) -> None:
-    """Writes a dk/dv program's sums (:func:`key_tile_sums`'s order) to its output refs."""
+def write_key_tile_sums(
+    sums: tuple, dk_ref: Any, dv_ref: Any, refs: tuple, at: tuple | None = None
+) -> None:
+    """Writes a dk/dv program's sums (:func:`key_tile_sums`'s order) to its output refs: their
+    blocks, or ``at`` = (the key tile's rows, its parameter row) of whole-row refs."""
     dk_KH, dv_KW, dkv, dparams = sums
     dkv_refs, dp_refs = refs
-    dk_ref[...] = dk_KH
-    dv_ref[...] = dv_KW
-    for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
-        ref[...] = value
+    keys, row = (slice(None), None) if at is None else at
+    dk_ref[keys, :] = dk_KH.astype(dk_ref.dtype)
+    dv_ref[keys, :] = dv_KW.astype(dv_ref.dtype)
+    for ref, value in zip(dkv_refs, dkv, strict=True):
+        ref[keys] = value
+    for ref, value in zip(dp_refs, dparams, strict=True):
+        if row is None:
+            ref[...] = value
+        else:
+            ref[row, :] = value[None, :]

@@ -17,10 +17,16 @@ Backward, with ``G_ij = A_ij (dY_i . v_j)`` and ``D_i = dY_i . y_i = sum_k G_ik`
     dz_ij = G_ij sigmoid(-z_ij) - sigmoid(z_ij) (D_i - u_i - sum_{k >= j in the tile} G_ik)
 
 with ``u_i`` the ``G`` total of the newer tiles. The dq kernel walks newest first as the
-forward does, replaying ``r`` and accumulating ``u``, and writes both as they enter each key
-tile (B, N, count_k, T): the dk / dv kernel, whose programs own a key tile and loop over query
-tiles, reads them there instead of walking the newer tiles again. That is O(T^2 / K) floats
-per head, the price of not re-walking; the engine's stick backward keeps O(T).
+forward does, replaying ``r`` and accumulating ``u``, and writes both as they enter each
+carry group of consecutive key tiles (:mod:`copejax.ops.kernels.carry_groups`; (B, N, rows,
+T), the groups' rows and a spare one that takes the other live tiles' stores:
+:meth:`~copejax.ops.kernels.tiles.Plan.entry_row`). The dk / dv
+kernel's programs own a group: each walks its key tiles newest first, looping over the query
+tiles for each, and adds each pair's softplus and G row totals to the carries in place (the
+carry inputs are aliased to two outputs), so that they hold ``r`` and ``u`` entering the next
+tile. That is O(groups x T) floats per head, within twice the queries' bytes, instead of
+O(T^2 / K) with one checkpoint per key tile (the layout ``carry_groups_for_tracing`` can still
+force).
 Shape letters as in :mod:`copejax.ops.kernels.forward`.
 """
 
@@ -228,9 +234,10 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
 
         def compute(state: tuple) -> tuple:
-            r_Q, u_Q, dq_QH, dqv = state
-            r_out_ref[pl.ds(kj, 1), :] = r_Q[None, :]
-            u_out_ref[pl.ds(kj, 1), :] = u_Q[None, :]
+            r_Q, u_Q, dq_QH, dqv, last = state
+            row, group = plan.entry_row(kj, last)  # the carries entering the group
+            r_out_ref[row, :] = r_Q[None, :]
+            u_out_ref[row, :] = u_Q[None, :]
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_KH, k_pos_K = k_ref[keys, :], kpos_ref[keys]
             k_values = [None if r is None else r[keys] for r in kv_refs]
@@ -245,27 +252,33 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             dq_QH = dq_QH + dot_f32((dz_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dqv = pull_query_values(plan, dz_QK, inputs, dqv)
             r_Q = r_Q + jnp.sum(softplus_QK, axis=1)
-            return r_Q, u_Q + jnp.sum(g_QK, axis=1), dq_QH, dqv
+            return r_Q, u_Q + jnp.sum(g_QK, axis=1), dq_QH, dqv, group
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
-    init = (zeros_Q, zeros_Q, jnp.zeros(q_QH.shape, jnp.float32), [zeros_Q for _ in dqv_refs])
-    _, _, dq_QH, dqv = jax.lax.fori_loop(0, end - first, pair, init)
+    zeros_QH = jnp.zeros(q_QH.shape, jnp.float32)
+    init = (zeros_Q, zeros_Q, zeros_QH, [zeros_Q for _ in dqv_refs], jnp.int32(-1))
+    _, _, dq_QH, dqv, _ = jax.lax.fori_loop(0, end - first, pair, init)
     dq_ref[...] = dq_QH.astype(dq_ref.dtype)
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value
 
 
 def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dk, dv, the terms' per-key gradients and parameters, from the saved carries."""
+    """dk, dv, the terms' per-key gradients and parameters of one carry group's key tiles,
+    newest first (refs as :func:`key_tile_program`'s with whole rows, the carries entering
+    the group as two extra inputs, aliased to the last two outputs, where the carries are
+    kept up to date: each pair adds its rows' softplus and G totals as it leaves)."""
     delta_ref = refs[5]
-    r_in_ref, u_in_ref = refs[11 + num_term_refs : 13 + num_term_refs]
+    r_ref, u_ref = refs[-2:]  # the aliased outputs: read and written in place
+    first, end = plan.group_tiles(pl.program_id(2))
 
     def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
         z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
-        a_QK, _, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_in_ref[tile.rows], gpu_scan())
+        r_Q, u_Q = r_ref[tile.rows], u_ref[tile.rows]
+        a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_Q, gpu_scan())
         g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
         dz_QK = stick_dz_QK(
             z_QK,
@@ -273,11 +286,23 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
             e_QK=e_QK,
             g_QK=g_QK,
             delta_Q=delta_ref[tile.rows],
-            u_Q=u_in_ref[tile.rows],
+            u_Q=u_Q,
             scan=gpu_scan(),
         )
+        r_ref[tile.rows] = r_Q + jnp.sum(softplus_QK, axis=1)
+        u_ref[tile.rows] = u_Q + jnp.sum(g_QK, axis=1)
         return a_QK, dz_QK
 
-    key_tile_program(
-        refs, plan=plan, has=has, num_term_refs=num_term_refs, num_extra=2, grads=grads
-    )
+    def key_tile(step: jax.Array, carry: None) -> None:
+        key_tile_program(
+            refs[:-2],
+            plan=plan,
+            has=has,
+            num_term_refs=num_term_refs,
+            num_extra=2,
+            grads=grads,
+            kj=end - 1 - step,
+        )
+        return carry
+
+    jax.lax.fori_loop(0, end - first, key_tile, None)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.terms import TileBias, pair_grid, tile_bias_QK
 
@@ -46,6 +48,9 @@ class Plan:
       chunk: PaTH's key chunks (:mod:`copejax.ops.kernels.chunked`): a query sees only the
         keys of the chunks of ``chunk`` keys before its own (a multiple of both tiles), with
         queries given per key chunk; None: every key.
+      carry_starts: stick-breaking's carry groups on a GPU
+        (:mod:`copejax.ops.kernels.carry_groups`): each group's first key tile, then
+        count_k; () elsewhere.
     """
 
     size_q: int
@@ -62,12 +67,46 @@ class Plan:
     cope: Any = None
     backend: str = "triton"
     chunk: int | None = None
+    carry_starts: tuple[int, ...] = ()
+
+    @property
+    def carry_groups(self) -> int:
+        """Carry checkpoints per head (stick-breaking on a GPU), 0 without groups."""
+        return max(len(self.carry_starts) - 1, 0)
+
+    def key_group(self, kj: jax.Array) -> jax.Array:
+        """The carry group of key tile kj, an int32 scalar from the static starts (a compare
+        per group: no table read in the kernel; Triton's lowering adds no booleans to
+        ints)."""
+        kj = jnp.asarray(kj, jnp.int32)
+        group = kj * 0  # a value of the kernel (Triton yields no literal from a branch)
+        for s in self.carry_starts[1:-1]:
+            group = jnp.where(kj >= s, group + 1, group)
+        return group
+
+    def group_tiles(self, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[first, end) of group g's key tiles."""
+        first, end = jnp.int32(0), jnp.int32(0)
+        for i, (start, stop) in enumerate(itertools.pairwise(self.carry_starts)):
+            first, end = jnp.where(g == i, start, first), jnp.where(g == i, stop, end)
+        return first, end
 
     @property
     def carry_rows(self) -> int:
-        """Rows of the per-key-tile carries (stick-breaking's, CoPE's): count_k padded to a
-        power of two (Triton's block shapes)."""
-        return 1 << max(self.count_k - 1, 0).bit_length()
+        """Rows of the carries: with carry groups the groups' and a spare one (which takes the
+        stores of the tiles that enter no group), else one per key tile (CoPE on a TPU),
+        padded to a power of two (Triton's block shapes)."""
+        rows = self.carry_groups + 1 if self.carry_starts else self.count_k
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def entry_row(self, kj: jax.Array, last: jax.Array) -> tuple[pl.Slice, jax.Array]:
+        """(the carry row a newest-first walk stores at live key tile kj, kj's group): the
+        group's row where kj is the first live tile the walk meets in it (``last``: the group
+        of the previous live tile, -1 before the first), else the spare row after the
+        groups' (a store, no branch). The dead tiles passed change no carry, so that is the
+        carry entering the group for a program that walks it newest first and skips them."""
+        group = self.key_group(kj)
+        return pl.ds(jnp.where(group != last, group, self.carry_groups), 1), group
 
     @property
     def sinks(self) -> int:

@@ -144,10 +144,14 @@ def _check(gates: str, term: str, dtype: str, length_blocks: tuple, *, backend: 
     assert_close(y, y_ref, dtype=dtype, summands=length_blocks[0], roundings=2)
     flat_ref = dict(jax.tree_util.tree_leaves_with_path(grads_ref))
     pairs = B * length_blocks[0] ** 2
+    # Through the carried count a token's gradient sums the pulls of its rows' pairs: the
+    # GPU kernels take the gates' cotangent X = D - S - d_c, a difference of sums over a
+    # row's key tiles (copejax.ops.kernels.cope_backward), so length^2 / 2 summands
+    row_pairs = length_blocks[0] ** 2 // 2
     for path, grad in jax.tree_util.tree_leaves_with_path(grads):
         name = jax.tree_util.keystr(path)
         per_token = any(key in name for key in ("'q'", "'k'", "'v'", "'gk'"))
-        summands = length_blocks[0] if per_token else pairs
+        summands = row_pairs if per_token else pairs
         assert_close(
             grad, flat_ref[path], dtype=dtype, summands=summands, roundings=4, err_msg=name
         )

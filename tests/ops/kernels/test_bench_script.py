@@ -185,6 +185,10 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
     # the within-tile sums' lever: stick-breaking's and CoPE's kernels with matmul sums
     assert arms["stickbreaking kernel matmul sums"]["kernel_scan"] is False
     assert "alibi kernel matmul sums" not in arms
+    # the carry groups' lever: one group per key tile (the count is capped at the tiles)
+    for scheme in ("stickbreaking", "cope"):
+        assert arms[f"{scheme} kernel per-tile carries"]["kernel_carry_groups"] >= 2**20
+    assert "fox kernel per-tile carries" not in arms
     from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
 
     with scan_for_tracing(False):

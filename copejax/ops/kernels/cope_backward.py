@@ -235,13 +235,13 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                         params,
                         k_values,
                     )
-                    p_QK_, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+                    probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
                     d_logits, d_cp, d_p, d_kv = pull_scores(ds_QK)
                 else:
                     s_QK, pull_scores = jax.vjp(
                         scores, logits_QK, p_QK, cope_params, params, k_values
                     )
-                    p_QK_, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+                    probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
                     d_logits, d_pos_QK, d_cp, d_p, d_kv = pull_scores(ds_QK)
                     cap = static.p_max - 1.0
                     d_c_Q = jnp.sum(d_pos_QK * _capped_weight(uncapped_QK, cap), axis=1)
@@ -253,7 +253,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 c_ref[queries] = c_Q + total_Q
                 d_logits = (d_logits * scale).astype(q_QH.dtype)
                 dk_KH = dk_KH + dot_f32(d_logits, q_QH, (0, 0))
-                dv_KW = dv_KW + dot_f32(p_QK_.astype(do_QW.dtype), do_QW, (0, 0))
+                dv_KW = dv_KW + dot_f32(probs_QK.astype(do_QW.dtype), do_QW, (0, 0))
                 dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
                 if d_gk is not None:
                     dgk_KH = dgk_KH + d_gk

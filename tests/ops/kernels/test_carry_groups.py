@@ -5,9 +5,11 @@ the cut."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
@@ -16,6 +18,7 @@ from copejax.ops.kernels.carry_groups import (
     balanced_starts,
     carry_groups_for_tracing,
 )
+from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from tests.ops.kernels import test_cope_kernel, test_cope_variants, test_stick_kernel
 from tests.ops.kernels.test_fused_attention import POSITIONS_BT, SEGMENTS_BT, _inputs
@@ -120,10 +123,16 @@ def test_cope_gate_keys_and_terms_in_one_group(gates: str, term: str, window: in
         )
 
 
-def test_backward_keeps_carries_per_group_not_per_key_tile() -> None:
+@pytest.mark.parametrize("scheme", ["stickbreaking", "cope"])
+def test_backward_keeps_carries_per_group_not_per_key_tile(scheme: str) -> None:
     """The lowered backward holds the carries as (B, N, rows, T) with rows the groups plus a
-    spare, padded to a power of two, not one row per key tile."""
+    spare, padded to a power of two, not one row per key tile (five here, eight rows), and
+    CoPE's table gradient per group, not per query tile."""
     x = _inputs(jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(3).normal(size=(8, x["q"].shape[-1])), jnp.float32)
+    options = {"normalizer": "stickbreaking", "include_self": False}
+    if scheme == "cope":
+        options = {"cope": CopeTerm(table, CopeStatic(8))}
 
     def loss(x: dict) -> jax.Array:
         y = fused_attention(
@@ -135,14 +144,16 @@ def test_backward_keeps_carries_per_group_not_per_key_tile() -> None:
             segment_ids_BT=jnp.asarray(SEGMENTS_BT),
             block_q=16,
             block_k=16,
-            normalizer="stickbreaking",
-            include_self=False,
             interpret=False,
+            **options,
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    batch, _, heads, _ = x["q"].shape
+    batch, _, heads, dim = x["q"].shape
     for groups, rows in ((1, 2), (3, 4), (5, 8)):
         with carry_groups_for_tracing(groups):
             text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
         assert f"tensor<{batch}x{heads}x{rows}x80xf32>" in text, groups
+        assert groups == 5 or f"tensor<{batch}x{heads}x8x80xf32>" not in text, groups
+        if scheme == "cope":  # the (padded) table's gradient: one partial sum per group
+            assert re.search(rf"tensor<{batch}x{heads}x{groups}x\d+x{dim}xf32>", text), groups

@@ -20,7 +20,12 @@ from copejax.ops.kernels.carry_groups import (
 )
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
-from tests.ops.kernels import test_cope_kernel, test_cope_variants, test_stick_kernel
+from tests.ops.kernels import (
+    test_cope_kernel,
+    test_cope_variants,
+    test_kernel_registry,
+    test_stick_kernel,
+)
 from tests.ops.kernels.test_fused_attention import POSITIONS_BT, SEGMENTS_BT, _inputs
 
 
@@ -121,6 +126,15 @@ def test_cope_gate_keys_and_terms_in_one_group(gates: str, term: str, window: in
         test_cope_variants._check(
             gates, term, "float32", test_cope_variants.SMALL, backend="triton", window=window
         )
+
+
+@pytest.mark.parametrize("position", ["stickbreaking", "cope", "alibi+stickbreaking"])
+def test_model_on_one_carry_group_equals_naive(position: str) -> None:
+    """The whole model (every parameter's gradient) with the kernels' three key tiles in one
+    carry group equals the naive path: grouped KV heads, packed segments, a window with
+    sinks (the kernel registry test's setup)."""
+    with carry_groups_for_tracing(1):
+        test_kernel_registry._compare(position, "float32", window=9, sinks=2)
 
 
 @pytest.mark.parametrize("scheme", ["stickbreaking", "cope"])

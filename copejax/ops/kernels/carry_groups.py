@@ -28,6 +28,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import jax
+import numpy as np
 
 from copejax.ops.kernels.tiles import Plan
 
@@ -72,12 +73,10 @@ def balanced_starts(work: Sequence[int], groups: int) -> tuple[int, ...]:
 def carry_starts(plan: Plan, head_dim: int, itemsize: int) -> tuple[int, ...]:
     """The plan's groups (:func:`auto_groups` of them, :func:`balanced_starts` over the
     query tiles that may see each key tile)."""
-    work = []
     with jax.ensure_compile_time_eval():  # the plan's static ints, under a trace too
-        for kj in range(plan.count_k):
-            first, end = plan.query_tiles(kj)
-            work.append(max(int(end) - int(first), 0))
-    return balanced_starts(work, auto_groups(plan.count_k, head_dim, itemsize))
+        first, end = plan.query_tiles(np.arange(plan.count_k, dtype=np.int32))  # every tile
+        work = np.broadcast_to(np.maximum(np.asarray(end) - np.asarray(first), 0), first.shape)
+    return balanced_starts(work.tolist(), auto_groups(plan.count_k, head_dim, itemsize))
 
 
 @contextlib.contextmanager

@@ -8,8 +8,8 @@ experiments.device_wheels`` downloads them here and prints the install line that
 device call (carry ``.whl``).
 
 Part ``check``: each kernel scheme's one-layer model against its naive path on this device
-(:mod:`experiments.kernel_check`); a scheme that fails is flagged and gets no dispatch
-entry.
+(:mod:`experiments.kernel_check`), and stick-breaking's and CoPE's again with their key
+tiles in one carry group; a scheme that fails is flagged and gets no dispatch entry.
 Part ``layer``: one attention layer's forward + backward in bfloat16 (the layer and the
 interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as on
 ``bench_gpu.md``: the median over rounds of an arm's time over the round's fastest nope arm,
@@ -96,8 +96,12 @@ LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
 LENGTHS = (4096, 16384)
-# Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme.
+# Part "check", first: kernel = naive on this device (experiments.kernel_check), per scheme;
+# then stick-breaking and CoPE with all five key tiles in one carry group (their dk / dv
+# programs update the carries in place across key tiles, which the default, one group per
+# tile at this length, does not reach).
 CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "path", "alibi", "t5", "nope")
+CHECK_GROUPED = ("stickbreaking", "cope")
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 PARTS = ("check", "layer", "cli")
 # A layer group (its compilations included) runs in a child stopped after at most this long.
@@ -199,14 +203,15 @@ def isolated_group(
     return {"B": batch, "N": heads, "H": head_dim, "T": length, "rows": rows, "rules": {}}
 
 
-def check_run(scheme: str) -> dict:
+def check_run(scheme: str, carry_groups: int | None = None) -> dict:
     """``experiments.kernel_check.check``, or the error that stopped it."""
     from experiments.kernel_check import check
 
     try:
-        return check(scheme)
+        return check(scheme, carry_groups)
     except Exception as error:  # a kernel that fails to lower or compile is a finding
-        return {"scheme": scheme, "ok": False, "error": f"{type(error).__name__}: {error}"[:600]}
+        why = f"{type(error).__name__}: {error}"[:600]
+        return {"scheme": scheme, "carry_groups": carry_groups, "ok": False, "error": why}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             result["skipped"].append(task_label(kind, what))
             continue
         if kind == "check":
-            result["check"].append(check_run(what[0]))
+            result["check"].append(check_run(*what))
         elif kind == "layer":
             shape, length, arms = what
             left = min(max(args.budget_s + 60 - elapsed, 30), GROUP_TIMEOUT_S)
@@ -276,11 +281,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def task_label(kind: str, what: tuple) -> str:
     """A task as the page names it: ``layer (2, 4, 64) T=4096: dpa, cope kernel``, ``cli
-    fox kernel``, ``check cope``."""
+    fox kernel``, ``check cope``, ``check cope 1`` (one carry group)."""
     if kind == "layer":
         shape, length, arms = what
         return f"layer {shape} T={length}: " + ", ".join(label for label, _, _ in arms)
-    return f"{kind} {' '.join(what)}"
+    return f"{kind} {' '.join(map(str, what))}"
 
 
 def render(source: Path, out: Path, notes: list[str]) -> None:
@@ -341,6 +346,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
         cli = [("cli", arm) for arm in CLI_ARMS]
         rounds = None
     checks = [("check", (scheme,)) for scheme in (("fox",) if smoke else CHECK_SCHEMES)]
+    checks += [("check", (scheme, 1)) for scheme in (() if smoke else CHECK_GROUPED)]
     checks = checks if "check" in parts else []
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []

@@ -70,10 +70,14 @@ def _margin(group: dict, scheme: str, best: dict) -> float:
 
 
 def _check_line(row: dict) -> str:
+    groups = row.get("carry_groups")
+    name = row["scheme"] + (
+        "" if groups is None else f" ({groups} carry group{'s' * (groups > 1)})"
+    )
     if "error" in row:
-        return f"| {row['scheme']} | - | - | - | no: {row['error']} |"
+        return f"| {name} | - | - | - | no: {row['error']} |"
     return (
-        f"| {row['scheme']} | {row['logits_rel_error']:.2e} | {row['grad_rel_error']:.2e} | "
+        f"| {name} | {row['logits_rel_error']:.2e} | {row['grad_rel_error']:.2e} | "
         f"{row['bound']:.2e} | {'yes' if row['ok'] else 'NO'} |"
     )
 

@@ -54,9 +54,19 @@ def relative_error(actual: Any, desired: Any) -> float:
     return diff / scale if scale else diff
 
 
-def check(scheme: str) -> dict:
+def check(scheme: str, carry_groups: int | None = None) -> dict:
     """The kernel path of ``scheme`` against its naive path: the logits' and the worst
-    gradient leaf's relative errors, the bound, and ``ok``."""
+    gradient leaf's relative errors, the bound, and ``ok``; ``carry_groups``: stick-breaking's
+    and CoPE's kernels traced with that many carry groups (``copejax.ops.kernels.
+    carry_groups``; 1: the five key tiles in one dk / dv program, which updates its carries in
+    place across them), else the default (here one group per key tile)."""
+    from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
+
+    with carry_groups_for_tracing(carry_groups):
+        return {**_check(scheme), "carry_groups": carry_groups}
+
+
+def _check(scheme: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np

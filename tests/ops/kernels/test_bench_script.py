@@ -196,3 +196,20 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
         with scan_for_tracing(None):
             assert not gpu_scan()
     assert gpu_scan()
+
+
+def test_checks_run_stick_breaking_and_cope_on_one_carry_group_too() -> None:
+    """The GPU call checks stick-breaking and CoPE a second time with all their key tiles in
+    one carry group (the in-place updates across key tiles); a failure there, named by its
+    groups on the page, withholds the scheme's dispatch entry like any failed check."""
+    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    assert ("check", ("cope", 1)) in tasks and ("check", ("stickbreaking", 1)) in tasks
+    assert bench_kernels_gpu.task_label("check", ("cope", 1)) == "check cope 1"
+    failed = {"scheme": "cope", "carry_groups": 1, "ok": False, "error": "ValueError: x"}
+    passed = {"scheme": "fox", "logits_rel_error": 0.0, "grad_rel_error": 0.0, "bound": 0.05}
+    result = {"date": "d", "device": "x", "command": "c", "wall_s": 1.0, "cli": [], "skipped": []}
+    page = bench_kernels_page.page(
+        {**result, "layer": [], "check": [failed, {**passed, "ok": True}]}
+    )
+    assert "| cope (1 carry group) | - | - | - | no: ValueError: x |" in page
+    assert "| fox | 0.00e+00 |" in page

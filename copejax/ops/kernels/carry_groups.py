@@ -20,6 +20,12 @@ so that the groups hold about equal numbers of (query tile, key tile) pairs: und
 attention an old key tile is seen by many more query tiles than a new one, so the old groups
 hold fewer tiles. A GPU measures the cost of the fewer, longer programs against the per-tile
 layout (``carry_groups_for_tracing``, the GPU benchmark's arms).
+
+Within a dk / dv program a pair stores its rows' carries and a pair of the next key tile loads
+them again, through global memory and maybe in other threads: that leans on the barriers a
+Triton program runs between (each ``bar.sync`` orders the program's memory accesses, and
+every pair's matmuls stage operands in shared memory behind one). Interpret mode cannot
+show it; the GPU benchmark's check part runs both schemes with all key tiles in one group.
 """
 
 from __future__ import annotations

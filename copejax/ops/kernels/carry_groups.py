@@ -22,10 +22,10 @@ hold fewer tiles. A GPU measures the cost of the fewer, longer programs against 
 layout (``carry_groups_for_tracing``, the GPU benchmark's arms).
 
 Within a dk / dv program a pair stores its rows' carries and a pair of the next key tile loads
-them again, through global memory and maybe in other threads: that leans on the barriers a
-Triton program runs between (each ``bar.sync`` orders the program's memory accesses, and
-every pair's matmuls stage operands in shared memory behind one). Interpret mode cannot
-show it; the GPU benchmark's check part runs both schemes with all key tiles in one group.
+them again, through global memory and maybe in other threads: each key tile starts behind a
+barrier (:func:`copejax.ops.kernels.triton_params.program_barrier`, ``bar.sync``, which
+orders the program's memory accesses). Interpret mode cannot show a missing one; the GPU
+benchmark's check part runs both schemes with all key tiles in one group.
 """
 
 from __future__ import annotations

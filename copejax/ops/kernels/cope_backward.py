@@ -41,7 +41,7 @@ from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
-from copejax.ops.kernels.triton_params import gpu_scan
+from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
 
 
 def softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax.Array]:
@@ -175,6 +175,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     scan = gpu_scan()
 
     def key_tile(step: jax.Array, d_cope: tuple, first: jax.Array, end: jax.Array) -> tuple:
+        program_barrier(plan.interpret)  # the previous key tile's carry stores, visible
         kj = end - 1 - step
         k_first = kj * plan.size_k
         keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)

@@ -52,7 +52,7 @@ from copejax.ops.kernels.tiles import (
     scan_sum,
     scores_QK,
 )
-from copejax.ops.kernels.triton_params import gpu_scan
+from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
 
 
 def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
@@ -294,6 +294,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
         return a_QK, dz_QK
 
     def key_tile(step: jax.Array, carry: None) -> None:
+        program_barrier(plan.interpret)  # the previous key tile's carry stores, visible
         key_tile_program(
             refs[:-2],
             plan=plan,

@@ -83,3 +83,13 @@ def scan_for_tracing(scan: bool | None) -> Iterator[None]:
         yield
     finally:
         _GPU_SCAN.pop()
+
+
+def program_barrier(interpret: bool) -> None:
+    """A barrier across the Triton program's threads (``bar.sync``: the program's memory
+    accesses before it are visible to all its threads after it), where one thread loads what
+    another stored through global memory: the carries a dk / dv program keeps in place across
+    key tiles (:mod:`copejax.ops.kernels.carry_groups`). Nothing in interpret mode, which runs
+    a program as one sequential computation (and has no rule for the primitive)."""
+    if not interpret:
+        pltriton.debug_barrier()

@@ -80,6 +80,7 @@ def test_auto_groups_keep_carries_within_twice_the_queries() -> None:
     ("groups", "window", "sinks", "include_self"),
     [
         (2, 20, 3, False),
+        (3, 20, 0, False),  # a window without sinks: the walks skip the oldest groups
         pytest.param(1, None, 0, True, marks=pytest.mark.slow),
         pytest.param(3, None, 0, False, marks=pytest.mark.slow),
     ],
@@ -98,6 +99,7 @@ def test_gradients_do_not_depend_on_the_groups(
     ("groups", "dtype", "window", "sinks"),
     [
         (2, "float32", 20, 3),
+        pytest.param(3, "float32", 20, 0, marks=pytest.mark.slow),
         pytest.param(1, "float32", None, 0, marks=pytest.mark.slow),
         pytest.param(3, "bfloat16", None, 0, marks=pytest.mark.slow),
     ],

@@ -152,7 +152,8 @@ def backward_calls(
     ``cope_counts``: unused, the GPU forward keeps no count; the TPU's reads them).
 
     Returns:
-      (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW float32 per query head, the terms'
+      (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW per query head (float32 with grouped heads,
+      else k's and v's dtypes), the terms'
       gradients {"params": (B, N, count_k, P) partial sums, "q": (B, N, T), "k": (B, N, S)},
       CoPE's gradients {"params": per parameter (N, R, C), "gate_k": (B, S, N, H) float32
       per query head or None}, or None without CoPE).

@@ -212,7 +212,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
 
 
 def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dq, the terms' per-query gradients, and the carries entering each key tile."""
+    """dq, the terms' per-query gradients, and the carries entering each carry group."""
     q_ref, k_ref, v_ref, do_ref, _, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)

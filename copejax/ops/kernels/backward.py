@@ -15,7 +15,9 @@ walks the key tiles for dq and the terms' per-query values; one per (batch row, 
 tile) walks the query tiles for dk, dv, the terms' per-key values and their parameters
 (one partial sum per key tile, added up outside). Both skip pairs with no allowed entry.
 With grouped heads, dk and dv come out per query head and are summed over each group
-outside. Shape letters as in :mod:`copejax.ops.kernels.forward`.
+outside. Stick-breaking's and CoPE's dk / dv programs own a carry group of key tiles instead
+(:mod:`copejax.ops.kernels.carry_groups`). Shape letters as in
+:mod:`copejax.ops.kernels.forward`.
 """
 
 from __future__ import annotations

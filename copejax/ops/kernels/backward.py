@@ -37,16 +37,14 @@ from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
-from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
+from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK, softmax_ds
 from copejax.ops.kernels.triton_params import compiler_params
 
 
 def _pair_grads(plan: Plan, q_QH, k_KH, v_KW, *, do_QW, lse_Q, delta_Q, allowed_QK, inputs):
     """(P, dS) of one pair, float32 (Q, K); ``inputs`` as :func:`scores_QK` reads them."""
     s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    dp_QK = dot_f32(do_QW, v_KW, (1, 1))
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
+    return softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
 
 
 def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:

@@ -40,14 +40,14 @@ from copejax.ops.kernels.cope_terms import gate_logits_QK
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+from copejax.ops.kernels.tiles import (
+    MASKED_LOGIT,
+    Plan,
+    content_logits_QK,
+    dot_f32,
+    softmax_ds,
+)
 from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
-
-
-def softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax.Array]:
-    """(P, dS) of a pair from its scores (FlashAttention-2's backward)."""
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
 
 
 def gate_pull_QH(

@@ -28,7 +28,7 @@ from copejax.ops.kernels.relative import (
     zero_slab,
 )
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32, softmax_ds
 
 
 def _scores_QK(
@@ -94,11 +94,6 @@ def relative_forward_kernel(*refs, plan: Plan, static: RelativeStatic, has: tupl
     lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), 0.0)
 
 
-def _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q) -> tuple[jax.Array, jax.Array]:
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
-
-
 def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n: int) -> None:
     """dq, the terms' per-query gradients and this query tile's table-gradient slab."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
@@ -130,7 +125,7 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
                 plan, static, q_QH, k_KH, table_ref=table_ref, rows=rows, inputs=inputs
             )
             dp_QK = dot_f32(do_QW, v_KW, (1, 1))
-            _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+            _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dq_QH = dq_QH + relative_grads(
                 static,
@@ -170,6 +165,6 @@ def relative_dkdv_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, 
         )
         dp_QK = dot_f32(tile.do_QW, v_KW, (1, 1))
         lse_Q, delta_Q = lse_ref[tile.rows], delta_ref[tile.rows]
-        return _softmax_ds(s_QK, tile.allowed_QK, lse_Q, dp_QK, delta_Q)
+        return softmax_ds(s_QK, tile.allowed_QK, lse_Q, dp_QK, delta_Q)
 
     key_tile_program(refs, plan=plan, has=has, num_term_refs=n, num_extra=1, grads=grads)

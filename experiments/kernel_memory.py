@@ -164,12 +164,14 @@ def page(rows: list[dict], meta: dict) -> str:
         "",
         f"Within the target at every measured shape: {', '.join(met) or 'none'}. Not within "
         f"it: {', '.join(missed) or 'none'}. The kernels keep no (T, S) array; what passes "
-        "1.2x is the per-tile state their backward keeps: selective attention's penalty "
-        "prefixes per (query tile, key), O(T^2 / 64), and PaTH's queries per key chunk, "
-        "O(T^2 H / C) (README's attention paths table lists each; `auto` leaves the carried "
-        "kernels for the engine where their carries would pass `KERNEL_CARRY_MAX_BYTES`). "
-        "Stick-breaking's and CoPE's GPU kernels keep their carries per carry group of key "
-        "tiles, O(T H) (`copejax/ops/kernels/carry_groups.py`).",
+        "1.2x is the per-tile state a backward keeps: PaTH's queries per key chunk, "
+        "O(T^2 H / C) (README's attention paths table lists each). Stick-breaking's and "
+        "CoPE's GPU kernels keep their carries per carry group of key tiles, O(T H) "
+        "(`copejax/ops/kernels/carry_groups.py`); selective attention's GPU backward is one "
+        "kernel over key tiles that walks down from the penalty prefix's total and adds dq "
+        "with atomics, O(T H) (`copejax/ops/kernels/selective_backward.py`), its forward's "
+        "prefix per (query tile, key), O(T^2 / 64) per batch row, living only through the "
+        "forward.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -103,10 +103,10 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
 def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_cap(
     table,
 ) -> None:
-    """Selective attention's kernels, and CoPE's and stick-breaking's on a TPU, keep
-    O(T^2 / 64) carries: auto follows their measurement only while those fit
-    KERNEL_CARRY_MAX_BYTES. FoX's kernels keep O(T), and CoPE's and stick-breaking's GPU
-    kernels O(T H) (carry groups): auto follows those at any length."""
+    """On a TPU, CoPE's, stick-breaking's and selective attention's kernels keep O(T^2 / 64)
+    carries: auto follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES.
+    FoX's kernels keep O(T), and the three's GPU kernels O(T H) (carry groups; selective
+    attention's backward keeps the prefix's total only): auto follows those at any length."""
     table(
         _entry("selective", 4096, "kernel"),
         _entry("fox", 4096, "kernel"),
@@ -114,25 +114,26 @@ def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_c
         _entry("cope", 4096, "kernel"),
         _entry("cope", 4096, "kernel", backend="tpu"),
     )
-    selective = tiny_config("selective", dtype="bfloat16", max_len=65536)
-    grouped = [tiny_config(s, dtype="bfloat16", max_len=65536) for s in ("stickbreaking", "cope")]
-    fox = tiny_config("fox", dtype="bfloat16", max_len=65536)
+    names = ("selective", "stickbreaking", "cope", "fox")
+    linear = [tiny_config(s, dtype="bfloat16", max_len=65536) for s in names]
+    cope = linear[2]
     for length, batch_heads in ((16384, 96), (32768, 96), (65536, 8)):
         pairs = batch_heads * length * length
-        fits = CARRY_BYTES_PER_PAIR * pairs <= KERNEL_CARRY_MAX_BYTES
-        want = "kernel" if fits else rule_impl(selective, length, "gpu", pairs)
-        assert choose_impl(selective, length, False, "gpu", pairs) == want
-        for cfg in (fox, *grouped):
+        for cfg in linear:
             assert choose_impl(cfg, length, False, "gpu", pairs) == "kernel"
-    assert choose_impl(selective, 16384, False, "gpu", 96 * 16384**2) == "kernel"
-    assert choose_impl(selective, 32768, False, "gpu", 96 * 32768**2) == "blockwise"
-    cope = grouped[1]
+        fits = CARRY_BYTES_PER_PAIR * pairs <= KERNEL_CARRY_MAX_BYTES
+        want = "kernel" if fits else rule_impl(cope, length, "tpu", pairs)
+        assert choose_impl(cope, length, False, "tpu", pairs) == want
     assert choose_impl(cope, 16384, False, "tpu", 96 * 16384**2) == "kernel"
     assert choose_impl(cope, 32768, False, "tpu", 96 * 32768**2) == "blockwise"
     composite = tiny_config("alibi+stickbreaking", dtype="bfloat16", max_len=65536)
     assert carries_across_tiles(composite.scheme, "tpu")
     assert not carries_across_tiles(composite.scheme, "gpu")
-    assert carries_across_tiles(selective.scheme) and not carries_across_tiles(fox.scheme, "tpu")
+    selective, fox = linear[0], linear[3]
+    assert carries_across_tiles(selective.scheme, "tpu") and not carries_across_tiles(
+        selective.scheme, "gpu"
+    )
+    assert not carries_across_tiles(fox.scheme, "tpu")
 
 
 def test_the_committed_measurements_name_real_schemes_paths_and_pages() -> None:

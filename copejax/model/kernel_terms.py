@@ -84,19 +84,20 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
-# Schemes whose kernels keep a float32 carry per (key tile, query) for their dk / dv kernel:
-# selective attention's penalty prefixes, and on a TPU stick-breaking's remainders and CoPE's
-# counts and their cotangents: O(T^2 / 64) memory (experiments/results/kernel_memory.md),
-# where the engine keeps O(T). Stick-breaking's and CoPE's GPU kernels keep theirs per carry
-# group instead, O(T H) (copejax.ops.kernels.carry_groups).
+# Schemes whose kernels keep a float32 carry per (key tile, query) on a TPU, for their dk / dv
+# kernel: selective attention's penalty prefixes, stick-breaking's remainders and CoPE's
+# counts and their cotangents: O(T^2 / 64) memory, where the engine keeps O(T). Their GPU
+# kernels keep O(T H): stick-breaking's and CoPE's carries per carry group
+# (copejax.ops.kernels.carry_groups), selective attention's backward only the prefix's total
+# (copejax.ops.kernels.selective_backward; experiments/results/kernel_memory.md).
 CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
-GROUPED_ON_GPU = frozenset({"cope", *NORMALIZERS})
+LINEAR_ON_GPU = frozenset({"cope", "selective", *NORMALIZERS})
 
 
 def carries_across_tiles(scheme: PositionScheme, backend: str = "gpu") -> bool:
     """Whether a part of ``scheme`` is one of :data:`CARRIED` on ``backend`` ("gpu" or
-    "tpu"; on a GPU not those of :data:`GROUPED_ON_GPU`)."""
-    carried = CARRIED - GROUPED_ON_GPU if backend == "gpu" else CARRIED
+    "tpu"; on a GPU not those of :data:`LINEAR_ON_GPU`)."""
+    carried = CARRIED - LINEAR_ON_GPU if backend == "gpu" else CARRIED
     return any(part.name in carried for part in parts(scheme))
 
 

@@ -1,9 +1,10 @@
 """Selective attention (Leviathan et al. 2024, arXiv 2410.02703) through the fused kernels:
 the custom VJP that wires the prefix and forward kernels
-(:mod:`copejax.ops.kernels.selective`) to the backward kernels
+(:mod:`copejax.ops.kernels.selective`) to the backward kernel
 (:mod:`copejax.ops.kernels.selective_backward`), or on a TPU (``plan.backend`` "tpu") their
 Mosaic TPU counterparts (:mod:`copejax.ops.kernels.tpu_selective`,
-:mod:`~copejax.ops.kernels.tpu_selective_backward`), which take and return the same arrays.
+:mod:`~copejax.ops.kernels.tpu_selective_backward`), whose per-query-head gradients are summed
+here.
 
 :func:`~copejax.ops.kernels.attention.fused_attention` calls :func:`selective_attention`
 with its padded inputs when given ``selective=``. The selecting head's q and k are read
@@ -83,7 +84,6 @@ def selective_attention(
     nonlinearity = selective.nonlinearity
     tpu = plan.backend == "tpu"
     forward_call = tpu_selective_forward_call if tpu else selective_forward_call
-    backward_calls = tpu_selective_backward_calls if tpu else selective_backward_calls
 
     def selectors(q_BTNH: jax.Array, k_BSGH: jax.Array) -> dict[str, jax.Array]:
         return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
@@ -98,45 +98,35 @@ def selective_attention(
         tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
     ) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
-        o_BTNW, lse_BNT, prefix = forward_call(
-            plan,
-            nonlinearity,
-            *tensors,
-            selectors=selectors(q_BTNH, k_BSGH),
-            ints=ints,
-            terms=terms,
+        if tpu:
+            selecting = {"selectors": selectors(q_BTNH, k_BSGH)}
+        else:  # the kernels read the selecting head's q and k from q and k
+            selecting = {"head": selective.head}
+        o_BTNW, lse_BNT, kept = forward_call(
+            plan, nonlinearity, *tensors, ints=ints, terms=terms, **selecting
         )
         if sink_N is not None:
             o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, sink_N)
-        return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT, prefix)
+        # kept: the GPU's P_top (B, S), the TPU's P per query tile
+        return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT, kept)
 
     def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple:
-        (q_BTNH, k_BSGH, v_BSGW), terms, sink_N, ints, o_BTNW, lse_BNT, prefix = residuals
-        do_BTNW = do_BTNW.astype(v_BSGW.dtype)  # the matmuls take the inputs' dtype
+        tensors, terms, sink_N, ints, o_BTNW, lse_BNT, kept = residuals
+        do_BTNW = do_BTNW.astype(tensors[2].dtype)  # the matmuls take the inputs' dtype
         delta_BNT = jnp.moveaxis(jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1), 2, 1)
-        dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = backward_calls(
-            plan,
-            nonlinearity,
-            (q_BTNH, k_BSGH, v_BSGW, do_BTNW),
-            stats=(lse_BNT, delta_BNT),
-            selectors=selectors(q_BTNH, k_BSGH),
-            prefix=prefix,
-            ints=ints,
-            terms=terms,
-        )
-        batch, length = q_BTNH.shape[:2]
-
-        def per_kv_head(x_BSNW: jax.Array) -> jax.Array:
-            x = x_BSNW.reshape(batch, length, kv_heads, heads // kv_heads, -1)
-            return jnp.sum(x, axis=3)
-
-        dq_BTNH = dq_BTNH.at[:, :, selective.head].add(dq_sel_BTH)
-        dk_BSGH = per_kv_head(dk_BSNH).at[:, :, kv_head].add(dk_sel_BSH)
-        grads = (
-            dq_BTNH.astype(q_BTNH.dtype),
-            dk_BSGH.astype(k_BSGH.dtype),
-            per_kv_head(dv_BSNW).astype(v_BSGW.dtype),
-        )
+        arguments = {"stats": (lse_BNT, delta_BNT), "ints": ints, "terms": terms}
+        if tpu:
+            arguments["selectors"] = selectors(tensors[0], tensors[1])
+            grads, term_grads = _tpu_backward(plan, selective, (*tensors, do_BTNW), kept, arguments)
+        else:
+            grads, term_grads = selective_backward_calls(
+                plan,
+                nonlinearity,
+                (*tensors, do_BTNW),
+                head=selective.head,
+                totals=kept,
+                **arguments,
+            )
         term_grads = [  # a parameter's partial sums per (batch row, key tile), added up
             {**g, "params": None if g["params"] is None else jnp.sum(g["params"], axis=(0, 2))}
             for g in term_grads
@@ -148,3 +138,29 @@ def selective_attention(
     tensors = (arrays["q"], arrays["k"], arrays["v"])
     sink_N = arrays.get("sink")
     return attend(tensors, arrays["terms"], sink_N, {**ints, "k_start": starts_BS})
+
+
+def _tpu_backward(
+    plan: Plan, selective: SelectiveTerm, tensors: tuple, prefix: jax.Array, arguments: dict
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], list[dict]]:
+    """The TPU's backward kernels, their per-query-head gradients summed: ((dq, dk, dv) in the
+    inputs' dtypes, the terms' gradients)."""
+    q_BTNH, k_BSGH, v_BSGW, _ = tensors
+    (batch, length, heads), kv_heads = q_BTNH.shape[:3], k_BSGH.shape[2]
+    kv_head = selective.head // (heads // kv_heads)
+    dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = tpu_selective_backward_calls(
+        plan, selective.nonlinearity, tensors, prefix=prefix, **arguments
+    )
+
+    def per_kv_head(x_BSNW: jax.Array) -> jax.Array:
+        x = x_BSNW.reshape(batch, length, kv_heads, heads // kv_heads, -1)
+        return jnp.sum(x, axis=3)
+
+    dq_BTNH = dq_BTNH.at[:, :, selective.head].add(dq_sel_BTH)
+    dk_BSGH = per_kv_head(dk_BSNH).at[:, :, kv_head].add(dk_sel_BSH)
+    grads = (
+        dq_BTNH.astype(q_BTNH.dtype),
+        dk_BSGH.astype(k_BSGH.dtype),
+        per_kv_head(dv_BSNW).astype(v_BSGW.dtype),
+    )
+    return grads, term_grads

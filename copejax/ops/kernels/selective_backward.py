@@ -8,20 +8,40 @@ The scores of head n are ``s^n_ij = l^n_ij - F_ij`` with ``F_ij = sum_{k < i} S_
     dl_kj = G_kj S'(l_kj)  (zero where S is),   dq_sel_k = sum_j dl_kj k_sel_j / sqrt(H),
     dk_sel_j = sum_k dl_kj q_sel_k / sqrt(H)
 
-for the selecting head's q and k. Everything after dS is linear, so each head's programs
-pull back their own ``-dS^n`` and the heads' parts are summed outside the kernels (the
-(B, T, N, H) partials, as the dk / dv of grouped heads are).
+for the selecting head's q and k. Everything after dS is linear, so each head's program
+pulls back its own ``-dS^n`` and the heads' parts add up.
 
-``G`` is a suffix sum over queries. For a selector k in query tile g and key j:
-``G_kj = R^n[g, j] + sum_{i in g, i > k} dF^n_ij``, the within-tile part a matmul with the
-transposed strictly lower triangular ones matrix and ``R^n[g, j]`` the column sums of
-``dF^n`` over the query tiles after g. The dk / dv kernel (programs own a key tile) walks
-its query tiles newest first with R as carry: it writes R entering each query tile,
-(B, N, rows_of(count_q), S) float32, O(T^2 / Q) per head, and adds ``dk_sel``. It runs
-first; the dq kernel (programs own a query tile) then reads R at its tile for ``dq_sel``.
-Both recompute each pair's S tile and penalty from the forward's prefix P, as the forward
-does, and pull ``dS`` back through the other terms' tile functions as
-:mod:`copejax.ops.kernels.backward` does. Shape letters as in
+On a GPU one kernel does it all (:func:`selective_backward_calls`), programs over (batch row,
+head, key tile), each walking the query tiles that see its keys newest first, as
+FlashAttention-2's own backward first did:
+
+- ``G`` is a suffix sum over queries: for a selector k in query tile g, ``G_kj = R^n[g, j] +
+  sum_{i in g, i > k} dF^n_ij``, with ``R^n`` the column sums of ``dF^n`` over the newer
+  query tiles, carried in registers from zero.
+- ``F`` needs the prefix ``P[g, j]``, the sum over the older query tiles' selectors. The
+  walk starts from the total P_top (the prefix kernel's sum over every query tile that sees
+  the key tile, (B, S) float32) and subtracts each tile's column sums of S on its way down:
+  ``F = P_after - (L + I)^T @ S`` with ``P_after`` the sum through tile g
+  (:func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` with ``after``). Tiles outside
+  the attention's mask but with selections (a window with sinks) are walked for S alone.
+  P_top is a sum of nonnegative S: the difference's error is float32's eps times P_top, the
+  scale of F itself.
+- dk, dv, the selecting head's dk and the terms' per-key and parameter gradients sum in
+  registers; dq (the selecting head's with the selection's) and the terms' per-query
+  gradients are added to float32 outputs with atomic adds
+  (``jax.experimental.pallas.triton.atomic_add``), one (Q, H) tile per pair. Their order of
+  addition varies between runs on a GPU: dq's last bits are not deterministic (interpret
+  mode runs the programs in order).
+
+So no buffer grows as T^2: the forward's per-tile prefix (B, count_q, S) is not kept for the
+backward, nor any per-tile R, nor per-head partials of the selecting head's gradients; the
+extra memory is dq in float32 (B, T, N, H) and the selecting head's dk, (B, S, H) float32.
+The selecting head's q and k are read from q and k by the block specs, not copied. Without
+grouped heads dk and dv come out in the keys' and values' dtypes; the selecting head's dk is
+summed in float32 with the selection's and rounded once.
+
+The TPU's kernels (:mod:`copejax.ops.kernels.tpu_selective_backward`) share
+:func:`pair_gradients` and keep R per query tile. Shape letters as in
 :mod:`copejax.ops.kernels.forward`.
 """
 
@@ -29,58 +49,74 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
+from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.operands import term_operands, term_refs
 from copejax.ops.kernels.pullbacks import add_present
-from copejax.ops.kernels.selective import (
+from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     newer_sum_QK,
     penalized_scores_QK,
-    rows_of,
+    selection_live,
+    selection_QK,
     term_bias,
 )
 from copejax.ops.kernels.terms import pair_grid
-from copejax.ops.kernels.tiles import Plan, dot_f32
+from copejax.ops.kernels.tiles import Plan, content_logits_QK, dot_f32
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
 
 def pair_gradients(
-    nonlinearity: str, tiles: tuple, selectors: tuple, stats: tuple, scan: bool = False
+    nonlinearity: str,
+    tiles: tuple,
+    selectors: tuple,
+    stats: tuple,
+    *,
+    scan: bool = False,
+    after: bool = False,
 ) -> tuple:
-    """(P, dS, dl / sqrt(H) of the selection with the carry R) of one pair, float32 (Q, K);
-    the GPU's and the TPU's (:mod:`copejax.ops.kernels.tpu_selective_backward`) kernels.
+    """(P, dS, dl / sqrt(H) of the selection with the carry R, S) of one pair, float32
+    (Q, K); the GPU's and the TPU's (:mod:`copejax.ops.kernels.tpu_selective_backward`)
+    kernels.
 
     ``tiles``: (q, k, v, dO, allowed, the other terms' bias or None); ``selectors`` as
-    :func:`~copejax.ops.kernels.selective.penalized_scores_QK` takes them; ``stats``: (lse,
-    D, R at the keys), as (Q,), (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU); ``scan``:
-    the sums over the tile's rows as prefix sums (the GPU kernels)."""
+    :func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` takes them (``after``: their
+    prefix is the sum through this query tile); ``stats``: (lse, D, R at the keys), as (Q,),
+    (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU); ``scan``: the sums over the tile's rows
+    as prefix sums (the GPU kernels)."""
     q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK = tiles
     lse_Q, delta_Q, r_K = stats
     (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
-    s_QK, slope_QK = penalized_scores_QK(
-        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan
+    scores_QK, slope_QK, s_QK = penalized_scores_QK(
+        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan, after=after
     )
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
+    p_QK = jnp.where(allowed_QK, jnp.exp(scores_QK - lse_Q1), 0.0)
     ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q1)
     g_QK = r_1K - newer_sum_QK(ds_QK, scan)  # dF = -dS
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
-    return p_QK, ds_QK, g_QK * slope_QK * scale
+    return p_QK, ds_QK, g_QK * slope_QK * scale, s_QK
 
 
-def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
+def _backward_kernel(
+    *refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int, head: int, own_dk: bool
+) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    qsel_ref, ksel_ref, kstart_ref, prefix_ref = refs[11 + num_term_refs : 15 + num_term_refs]
-    dk_ref, dv_ref, dksel_ref, r_out_ref, *grad_refs = refs[15 + num_term_refs :]
-    num_dkv = sum(h[2] for h in has)
-    dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
-    kj = pl.program_id(2)
+    rest = refs[11 + num_term_refs :]
+    qsel_ref, ksel_ref, kstart_ref, total_ref = rest[:4]
+    num_dqv, num_dkv = sum(h[1] for h in has), sum(h[2] for h in has)
+    outs = rest[4 + 2 + num_dqv :]  # past the zeros aliased to the atomic outputs
+    dk_ref, dv_ref = outs[:2]
+    dkv_refs = outs[2 : 2 + num_dkv]
+    dp_refs = outs[2 + num_dkv : len(outs) - 2 - num_dqv]
+    dq_ref, dksel_ref, *dqv_refs = outs[len(outs) - 2 - num_dqv :]
+    n, kj = pl.program_id(1), pl.program_id(2)
     k_first = kj * plan.size_k
     k_KH, v_KW, k_sel_KH, k_pos_K = k_ref[...], v_ref[...], ksel_ref[...], kpos_ref[...]
     k_seg_K, k_rank_K, k_starts_K = kseg_ref[...], krank_ref[...], kstart_ref[...]
@@ -96,107 +132,84 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
         q_seg_Q = qseg_ref[queries]
 
         def compute(state: tuple) -> tuple:
-            dk_KH, dv_KW, dksel_KH, r_K, dkv, dparams = state
-            r_out_ref[pl.ds(qi, 1), :] = r_K[None, :]
+            dk_KH, dv_KW, dksel_KH, r_K, p_K, dkv, dparams = state
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             q_QH, do_QW, q_sel_QH = q_ref[queries, :], do_ref[queries, :], qsel_ref[queries, :]
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
-            prefix_K = prefix_ref[pl.ds(qi, 1), :][0]
             q_values = [None if r is None else r[queries] for r in qv_refs]
             q_pos_Q = qpos_ref[queries]
 
-            def bias(p: list, kv: list) -> jax.Array | None:
-                return term_bias(plan, (p, q_values, kv), q_pos_Q, k_pos_K)
+            def bias(p: list, qv: list, kv: list) -> jax.Array | None:
+                return term_bias(plan, (p, qv, kv), q_pos_Q, k_pos_K)
 
-            bias_QK, pull = jax.vjp(bias, params, k_values) if plan.biases else (None, None)
-            p_QK, ds_QK, dl_QK = pair_gradients(
+            pulled = plan.biases and (dkv or dparams or dqv_refs)
+            bias_QK, pull = jax.vjp(bias, params, q_values, k_values) if pulled else (None, None)
+            if plan.biases and not pulled:
+                bias_QK = bias(params, q_values, k_values)
+            p_QK, ds_QK, dl_QK, s_QK = pair_gradients(
                 nonlinearity,
                 (q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK),
-                (q_sel_QH, k_sel_KH, keep, prefix_K),
+                (q_sel_QH, k_sel_KH, keep, p_K),
                 (lse_ref[queries], delta_ref[queries], r_K),
-                gpu_scan(),
+                scan=gpu_scan(),
+                after=True,
             )
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
             dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
             dksel_KH = dksel_KH + dot_f32(dl_QK.astype(q_sel_QH.dtype), q_sel_QH, (0, 0))
-            if dkv or dparams:
-                g_params, g_kv = pull(ds_QK)
+            dq_QH = dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
+            pltriton.atomic_add(dq_ref, (queries, n, slice(None)), dq_QH)
+            dqsel_QH = dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
+            selecting = jnp.int32(head)  # an array index (the interpreter's rule wants one)
+            pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
+            if pulled:
+                g_params, g_qv, g_kv = pull(ds_QK)
                 dkv, dparams = add_present(dkv, g_kv), add_present(dparams, g_params)
-            return dk_KH, dv_KW, dksel_KH, r_K - jnp.sum(ds_QK, axis=0), dkv, dparams
+                for ref, g in zip(dqv_refs, [g for g in g_qv if g is not None], strict=True):
+                    pltriton.atomic_add(ref, (queries,), g)
+            r_K = r_K - jnp.sum(ds_QK, axis=0)
+            return dk_KH, dv_KW, dksel_KH, r_K, p_K - jnp.sum(s_QK, axis=0), dkv, dparams
+
+        def selections(state: tuple) -> tuple:  # no allowed pair, but selections: P's part
+            keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
+            logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
+            s_QK = selection_QK(logits_QK, keep, nonlinearity)[0]
+            return (*state[:4], state[4] - jnp.sum(s_QK, axis=0), *state[5:])
+
+        def masked(state: tuple) -> tuple:
+            selecting = selection_live(plan, q_first, k_first, q_seg_Q, k_seg_K)
+            return jax.lax.cond(selecting, selections, lambda s: s, state)
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        return jax.lax.cond(live, compute, masked, state)
 
     init = (
         jnp.zeros(k_KH.shape, jnp.float32),
         jnp.zeros(v_KW.shape, jnp.float32),
         jnp.zeros(k_sel_KH.shape, jnp.float32),
         jnp.zeros((plan.size_k,), jnp.float32),
+        total_ref[...],
         [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
         [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
     )
-    dk_KH, dv_KW, dksel_KH, _, dkv, dparams = jax.lax.fori_loop(0, end - first, pair, init)
-    dk_ref[...] = dk_KH
-    dv_ref[...] = dv_KW
-    dksel_ref[...] = dksel_KH
+    dk_KH, dv_KW, dksel_KH, _, _, dkv, dparams = jax.lax.fori_loop(0, end - first, pair, init)
+    dk_ref[...] = dk_KH.astype(dk_ref.dtype)
+    dv_ref[...] = dv_KW.astype(dv_ref.dtype)
+    if own_dk:  # without grouped heads: the selecting head's dk, summed in float32 with
+        # the selection's (its dk_ref, in k's dtype, is not read)
+        dksel_KH = dksel_KH + jnp.where(n == head, dk_KH, 0.0)
+    pltriton.atomic_add(dksel_ref, (slice(None), slice(None)), dksel_KH)
     for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
         ref[...] = value
 
 
-def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    rest = refs[11 + num_term_refs :]
-    qsel_ref, ksel_ref, kstart_ref, prefix_ref, r_ref, dq_ref, dqsel_ref, *dqv_refs = rest
-    qi = pl.program_id(2)
-    q_first = qi * plan.size_q
-    q_QH, do_QW, q_sel_QH, q_seg_Q = q_ref[...], do_ref[...], qsel_ref[...], qseg_ref[...]
-    lse_Q, delta_Q, q_pos_Q = lse_ref[...], delta_ref[...], qpos_ref[...]
-    params = [None if r is None else r[...] for r in p_refs]
-    q_values = [None if r is None else r[...] for r in qv_refs]
-    scale = 1.0 / math.sqrt(q_QH.shape[-1])
-
-    def pair(kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
-
-        def compute(state: tuple) -> tuple:
-            dq_QH, dqsel_QH, dqv = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-            k_KH, k_sel_KH, k_pos_K = k_ref[keys, :], ksel_ref[keys, :], kpos_ref[keys]
-            keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, kstart_ref[keys])
-            k_values = [None if r is None else r[keys] for r in kv_refs]
-
-            def bias(qv: list) -> jax.Array | None:
-                return term_bias(plan, (params, qv, k_values), q_pos_Q, k_pos_K)
-
-            bias_QK, pull = jax.vjp(bias, q_values) if plan.biases else (None, None)
-            _, ds_QK, dl_QK = pair_gradients(
-                nonlinearity,
-                (q_QH, k_KH, v_ref[keys, :], do_QW, allowed_QK, bias_QK),
-                (q_sel_QH, k_sel_KH, keep, prefix_ref[keys]),
-                (lse_Q, delta_Q, r_ref[keys]),
-                gpu_scan(),
-            )
-            dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
-            dqsel_QH = dqsel_QH + dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
-            if dqv:
-                dqv = add_present(dqv, pull(ds_QK)[0])
-            return dq_QH, dqsel_QH, dqv
-
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
-
-    first, end = plan.key_tiles(qi)
-    init = (jnp.zeros(q_QH.shape, jnp.float32), jnp.zeros(q_sel_QH.shape, jnp.float32))
-    init = (*init, [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs])
-    dq_QH, dqsel_QH, dqv = jax.lax.fori_loop(first, end, pair, init)
-    dq_ref[...] = dq_QH
-    dqsel_ref[...] = dqsel_QH
-    for ref, value in zip(dqv_refs, dqv, strict=True):
-        ref[...] = value
+def zeros_after(zero: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 zeros of ``shape`` broadcast from ``zero``, a float32 scalar computed in the
+    backward (``D * 0``, which XLA does not fold: D could be inf or NaN). A broadcast of a
+    constant has no operand, and XLA's scheduler placed those of the atomic outputs' zeros
+    early in the forward, where they raised the layer's peak by their size (40 MiB at
+    T = 16384, (B, N, H) = (2, 4, 64), on the H100 target)."""
+    return jnp.broadcast_to(zero, shape)
 
 
 def selective_backward_calls(
@@ -204,143 +217,100 @@ def selective_backward_calls(
     nonlinearity: str,
     tensors: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
     *,
+    head: int,
     stats: tuple[jax.Array, jax.Array],
-    selectors: dict[str, jax.Array],
-    prefix: jax.Array,
+    totals: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
-) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], jax.Array, jax.Array]:
-    """Runs the dk / dv kernel, then the dq kernel, on padded inputs.
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], list[dict]]:
+    """Runs the backward kernel on padded inputs.
 
     Args:
       tensors: (q_BTNH, k_BSGH, v_BSGW, dO_BTNW in the inputs' dtype).
+      head: the selecting query head.
       stats: the forward's log-sum-exp and ``D_i = dO_i . o_i``, both (B, N, T).
-      selectors, ints, terms: as :func:`copejax.ops.kernels.selective.selective_forward_call`
-        takes them; prefix: the P it returned.
+      ints, terms: as :func:`copejax.ops.kernels.selective.selective_forward_call`
+        takes them; totals: the P_top (B, S) it returned.
 
     Returns:
-      (dq_BTNH float32, dk_BSNH and dv_BSNW float32 per query head, the terms' gradients as
-      :func:`copejax.ops.kernels.backward.backward_calls` returns them, the selecting head's
-      d q (B, T, H) and d k (B, S, H) float32, summed over the heads).
+      ((dq_BTNH, dk_BSGH, dv_BSGW) in the inputs' dtypes, the selection's gradients added to
+      the selecting head's q and its key/value head's k; the terms' gradients as
+      :func:`copejax.ops.kernels.backward.backward_calls` returns them).
     """
     q_BTNH, k_BSGH, v_BSGW, do_BTNW = tensors
     batch, length_q, heads, dim = q_BTNH.shape
-    length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
-    groups, sq, sk = plan.groups, plan.size_q, plan.size_k
-    rows, f32 = rows_of(plan.count_q), jnp.float32
-    common = [q_BTNH, k_BSGH, v_BSGW, do_BTNW, *stats]
-    common += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
-    selector_in = [selectors["q"], selectors["k"], ints["k_start"], prefix]
-    head_tile = lambda size, n_dim: pl.BlockSpec(
-        (None, size, None, n_dim), lambda b, n, t: (b, t, n, 0)
-    )
-
-    def kernel(body: Callable, has: tuple, term_in: list) -> Callable:
-        return functools.partial(
-            body, plan=plan, nonlinearity=nonlinearity, has=has, num_term_refs=len(term_in)
-        )
-
-    # dk, dv, dk_sel, R and the terms' per-key and parameter gradients: programs over key
-    # tiles; queries and their ints whole.
+    length_k, width, kv_heads = k_BSGH.shape[1], v_BSGW.shape[-1], k_BSGH.shape[2]
+    f32, sk = jnp.float32, plan.size_k
+    grouped = plan.groups > 1
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
-    whole_q = pl.BlockSpec((None, length_q), lambda b, n, j: (b, 0))
-    key_tile = pl.BlockSpec((None, sk), lambda b, n, j: (b, j))
-    k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
-    p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
-    p_sizes = [terms[i]["params"].shape[1] for i in p_terms]
-    out_specs = [
-        head_tile(sk, dim),
-        head_tile(sk, width),
-        head_tile(sk, dim),
-        pl.BlockSpec((None, None, rows, sk), lambda b, n, j: (b, n, 0, j)),
+    q_terms = [t for t in terms if t["q"] is not None]
+    specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
+    specs += term_specs
+    kv_head = head // plan.groups
+    specs += [  # the selecting head's q and k
+        pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, head, 0)),
+        pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, kv_head, 0)),
+        pl.BlockSpec((None, sk), lambda b, n, j: (b, j)),
+        pl.BlockSpec((None, sk), lambda b, n, j: (b, j)),
     ]
-    out_specs += [pl.BlockSpec((None, None, sk), lambda b, n, j: (b, n, j)) for _ in k_terms]
-    out_specs += [
-        pl.BlockSpec((None, None, None, size), lambda b, n, j: (b, n, j, 0)) for size in p_sizes
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, length_k, heads, dim), f32),
-        jax.ShapeDtypeStruct((batch, length_k, heads, width), f32),
-        jax.ShapeDtypeStruct((batch, length_k, heads, dim), f32),
-        jax.ShapeDtypeStruct((batch, heads, rows, length_k), f32),
-    ]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, length_k), f32) for _ in k_terms]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_k, size), f32) for size in p_sizes]
-    dk_BSNH, dv_BSNW, dksel_BSNH, carry, *rest = pl.pallas_call(
-        kernel(_dkdv_kernel, has, term_in),
+    sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
+    dtypes = (f32, f32) if grouped else (k_BSGH.dtype, v_BSGW.dtype)
+    out_specs, out_shape = dkdv_outputs(plan, terms, **sizes, dtypes=dtypes)
+    # Added to with atomics, from zeros aliased to them: dq, the selecting head's dq and dk,
+    # the terms' per-query gradients.
+    atomic_specs = [
+        pl.BlockSpec((None, length_q, heads, dim), lambda b, n, j: (b, 0, 0, 0)),
+        pl.BlockSpec((None, sk, dim), lambda b, n, j: (b, j, 0)),
+    ] + [pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)) for _ in q_terms]
+    zero = stats[1][0, 0, 0] * 0.0  # tied to the backward's D (see zeros_after)
+    zeros = [zeros_after(zero, q_BTNH.shape), zeros_after(zero, (batch, length_k, dim))]
+    zeros += [zeros_after(zero, (batch, heads, length_q)) for _ in q_terms]
+    first = len(specs)
+    aliases = {first + i: len(out_specs) + i for i in range(len(zeros))}
+    kernel = functools.partial(
+        _backward_kernel,
+        plan=plan,
+        nonlinearity=nonlinearity,
+        has=has,
+        num_term_refs=len(term_in),
+        head=head,
+        own_dk=not grouped,
+    )
+    dk_BSNH, dv_BSNW, *rest = pl.pallas_call(
+        kernel,
         grid=(batch, heads, plan.count_k),
-        in_specs=[
-            pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0)),
-            pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, n // groups, 0)),
-            pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, j, n // groups, 0)),
-            pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),
-            pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-            pl.BlockSpec((None, None, length_q), lambda b, n, j: (b, n, 0)),
-            whole_q,
-            whole_q,
-            key_tile,
-            key_tile,
-            key_tile,
-            *term_specs,
-            pl.BlockSpec((None, length_q, dim), lambda b, n, j: (b, 0, 0)),
-            pl.BlockSpec((None, sk, dim), lambda b, n, j: (b, j, 0)),
-            key_tile,
-            pl.BlockSpec((None, rows, sk), lambda b, n, j: (b, 0, j)),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=specs + atomic_specs,
+        out_specs=out_specs + atomic_specs,
+        out_shape=out_shape + [jax.ShapeDtypeStruct(z.shape, f32) for z in zeros],
+        input_output_aliases=aliases,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
-        name="copejax_attention_dkdv",
-    )(*common, *term_in, *selector_in)
-    dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
+        name="copejax_selective_backward",
+    )(
+        q_BTNH,
+        k_BSGH,
+        v_BSGW,
+        do_BTNW,
+        *stats,
+        *[ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")],
+        *term_in,
+        q_BTNH,
+        k_BSGH,
+        ints["k_start"],
+        totals,
+        *zeros,
+    )
+    per_key, (dq_BTNH, dksel_BSH, *dqv) = rest[: -len(zeros)], rest[-len(zeros) :]
+    dq_BTNH = dq_BTNH.astype(q_BTNH.dtype)
+    if grouped:  # per query head, float32: summed over each group, then the selection's
 
-    # dq, dq_sel and the terms' per-query gradients: programs over query tiles; keys, values
-    # and their ints whole.
-    has, term_in, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
-    whole_k = pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))
-    query_tile = pl.BlockSpec((None, sq), lambda b, n, i: (b, i))
-    query_stat = pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i))
-    q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
-    dq_BTNH, dqsel_BTNH, *dqv = pl.pallas_call(
-        kernel(_dq_kernel, has, term_in),
-        grid=(batch, heads, plan.count_q),
-        in_specs=[
-            head_tile(sq, dim),
-            pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
-            pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
-            head_tile(sq, width),
-            query_stat,
-            query_stat,
-            query_tile,
-            query_tile,
-            whole_k,
-            whole_k,
-            whole_k,
-            *term_specs,
-            pl.BlockSpec((None, sq, dim), lambda b, n, i: (b, i, 0)),
-            pl.BlockSpec((None, length_k, dim), lambda b, n, i: (b, 0, 0)),
-            whole_k,
-            pl.BlockSpec((None, None, length_k), lambda b, n, i: (b, i, 0)),
-            pl.BlockSpec((None, None, None, length_k), lambda b, n, i: (b, n, i, 0)),
-        ],
-        out_specs=[head_tile(sq, dim), head_tile(sq, dim)] + [query_stat for _ in q_terms],
-        out_shape=[
-            jax.ShapeDtypeStruct(q_BTNH.shape, f32),
-            jax.ShapeDtypeStruct((batch, length_q, heads, dim), f32),
-        ]
-        + [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms],
-        interpret=plan.interpret,
-        compiler_params=compiler_params(dim),
-        name="copejax_attention_dq",
-    )(*common, *term_in, *selector_in, carry)
-    grads = [{"params": None, "q": None, "k": None} for _ in terms]
-    for key, indices, values in (
-        ("q", q_terms, dqv),
-        ("k", k_terms, dkv),
-        ("params", p_terms, dparams),
-    ):
-        for i, g in zip(indices, values, strict=True):
-            grads[i][key] = g
-    dq_sel_BTH, dk_sel_BSH = jnp.sum(dqsel_BTNH, axis=2), jnp.sum(dksel_BSNH, axis=2)
-    return dq_BTNH, dk_BSNH, dv_BSNW, grads, dq_sel_BTH, dk_sel_BSH
+        def per_kv_head(x_BSNW: jax.Array) -> jax.Array:
+            x = x_BSNW.reshape(batch, length_k, kv_heads, plan.groups, -1)
+            return jnp.sum(x, axis=3)
+
+        dk_BSGH = per_kv_head(dk_BSNH).at[:, :, kv_head].add(dksel_BSH).astype(k_BSGH.dtype)
+        dv_BSGW = per_kv_head(dv_BSNW).astype(v_BSGW.dtype)
+    else:  # dksel holds the selecting head's dk too
+        dk_BSGH = dk_BSNH.at[:, :, kv_head].set(dksel_BSH.astype(k_BSGH.dtype))
+        dv_BSGW = dv_BSNW
+    return (dq_BTNH, dk_BSGH, dv_BSGW), term_gradients(terms, dqv, per_key)

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.selective import (
+from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     penalized_scores_QK,
     selection_live,
@@ -101,7 +101,7 @@ def selector_specs(plan: Plan, dim: int, q_tile: TileMap, k_tile: TileMap) -> li
 
 
 def selectors_of(refs: tuple, mask_args: tuple) -> tuple:
-    """The ``selectors`` of :func:`~copejax.ops.kernels.selective.penalized_scores_QK` from
+    """The ``selectors`` of :func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` from
     the (q_sel, k_sel, k_start, P) refs and a step's mask arguments (first query, first key,
     segments (Q, 1) and (1, K), ranks)."""
     qsel_ref, ksel_ref, kstart_ref, prefix_ref = refs
@@ -179,7 +179,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
         allowed_QK = plan.allowed_QK(*mask_args)
         terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
         bias_QK = term_bias(plan, terms, qpos_ref[...], kpos_ref[...])
-        s_QK, _ = penalized_scores_QK(
+        s_QK, *_ = penalized_scores_QK(
             nonlinearity,
             q_ref[...],
             k_ref[...],

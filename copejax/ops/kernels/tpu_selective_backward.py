@@ -13,9 +13,11 @@ sum_{i in g, i > k} dF_ij``) on the grids of :mod:`copejax.ops.kernels.tpu_backw
   sums dq, the selecting head's dq and the terms' per-query gradients in scratch.
 
 The selecting head's gradients come out per query head, (B, N, T, H) float32, and are summed
-outside, as on the GPU (:mod:`copejax.ops.kernels.selective_attention` adds them to that
-head's dq and its key/value head's dk). Shape letters as in
-:mod:`copejax.ops.kernels.tpu_forward`.
+outside (:mod:`copejax.ops.kernels.selective_attention` adds them to that head's dq and its
+key/value head's dk). The GPU's one backward kernel instead walks down from the prefix's total
+and adds dq with atomics, keeping no per-tile R, no P and no such partials
+(:mod:`copejax.ops.kernels.selective_backward`); Mosaic TPU's grid runs sequentially, where
+VMEM scratch could carry the same. Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.selective import term_bias
 from copejax.ops.kernels.selective_backward import pair_gradients
+from copejax.ops.kernels.selective_tiles import term_bias
 from copejax.ops.kernels.tiles import Plan, dot_f32
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
@@ -82,7 +84,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
         bias_QK, pull = jax.vjp(bias, params, k_values) if plan.biases else (None, None)
         q_QH, do_QW = q_ref[...], do_ref[...]
         selectors = selectors_of(sel_refs, mask_args)
-        p_QK, ds_QK, dl_QK = pair_gradients(
+        p_QK, ds_QK, dl_QK, _ = pair_gradients(
             nonlinearity,
             (q_QH, k_ref[...], v_ref[...], do_QW, plan.allowed_QK(*mask_args), bias_QK),
             selectors,
@@ -134,7 +136,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
         bias_QK, pull = jax.vjp(bias, q_values) if plan.biases else (None, None)
         k_KH = k_ref[...]
         selectors = selectors_of(sel_refs, mask_args)
-        _, ds_QK, dl_QK = pair_gradients(
+        _, ds_QK, dl_QK, _ = pair_gradients(
             nonlinearity,
             (q_ref[...], k_KH, v_ref[...], do_ref[...], plan.allowed_QK(*mask_args), bias_QK),
             selectors,
@@ -166,10 +168,21 @@ def tpu_selective_backward_calls(
     ints: dict[str, jax.Array],
     terms: list[dict],
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], jax.Array, jax.Array]:
-    """Runs the dk / dv kernel, then the dq kernel, on padded inputs, with the arguments and
-    results of :func:`copejax.ops.kernels.selective_backward.selective_backward_calls`
-    (``prefix``: the P of :func:`~copejax.ops.kernels.tpu_selective.tpu_selective_forward_call`;
-    the layouts change inside)."""
+    """Runs the dk / dv kernel, then the dq kernel, on padded inputs.
+
+    Args:
+      tensors: (q_BTNH, k_BSGH, v_BSGW, dO_BTNW in the inputs' dtype).
+      stats: the forward's log-sum-exp and ``D_i = dO_i . o_i``, both (B, N, T).
+      selectors: the selecting head's "q" (B, T, H) and "k" (B, S, H).
+      prefix: the P of :func:`~copejax.ops.kernels.tpu_selective.tpu_selective_forward_call`.
+      ints, terms: as the GPU's :func:`~copejax.ops.kernels.selective.selective_forward_call`
+        takes them (the layouts change inside).
+
+    Returns:
+      (dq_BTNH float32, dk_BSNH and dv_BSNW float32 per query head, the terms' gradients as
+      :func:`copejax.ops.kernels.backward.backward_calls` returns them, the selecting head's
+      d q (B, T, H) and d k (B, S, H) float32, summed over the heads).
+    """
     q_BTNH, k_BSGH, v_BSGW, _ = tensors
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]

@@ -36,6 +36,7 @@ SLOW = pytest.mark.slow
 # Default cases: 3 tiles of 16, the last padded; the slow ones: 72 keys in tiles of 32 / 16.
 SMALL = {"T": 40, "N": 2, "G": 1, "block_q": 16, "block_k": 16, "segments": (17, 15, 8)}
 LARGE = {"T": 72, "N": 4, "G": 2, "block_q": 32, "block_k": 16, "segments": (30, 25, 17)}
+SMALL_MHA = {**SMALL, "G": 2}  # no grouped heads: dk and dv in the inputs' dtype
 B, H, HEAD = 2, 16, 1  # the selecting head reads key/value head HEAD // (N / G)
 
 
@@ -189,6 +190,13 @@ def test_small_float32_window_sinks_gqa_packed() -> None:
     _check(SMALL, "float32", window=12, sinks=2, terms=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_without_grouped_heads(dtype: str) -> None:
+    """One key/value head per query head: the selecting head's dk is summed in float32 with
+    the selection's inside the backward kernel and rounded once."""
+    _check(SMALL_MHA, dtype, window=None, sinks=0, terms=True)
+
+
 @SLOW
 @pytest.mark.parametrize(
     ("dtype", "window", "sinks", "nonlinearity", "terms"),
@@ -226,11 +234,12 @@ def test_reference_is_the_naive_path(window) -> None:
 
 @SLOW
 def test_prefix_sums_the_older_query_tiles() -> None:
-    """P[g, j] = sum over the queries before query tile g of S_kj."""
+    """P[g, j] = sum over the queries before query tile g of S_kj, and P_top[j] (the GPU's
+    backward walks down from it) the sum over every query."""
     x = _inputs(LARGE, jnp.float32)
     ids, _ = _layout(LARGE)
-    padded, size_q, size_k = 80, LARGE["block_q"], LARGE["block_k"]
-    plan = Plan(size_q, size_k, 3, 5, None, 0, 2, (), True)
+    padded, size_q, size_k = 96, LARGE["block_q"], LARGE["block_k"]  # 3 query tiles, 6 key
+    plan = Plan(size_q, size_k, 3, 6, None, 0, 2, (), True)
     pad = lambda a, value: np.pad(a, ((0, 0), (0, padded - a.shape[1])), constant_values=value)
     ids_q, ids_k = pad(ids, -1), pad(ids, -2)
     starts = np.asarray(segments.segment_starts_BT(jnp.asarray(ids_k)), np.int32)
@@ -239,29 +248,37 @@ def test_prefix_sums_the_older_query_tiles() -> None:
         "k_seg": jnp.asarray(ids_k),
         "k_start": jnp.asarray(starts),
     }
-    q_sel = jnp.pad(x["q"][:, :, HEAD], ((0, 0), (0, padded - 72), (0, 0)))
-    k_sel = jnp.pad(x["k"][:, :, HEAD // 2], ((0, 0), (0, padded - 72), (0, 0)))
-    prefix = np.asarray(prefix_call(plan, "relu", q_sel, k_sel, ints))
-    assert prefix.shape == (B, rows_of(3), padded)
-    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
-    f = penalty_BTS(x64["q"], x64["k"], ids, "relu", xp=np)  # F at the tiles' first queries
-    for g in range(3):
-        np.testing.assert_allclose(prefix[:, g, :72], f[:, g * size_q], atol=1e-4)
+    q = jnp.pad(x["q"], ((0, 0), (0, padded - 72), (0, 0), (0, 0)))
+    k = jnp.pad(x["k"], ((0, 0), (0, padded - 72), (0, 0), (0, 0)))
+    prefix, totals = map(np.asarray, prefix_call(plan, "relu", q, k, head=HEAD, ints=ints))
+    assert prefix.shape == (B, rows_of(3), padded) and totals.shape == (B, padded)
+    # One more query, in the last segment: F there sums every query's selections.
+    x64 = {
+        key: np.pad(np.asarray(x[key], np.float64), ((0, 0), (0, 1), (0, 0), (0, 0)))
+        for key in "qk"
+    }
+    f = penalty_BTS(x64["q"], x64["k"], np.pad(ids, ((0, 0), (0, 1)), mode="edge"), "relu", xp=np)
+    for g in range(3):  # F at the tiles' first queries
+        np.testing.assert_allclose(prefix[:, g, :72], f[:, g * size_q, :72], atol=1e-4)
+    np.testing.assert_allclose(totals[:, :72], f[:, 72, :72], atol=1e-4)  # P_top
+    assert float(np.max(totals)) > 1.0
 
 
-def test_lowers_to_triton() -> None:
-    """The prefix, forward and both backward kernels, with other terms, have Triton
-    lowerings (checked from the CPU)."""
-    x = _inputs(SMALL, jnp.bfloat16, terms=True)
+@pytest.mark.parametrize("shape", [SMALL, SMALL_MHA], ids=["gqa", "mha"])
+def test_lowers_to_triton(shape: dict) -> None:
+    """The prefix, forward and backward kernels, with other terms, have Triton lowerings
+    (checked from the CPU), the backward's atomic adds included; without grouped heads the
+    backward writes dk and dv in the inputs' dtype."""
+    x = _inputs(shape, jnp.bfloat16, terms=True)
 
     def loss(x):
-        y = _kernel(x, SMALL, window=12, sinks=2, interpret=False)
+        y = _kernel(x, shape, window=12, sinks=2, interpret=False)
         return jnp.sum(y.astype(jnp.float32))
 
     text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
-    names = ("prefix", "attention_forward", "attention_dq", "attention_dkdv")
-    for name in names:
-        assert f"copejax_{'selective_' if name == 'prefix' else ''}{name}" in text
+    for name in ("selective_prefix", "attention_forward", "selective_backward"):
+        assert f"copejax_{name}" in text
+    assert "copejax_attention_dq" not in text  # dq comes from the backward's atomic adds
 
 
 @pytest.mark.parametrize(

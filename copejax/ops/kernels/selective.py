@@ -96,7 +96,7 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
         def compute(acc_K: jax.Array) -> jax.Array:
             keep = keep_QK(q_first, k_first, qseg_ref[queries], k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity)[0], axis=0)
+            return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity), axis=0)
 
         def band(acc_K: jax.Array) -> jax.Array:  # a query tile (qi < count_q) that sees kj
             live = selection_live(plan, q_first, k_first, qseg_ref[queries], k_seg_K)
@@ -130,7 +130,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
             selectors = (q_sel_QH, ksel_ref[keys, :], keep, prefix_ref[keys])
             k_values = [None if r is None else r[keys] for r in kv_refs]
             bias_QK = term_bias(plan, (params, q_values, k_values), q_pos_Q, kpos_ref[keys])
-            s_QK, *_ = penalized_scores_QK(
+            s_QK, _ = penalized_scores_QK(
                 nonlinearity,
                 q_QH,
                 k_ref[keys, :],

@@ -64,6 +64,7 @@ from copejax.ops.kernels.selective_tiles import (
     penalized_scores_QK,
     selection_live,
     selection_QK,
+    selection_slope_QK,
     term_bias,
 )
 from copejax.ops.kernels.terms import pair_grid
@@ -92,14 +93,14 @@ def pair_gradients(
     q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK = tiles
     lse_Q, delta_Q, r_K = stats
     (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
-    scores_QK, slope_QK, s_QK = penalized_scores_QK(
+    scores_QK, s_QK = penalized_scores_QK(
         nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan, after=after
     )
     p_QK = jnp.where(allowed_QK, jnp.exp(scores_QK - lse_Q1), 0.0)
     ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q1)
     g_QK = r_1K - newer_sum_QK(ds_QK, scan)  # dF = -dS
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
-    return p_QK, ds_QK, g_QK * slope_QK * scale, s_QK
+    return p_QK, ds_QK, g_QK * selection_slope_QK(s_QK, nonlinearity) * scale, s_QK
 
 
 def _backward_kernel(
@@ -154,26 +155,30 @@ def _backward_kernel(
                 scan=gpu_scan(),
                 after=True,
             )
-            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
-            dk_KH = dk_KH + dot_f32((ds_QK * scale).astype(q_QH.dtype), q_QH, (0, 0))
-            dksel_KH = dksel_KH + dot_f32(dl_QK.astype(q_sel_QH.dtype), q_sel_QH, (0, 0))
-            dq_QH = dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
-            pltriton.atomic_add(dq_ref, (queries, n, slice(None)), dq_QH)
-            dqsel_QH = dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
-            selecting = jnp.int32(head)  # an array index (the interpreter's rule wants one)
-            pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
+            # The float32 (Q, K) tiles end as soon as they can (fewer registers held at
+            # once): their sums first, then each as the inputs' dtype for its two matmuls.
+            p_K, r_K = p_K - jnp.sum(s_QK, axis=0), r_K - jnp.sum(ds_QK, axis=0)
             if pulled:
                 g_params, g_qv, g_kv = pull(ds_QK)
                 dkv, dparams = add_present(dkv, g_kv), add_present(dparams, g_params)
                 for ref, g in zip(dqv_refs, [g for g in g_qv if g is not None], strict=True):
                     pltriton.atomic_add(ref, (queries,), g)
-            r_K = r_K - jnp.sum(ds_QK, axis=0)
-            return dk_KH, dv_KW, dksel_KH, r_K, p_K - jnp.sum(s_QK, axis=0), dkv, dparams
+            dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
+            ds_QK = (ds_QK * scale).astype(q_QH.dtype)
+            dk_KH = dk_KH + dot_f32(ds_QK, q_QH, (0, 0))
+            dq_QH = dot_f32(ds_QK.astype(k_KH.dtype), k_KH, (1, 0))
+            pltriton.atomic_add(dq_ref, (queries, n, slice(None)), dq_QH)
+            dl_QK = dl_QK.astype(q_sel_QH.dtype)
+            dksel_KH = dksel_KH + dot_f32(dl_QK, q_sel_QH, (0, 0))
+            dqsel_QH = dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
+            selecting = jnp.int32(head)  # an array index (the interpreter's rule wants one)
+            pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
+            return dk_KH, dv_KW, dksel_KH, r_K, p_K, dkv, dparams
 
         def selections(state: tuple) -> tuple:  # no allowed pair, but selections: P's part
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            s_QK = selection_QK(logits_QK, keep, nonlinearity)[0]
+            s_QK = selection_QK(logits_QK, keep, nonlinearity)
             return (*state[:4], state[4] - jnp.sum(s_QK, axis=0), *state[5:])
 
         def masked(state: tuple) -> tuple:

@@ -53,18 +53,22 @@ def selection_live(
     return live & (jnp.max(k_segments_K) >= jnp.min(q_segments_Q))
 
 
-def selection_QK(
-    logits_QK: jax.Array, keep_QK: jax.Array, nonlinearity: str
-) -> tuple[jax.Array, jax.Array]:
-    """(S, dS/dl) of a tile from the selecting head's scaled logits, float32, both zero off
-    ``keep``; the derivatives ``jax.nn.relu`` (0 at 0) and ``jax.nn.sigmoid`` take."""
+def selection_QK(logits_QK: jax.Array, keep_QK: jax.Array, nonlinearity: str) -> jax.Array:
+    """S of a tile from the selecting head's scaled logits, float32, zero off ``keep``."""
     if nonlinearity == "relu":
         s_QK = jnp.maximum(logits_QK, 0.0)
-        slope_QK = (logits_QK > 0).astype(jnp.float32)
     else:
         s_QK = jax.nn.sigmoid(logits_QK)
-        slope_QK = s_QK * (1.0 - s_QK)
-    return jnp.where(keep_QK, s_QK, 0.0), jnp.where(keep_QK, slope_QK, 0.0)
+    return jnp.where(keep_QK, s_QK, 0.0)
+
+
+def selection_slope_QK(s_QK: jax.Array, nonlinearity: str) -> jax.Array:
+    """dS/dl from S (:func:`selection_QK`'s), zero where S is masked: the derivatives
+    ``jax.nn.relu`` (0 at 0) and ``jax.nn.sigmoid`` take. From S rather than the logits, so
+    that a backward kernel holds no second (Q, K) tile from the penalty to the pull-back."""
+    if nonlinearity == "relu":
+        return (s_QK > 0).astype(jnp.float32)
+    return s_QK * (1.0 - s_QK)  # 0 where keep masked S to 0
 
 
 def _triangular_sum_QK(x_QK: jax.Array, newer: bool, inclusive: bool = False) -> jax.Array:
@@ -112,9 +116,9 @@ def penalized_scores_QK(
     bias_QK: jax.Array | None = None,
     scan: bool = False,
     after: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(the masked scores ``q . k / sqrt(H) + bias - F``, dS/dl of the selection, S) of one
-    pair, float32 (Q, K); ``bias_QK``: the other terms' (:func:`term_bias`), or None;
+) -> tuple[jax.Array, jax.Array]:
+    """(the masked scores ``q . k / sqrt(H) + bias - F``, the selection S) of one pair,
+    float32 (Q, K); ``bias_QK``: the other terms' (:func:`term_bias`), or None;
     ``scan``: F's sums over the tile's selectors as prefix sums (:func:`older_sum_QK`).
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
@@ -123,7 +127,7 @@ def penalized_scores_QK(
     through this tile's selectors too, with ``F = P_after - (L + I)^T @ S`` (the GPU's
     backward, which walks the query tiles newest first)."""
     q_sel_QH, k_sel_KH, keep_QK, prefix_K = selectors
-    s_QK, slope_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
+    s_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
     prefix = prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K
     if after:
         f_QK = prefix - newer_sum_QK(s_QK, scan, inclusive=True)
@@ -132,7 +136,7 @@ def penalized_scores_QK(
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK
     if bias_QK is not None:
         scores_QK = scores_QK + bias_QK
-    return jnp.where(allowed_QK, scores_QK, MASKED_LOGIT), slope_QK, s_QK
+    return jnp.where(allowed_QK, scores_QK, MASKED_LOGIT), s_QK
 
 
 def term_bias(plan: Plan, arrays: tuple[list, list, list], q_pos_Q, k_pos_K) -> jax.Array | None:

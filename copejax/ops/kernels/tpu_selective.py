@@ -129,7 +129,7 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
     def _compute() -> None:
         keep = keep_QK(q_first, k_first, q_seg_Q1, k_seg_1K, kstart_ref[...])
         logits_QK = content_logits_QK(qsel_ref[...], ksel_ref[...])
-        s_QK = selection_QK(logits_QK, keep, nonlinearity)[0]
+        s_QK = selection_QK(logits_QK, keep, nonlinearity)
         acc_ref[...] += jnp.sum(s_QK, axis=0, keepdims=True)
 
 
@@ -179,7 +179,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
         allowed_QK = plan.allowed_QK(*mask_args)
         terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
         bias_QK = term_bias(plan, terms, qpos_ref[...], kpos_ref[...])
-        s_QK, *_ = penalized_scores_QK(
+        s_QK, _ = penalized_scores_QK(
             nonlinearity,
             q_ref[...],
             k_ref[...],

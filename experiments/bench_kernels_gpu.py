@@ -83,8 +83,9 @@ PATH_ARMS = (("dpa", "dpa", {}), ("path kernel", "path", KERNEL))
 # auto's rules take 256 from T = 4096), beside their kernels, on the first shape.
 LEVER_BLOCKS = (512, 1024)
 # Another lever: 8 warps per Triton program at H = 64 (4 by default), which spills less on the
-# H100 target (experiments/kernel_ptx.py), beside the default, for each kernel scheme.
-WARPS_SCHEMES = ("nope", "alibi", "t5", "fox", "stickbreaking", "cope")
+# H100 target (experiments/kernel_ptx.py), beside the default, for each kernel scheme
+# (selective attention's one backward kernel spills 2.2 KB per thread at 4 warps, 1.7 at 8).
+WARPS_SCHEMES = ("nope", "alibi", "t5", "fox", "stickbreaking", "cope", "selective")
 # And the within-tile sums: prefix sums by default on a GPU, tensor-core matmuls (what issue
 # 45 suggested, and the TPU's) beside them; the scan spills less on the H100 target.
 SCAN_SCHEMES = ("stickbreaking", "cope")

@@ -182,6 +182,7 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
     arms = dict((label, opts) for label, _, opts in bench_kernels_gpu.warps_arms())
     assert arms["cope kernel w8"] == {"attention_impl": "kernel", "kernel_warps": 8}
     assert "kernel_warps" not in arms["cope kernel"]
+    assert arms["selective kernel w8"]["kernel_warps"] == 8
     # the within-tile sums' lever: stick-breaking's and CoPE's kernels with matmul sums
     assert arms["stickbreaking kernel matmul sums"]["kernel_scan"] is False
     assert "alibi kernel matmul sums" not in arms

@@ -8,8 +8,9 @@ experiments.device_wheels`` downloads them here and prints the install line that
 device call (carry ``.whl``).
 
 Part ``check``: each kernel scheme's one-layer model against its naive path on this device
-(:mod:`experiments.kernel_check`), and stick-breaking's and CoPE's again with their key
-tiles in one carry group; a scheme that fails is flagged and gets no dispatch entry.
+(:mod:`experiments.kernel_check`), stick-breaking's and CoPE's again with their key
+tiles in one carry group, and selective attention's again without grouped heads; a scheme
+that fails is flagged and gets no dispatch entry.
 Part ``layer``: one attention layer's forward + backward in bfloat16 (the layer and the
 interleaved rounds of :func:`experiments.bench_measure.side_by_side`; ratios as on
 ``bench_gpu.md``: the median over rounds of an arm's time over the round's fastest nope arm,
@@ -53,7 +54,7 @@ import time
 from pathlib import Path
 
 from copejax.runtime.results_json import write_json
-from experiments import bench_measure
+from experiments import bench_measure, kernel_check
 from experiments.bench import ROOT
 from experiments.bench_gpu import ratios
 from experiments.bench_kernels_cli import MEM_FRACTION, cli_run, run_child
@@ -103,6 +104,9 @@ LENGTHS = (4096, 16384)
 # tile at this length, does not reach).
 CHECK_SCHEMES = ("fox", "cope", "stickbreaking", "selective", "path", "alibi", "t5", "nope")
 CHECK_GROUPED = ("stickbreaking", "cope")
+# And selective attention without grouped heads (its backward's other output layout: dk and dv
+# in the inputs' dtype, the selecting head's dk summed with the selection's inside).
+CHECK_UNGROUPED = ("selective",)
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 PARTS = ("check", "layer", "cli")
 # A layer group (its compilations included) runs in a child stopped after at most this long.
@@ -204,15 +208,18 @@ def isolated_group(
     return {"B": batch, "N": heads, "H": head_dim, "T": length, "rows": rows, "rules": {}}
 
 
-def check_run(scheme: str, carry_groups: int | None = None) -> dict:
-    """``experiments.kernel_check.check``, or the error that stopped it."""
-    from experiments.kernel_check import check
+def check_run(scheme: str, carry_groups: int | None = None, kv_heads: int | None = None) -> dict:
+    """``experiments.kernel_check.check`` (``kv_heads`` None: its default), or the error that
+    stopped it."""
+    from experiments.kernel_check import KV_HEADS, check
 
+    kv_heads = KV_HEADS if kv_heads is None else kv_heads
     try:
-        return check(scheme, carry_groups)
+        return check(scheme, carry_groups, kv_heads)
     except Exception as error:  # a kernel that fails to lower or compile is a finding
         why = f"{type(error).__name__}: {error}"[:600]
-        return {"scheme": scheme, "carry_groups": carry_groups, "ok": False, "error": why}
+        record = {"scheme": scheme, "carry_groups": carry_groups, "kv_heads": kv_heads}
+        return {**record, "ok": False, "error": why}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,10 +289,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def task_label(kind: str, what: tuple) -> str:
     """A task as the page names it: ``layer (2, 4, 64) T=4096: dpa, cope kernel``, ``cli
-    fox kernel``, ``check cope``, ``check cope 1`` (one carry group)."""
+    fox kernel``, ``check cope``, ``check cope 1`` (one carry group), ``check selective
+    kv_heads=4``."""
     if kind == "layer":
         shape, length, arms = what
         return f"layer {shape} T={length}: " + ", ".join(label for label, _, _ in arms)
+    if kind == "check" and len(what) == 3:  # (scheme, carry groups or None, kv heads)
+        scheme, groups, kv_heads = what
+        return (
+            f"check {scheme}" + ("" if groups is None else f" {groups}") + f" kv_heads={kv_heads}"
+        )
     return f"{kind} {' '.join(map(str, what))}"
 
 
@@ -348,6 +361,8 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
         rounds = None
     checks = [("check", (scheme,)) for scheme in (("fox",) if smoke else CHECK_SCHEMES)]
     checks += [("check", (scheme, 1)) for scheme in (() if smoke else CHECK_GROUPED)]
+    ungrouped = () if smoke else CHECK_UNGROUPED
+    checks += [("check", (scheme, None, kernel_check.HEADS)) for scheme in ungrouped]
     checks = checks if "check" in parts else []
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []

@@ -70,10 +70,13 @@ def _margin(group: dict, scheme: str, best: dict) -> float:
 
 
 def _check_line(row: dict) -> str:
-    groups = row.get("carry_groups")
+    from experiments.kernel_check import KV_HEADS
+
+    groups, kv_heads = row.get("carry_groups"), row.get("kv_heads", KV_HEADS)
     name = row["scheme"] + (
         "" if groups is None else f" ({groups} carry group{'s' * (groups > 1)})"
     )
+    name += "" if kv_heads == KV_HEADS else f" ({kv_heads} key/value heads)"
     if "error" in row:
         return f"| {name} | - | - | - | no: {row['error']} |"
     return (

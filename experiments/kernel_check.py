@@ -23,7 +23,7 @@ LENGTH, BLOCK = 160, 32  # five key tiles
 HEADS, KV_HEADS, D_MODEL = 4, 2, 128  # head dim 32: a power of two, as Triton needs
 
 
-def _config(scheme: str, impl: str) -> Any:
+def _config(scheme: str, impl: str, kv_heads: int = KV_HEADS) -> Any:
     from copejax.model import checks
     from copejax.model.config import ModelConfig
 
@@ -32,7 +32,7 @@ def _config(scheme: str, impl: str) -> Any:
             vocab_size=32,
             d_model=D_MODEL,
             num_heads=HEADS,
-            num_kv_heads=KV_HEADS,
+            num_kv_heads=kv_heads,
             num_layers=1,
             max_len=LENGTH,
             position=scheme,
@@ -54,19 +54,22 @@ def relative_error(actual: Any, desired: Any) -> float:
     return diff / scale if scale else diff
 
 
-def check(scheme: str, carry_groups: int | None = None) -> dict:
+def check(scheme: str, carry_groups: int | None = None, kv_heads: int = KV_HEADS) -> dict:
     """The kernel path of ``scheme`` against its naive path: the logits' and the worst
     gradient leaf's relative errors, the bound, and ``ok``; ``carry_groups``: stick-breaking's
     and CoPE's kernels traced with that many carry groups (``copejax.ops.kernels.
     carry_groups``; 1: the five key tiles in one dk / dv program, which updates its carries in
-    place across them), else the default (here one group per key tile)."""
+    place across them), else the default (here one group per key tile); ``kv_heads``: the
+    model's key/value heads (``HEADS``: none grouped, where selective attention's backward
+    writes dk and dv in the inputs' dtype and sums the selecting head's dk inside)."""
     from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
 
     with carry_groups_for_tracing(carry_groups):
-        return {**_check(scheme), "carry_groups": carry_groups}
+        record = _check(scheme, kv_heads)
+    return {**record, "carry_groups": carry_groups, "kv_heads": kv_heads}
 
 
-def _check(scheme: str) -> dict:
+def _check(scheme: str, kv_heads: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,7 +83,7 @@ def _check(scheme: str) -> dict:
     positions_BT = jnp.asarray(
         [np.arange(LENGTH), np.r_[np.arange(split), np.arange(LENGTH - split)]], jnp.int32
     )
-    naive, kernel = (Transformer(_config(scheme, impl)) for impl in ("naive", "kernel"))
+    naive, kernel = (Transformer(_config(scheme, impl, kv_heads)) for impl in ("naive", "kernel"))
     params = jax.jit(naive.init)(jax.random.key(0), tokens_BT, positions_BT)["params"]
     keys = jax.random.split(jax.random.key(1), len(jax.tree.leaves(params)))
     leaves, tree = jax.tree.flatten(params)

@@ -214,3 +214,18 @@ def test_checks_run_stick_breaking_and_cope_on_one_carry_group_too() -> None:
     )
     assert "| cope (1 carry group) | - | - | - | no: ValueError: x |" in page
     assert "| fox | 0.00e+00 |" in page
+
+
+def test_checks_run_selective_without_grouped_heads_too() -> None:
+    """Selective attention's backward has a second output layout without grouped heads (dk
+    and dv in the inputs' dtype, the selecting head's dk summed inside): the GPU call checks
+    it too, named by its key/value heads."""
+    from experiments import kernel_check
+
+    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    what = ("selective", None, kernel_check.HEADS)
+    assert ("check", what) in tasks
+    assert bench_kernels_gpu.task_label("check", what) == "check selective kv_heads=4"
+    row = {"scheme": "selective", "kv_heads": kernel_check.HEADS, "ok": False, "error": "E: x"}
+    row_line = bench_kernels_page._check_line(row)
+    assert row_line == "| selective (4 key/value heads) | - | - | - | no: E: x |"

@@ -168,7 +168,7 @@ def page(rows: list[dict], meta: dict) -> str:
         "O(T^2 H / C) (README's attention paths table lists each). Stick-breaking's and "
         "CoPE's GPU kernels keep their carries per carry group of key tiles, O(T H) "
         "(`copejax/ops/kernels/carry_groups.py`); selective attention's GPU backward is one "
-        "kernel over key tiles that walks down from the penalty prefix's total and adds dq "
+        "kernel over key tiles that sums the penalty prefix again as it walks and adds dq "
         "with atomics, O(T H) (`copejax/ops/kernels/selective_backward.py`), its forward's "
         "prefix per (query tile, key), O(T^2 / 64) per batch row, living only through the "
         "forward.",

@@ -106,7 +106,7 @@ def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_c
     """On a TPU, CoPE's, stick-breaking's and selective attention's kernels keep O(T^2 / 64)
     carries: auto follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES.
     FoX's kernels keep O(T), and the three's GPU kernels O(T H) (carry groups; selective
-    attention's backward keeps the prefix's total only): auto follows those at any length."""
+    attention's backward keeps nothing per tile): auto follows those at any length."""
     table(
         _entry("selective", 4096, "kernel"),
         _entry("fox", 4096, "kernel"),

@@ -88,7 +88,7 @@ RELATIVE = ("relative", "relative_capped")
 # kernel: selective attention's penalty prefixes, stick-breaking's remainders and CoPE's
 # counts and their cotangents: O(T^2 / 64) memory, where the engine keeps O(T). Their GPU
 # kernels keep O(T H): stick-breaking's and CoPE's carries per carry group
-# (copejax.ops.kernels.carry_groups), selective attention's backward only the prefix's total
+# (copejax.ops.kernels.carry_groups), selective attention's backward nothing per tile
 # (copejax.ops.kernels.selective_backward; experiments/results/kernel_memory.md).
 CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
 LINEAR_ON_GPU = frozenset({"cope", "selective", *NORMALIZERS})

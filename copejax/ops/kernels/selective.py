@@ -28,8 +28,8 @@ bfloat16 or TF32 matmul would round the penalties to 3 digits. The backward is
 Cost: each head's program recomputes the S tile of a pair, so a pair takes, besides
 FlashAttention-2's two matmuls, one Q x K x H and three Q x Q x K (bfloat16) more in the
 forward, and about as many again in the backward kernel. Memory: P (B, count_q, S) float32
-lives from the prefix kernel to the forward kernel; the backward keeps only its total P_top
-(B, S) (:mod:`copejax.ops.kernels.selective_backward`). No (T, S) array.
+lives from the prefix kernel to the forward kernel; the backward sums it again as it walks
+(:mod:`copejax.ops.kernels.selective_backward`). No (T, S) array.
 
 The kernels add the other logit terms (:mod:`copejax.ops.kernels.terms`) as the generic ones
 do, with the softmax only (no CoPE, Shaw table or stick-breaking beside the penalties);
@@ -80,7 +80,7 @@ def rows_of(count: int) -> int:
 
 
 def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
-    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref, prefix_ref, total_ref = refs
+    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref, prefix_ref = refs
     kj = pl.program_id(1)
     k_first = kj * plan.size_k
     k_sel_KH, k_seg_K, k_starts_K = ksel_ref[...], kseg_ref[...], kstart_ref[...]
@@ -105,7 +105,7 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
         return jax.lax.cond((first <= qi) & (qi < end), band, lambda a: a, acc_K)
 
     rows = prefix_ref.shape[0]
-    total_ref[...] = jax.lax.fori_loop(0, rows, step, jnp.zeros((plan.size_k,), jnp.float32))
+    jax.lax.fori_loop(0, rows, step, jnp.zeros((plan.size_k,), jnp.float32))
 
 
 def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
@@ -170,11 +170,11 @@ def prefix_call(
     *,
     head: int,
     ints: dict,
-) -> tuple[jax.Array, jax.Array]:
-    """(the prefix P (B, rows_of(count_q), S) float32, its total P_top (B, S) float32): row
-    g sums S over the queries of the query tiles before g (rows g >= count_q, and with a
-    window those past the tiles that see the key, hold sums no pair reads); P_top over every
-    query tile that sees the key (the GPU's backward, which walks down from it)."""
+) -> jax.Array:
+    """The prefix P (B, rows_of(count_q), S) float32: row g sums S over the queries of the
+    query tiles before g (rows g >= count_q, and with a window those past the tiles that see
+    the key, hold sums no pair reads). The GPU's backward sums it again as it walks, in the
+    same order."""
     batch, length_q, _, dim = q_BTNH.shape
     length_k, sk, kv_head = k_BSGH.shape[1], plan.size_k, head // plan.groups
     rows = rows_of(plan.count_q)
@@ -188,14 +188,8 @@ def prefix_call(
             pl.BlockSpec((None, sk), lambda b, j: (b, j)),
             pl.BlockSpec((None, sk), lambda b, j: (b, j)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, rows, sk), lambda b, j: (b, 0, j)),
-            pl.BlockSpec((None, sk), lambda b, j: (b, j)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, rows, length_k), jnp.float32),
-            jax.ShapeDtypeStruct((batch, length_k), jnp.float32),
-        ],
+        out_specs=pl.BlockSpec((None, rows, sk), lambda b, j: (b, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, rows, length_k), jnp.float32),
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_selective_prefix",
@@ -212,7 +206,7 @@ def selective_forward_call(
     head: int,
     ints: dict[str, jax.Array],
     terms: list[dict],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """The prefix and forward kernels on padded inputs.
 
     Args:
@@ -225,13 +219,13 @@ def selective_forward_call(
         takes them.
 
     Returns:
-      (o_BTNW float32, lse_BNT float32, the prefix's total P_top (B, S) float32, all the
-      backward keeps of the selection: :mod:`copejax.ops.kernels.selective_backward`).
+      (o_BTNW float32, lse_BNT float32): the backward keeps nothing of the selection
+      (:mod:`copejax.ops.kernels.selective_backward`).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, kv_head = plan.groups, plan.size_q, head // plan.groups
-    prefix, totals = prefix_call(plan, nonlinearity, q_BTNH, k_BSGH, head=head, ints=ints)
+    prefix = prefix_call(plan, nonlinearity, q_BTNH, k_BSGH, head=head, ints=ints)
     whole = pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))
     query_tile = pl.BlockSpec((None, sq), lambda b, n, i: (b, i))
     has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
@@ -286,4 +280,4 @@ def selective_forward_call(
         ints["k_start"],
         prefix,
     )
-    return o_BTNW, lse_BNT, totals
+    return o_BTNW, lse_BNT

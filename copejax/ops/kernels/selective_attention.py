@@ -83,7 +83,6 @@ def selective_attention(
     starts_BS = segments.segment_starts_BT(ints["k_seg"]).astype(jnp.int32)
     nonlinearity = selective.nonlinearity
     tpu = plan.backend == "tpu"
-    forward_call = tpu_selective_forward_call if tpu else selective_forward_call
 
     def selectors(q_BTNH: jax.Array, k_BSGH: jax.Array) -> dict[str, jax.Array]:
         return {"q": q_BTNH[:, :, selective.head], "k": k_BSGH[:, :, kv_head]}
@@ -98,16 +97,22 @@ def selective_attention(
         tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
     ) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
+        kept = None  # the TPU's backward reads its forward's P per query tile
         if tpu:
-            selecting = {"selectors": selectors(q_BTNH, k_BSGH)}
+            o_BTNW, lse_BNT, kept = tpu_selective_forward_call(
+                plan,
+                nonlinearity,
+                *tensors,
+                selectors=selectors(q_BTNH, k_BSGH),
+                ints=ints,
+                terms=terms,
+            )
         else:  # the kernels read the selecting head's q and k from q and k
-            selecting = {"head": selective.head}
-        o_BTNW, lse_BNT, kept = forward_call(
-            plan, nonlinearity, *tensors, ints=ints, terms=terms, **selecting
-        )
+            o_BTNW, lse_BNT = selective_forward_call(
+                plan, nonlinearity, *tensors, head=selective.head, ints=ints, terms=terms
+            )
         if sink_N is not None:
             o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, sink_N)
-        # kept: the GPU's P_top (B, S), the TPU's P per query tile
         return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT, kept)
 
     def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple:
@@ -124,7 +129,6 @@ def selective_attention(
                 nonlinearity,
                 (*tensors, do_BTNW),
                 head=selective.head,
-                totals=kept,
                 **arguments,
             )
         term_grads = [  # a parameter's partial sums per (batch row, key tile), added up

@@ -12,20 +12,24 @@ for the selecting head's q and k. Everything after dS is linear, so each head's 
 pulls back its own ``-dS^n`` and the heads' parts add up.
 
 On a GPU one kernel does it all (:func:`selective_backward_calls`), programs over (batch row,
-head, key tile), each walking the query tiles that see its keys newest first, as
-FlashAttention-2's own backward first did:
+head, key tile), each walking the query tiles that see its keys oldest first, as
+FlashAttention-2's own backward first did, and keeping nothing from the forward but the
+log-sum-exps:
 
-- ``G`` is a suffix sum over queries: for a selector k in query tile g, ``G_kj = R^n[g, j] +
-  sum_{i in g, i > k} dF^n_ij``, with ``R^n`` the column sums of ``dF^n`` over the newer
-  query tiles, carried in registers from zero.
-- ``F`` needs the prefix ``P[g, j]``, the sum over the older query tiles' selectors. The
-  walk starts from the total P_top (the prefix kernel's sum over every query tile that sees
-  the key tile, (B, S) float32) and subtracts each tile's column sums of S on its way down:
-  ``F = P_after - (L + I)^T @ S`` with ``P_after`` the sum through tile g
-  (:func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` with ``after``). Tiles outside
-  the attention's mask but with selections (a window with sinks) are walked for S alone.
-  P_top is a sum of nonnegative S: the difference's error is float32's eps times P_top, the
-  scale of F itself.
+- ``F`` needs the prefix ``P[g, j]``, the sum over the older query tiles' selections: the walk
+  sums it again from zero, in the prefix kernel's order, so the scores are the forward's
+  (``F = P + L @ S``; tiles outside the attention's mask but with selections, a window with
+  sinks, are walked for S alone).
+- ``G`` is a suffix sum over queries: for a selector k in query tile g, ``G_kj = R[g, j] +
+  W_kj``, with W the tile's own part (``sum_{i in g, i > k} dF_ij``) and ``R[g, j] =
+  sum_{m > g} c_m[j]`` the newer tiles' column sums of ``dF``, which an oldest-first walk has
+  not seen. By linearity it needs none of them in order: dk_sel's part is
+  ``sum_m c_m[j] U_m[j]`` with ``U_m = sum_{g < m} S'(g)^T q_sel(g)``, a (K, H) carry; dq_sel's
+  is ``S'(g) (R_total - csum_g)`` with ``csum_g`` the walk's running sum (this tile's
+  included), added during the walk, and ``S'(g) R_total`` added by a second walk over the
+  same tiles once ``R_total`` is known (one Q x K x H matmul for S and one for the product per
+  pair). The split is a cotangent's (a difference of dF sums, of float32's error times
+  ``sum |dF|``, the error of the sum itself); F is never a difference.
 - dk, dv, the selecting head's dk and the terms' per-key and parameter gradients sum in
   registers; dq (the selecting head's with the selection's) and the terms' per-query
   gradients are added to float32 outputs with atomic adds
@@ -79,22 +83,21 @@ def pair_gradients(
     stats: tuple,
     *,
     scan: bool = False,
-    after: bool = False,
 ) -> tuple:
     """(P, dS, dl / sqrt(H) of the selection with the carry R, S) of one pair, float32
     (Q, K); the GPU's and the TPU's (:mod:`copejax.ops.kernels.tpu_selective_backward`)
     kernels.
 
     ``tiles``: (q, k, v, dO, allowed, the other terms' bias or None); ``selectors`` as
-    :func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` takes them (``after``: their
-    prefix is the sum through this query tile); ``stats``: (lse, D, R at the keys), as (Q,),
-    (Q,), (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU); ``scan``: the sums over the tile's rows
-    as prefix sums (the GPU kernels)."""
+    :func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` takes them; ``stats``:
+    (lse, D, R at the keys; the GPU's zeros, for the tile's own part of G), as (Q,), (Q,),
+    (K,) (GPU) or (Q, 1), (Q, 1), (1, K) (TPU); ``scan``: the sums over the tile's rows as
+    prefix sums (the GPU kernels)."""
     q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK = tiles
     lse_Q, delta_Q, r_K = stats
     (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
     scores_QK, s_QK = penalized_scores_QK(
-        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan, after=after
+        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan
     )
     p_QK = jnp.where(allowed_QK, jnp.exp(scores_QK - lse_Q1), 0.0)
     ds_QK = p_QK * (dot_f32(do_QW, v_KW, (1, 1)) - delta_Q1)
@@ -110,9 +113,9 @@ def _backward_kernel(
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     rest = refs[11 + num_term_refs :]
-    qsel_ref, ksel_ref, kstart_ref, total_ref = rest[:4]
+    qsel_ref, ksel_ref, kstart_ref = rest[:3]
     num_dqv, num_dkv = sum(h[1] for h in has), sum(h[2] for h in has)
-    outs = rest[4 + 2 + num_dqv :]  # past the zeros aliased to the atomic outputs
+    outs = rest[3 + 2 + num_dqv :]  # past the zeros aliased to the atomic outputs
     dk_ref, dv_ref = outs[:2]
     dkv_refs = outs[2 : 2 + num_dkv]
     dp_refs = outs[2 + num_dkv : len(outs) - 2 - num_dqv]
@@ -126,14 +129,19 @@ def _backward_kernel(
     scale = 1.0 / math.sqrt(k_KH.shape[-1])
     first, end = plan.query_tiles(kj)
 
-    def pair(step: jax.Array, state: tuple) -> tuple:
-        qi = end - 1 - step
+    zeros_K = jnp.zeros((plan.size_k,), jnp.float32)
+    selecting = jnp.int32(head)  # an array index (the interpreter's rule wants one)
+
+    def tile(qi: jax.Array) -> tuple:
         q_first = qi * plan.size_q
         queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-        q_seg_Q = qseg_ref[queries]
+        return q_first, queries, qseg_ref[queries]
+
+    def pair(qi: jax.Array, state: tuple) -> tuple:  # oldest first
+        q_first, queries, q_seg_Q = tile(qi)
 
         def compute(state: tuple) -> tuple:
-            dk_KH, dv_KW, dksel_KH, r_K, p_K, dkv, dparams = state
+            dk_KH, dv_KW, dksel_KH, p_K, csum_K, u_KH, dkv, dparams = state
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             q_QH, do_QW, q_sel_QH = q_ref[queries, :], do_ref[queries, :], qsel_ref[queries, :]
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
@@ -147,17 +155,20 @@ def _backward_kernel(
             bias_QK, pull = jax.vjp(bias, params, q_values, k_values) if pulled else (None, None)
             if plan.biases and not pulled:
                 bias_QK = bias(params, q_values, k_values)
-            p_QK, ds_QK, dl_QK, s_QK = pair_gradients(
+            p_QK, ds_QK, dl_QK, s_QK = pair_gradients(  # dl: the tile's own part of G
                 nonlinearity,
                 (q_QH, k_KH, v_KW, do_QW, allowed_QK, bias_QK),
                 (q_sel_QH, k_sel_KH, keep, p_K),
-                (lse_ref[queries], delta_ref[queries], r_K),
+                (lse_ref[queries], delta_ref[queries], zeros_K),
                 scan=gpu_scan(),
-                after=True,
             )
-            # The float32 (Q, K) tiles end as soon as they can (fewer registers held at
-            # once): their sums first, then each as the inputs' dtype for its two matmuls.
-            p_K, r_K = p_K - jnp.sum(s_QK, axis=0), r_K - jnp.sum(ds_QK, axis=0)
+            # This tile's column sums of S and of dF = -dS; the older tiles' part of dk_sel
+            # (sum_m c_m U_m, U_m the older tiles' S'^T q_sel), then U takes this tile's.
+            c_K = -jnp.sum(ds_QK, axis=0)
+            p_K, csum_K = p_K + jnp.sum(s_QK, axis=0), csum_K + c_K
+            slope_QK = selection_slope_QK(s_QK, nonlinearity)  # exact in bfloat16 for relu
+            dksel_KH = dksel_KH + c_K[:, None] * u_KH
+            u_KH = u_KH + dot_f32(slope_QK.astype(q_sel_QH.dtype), q_sel_QH, (0, 0)) * scale
             if pulled:
                 g_params, g_qv, g_kv = pull(ds_QK)
                 dkv, dparams = add_present(dkv, g_kv), add_present(dparams, g_params)
@@ -166,24 +177,26 @@ def _backward_kernel(
             dv_KW = dv_KW + dot_f32(p_QK.astype(do_QW.dtype), do_QW, (0, 0))
             ds_QK = (ds_QK * scale).astype(q_QH.dtype)
             dk_KH = dk_KH + dot_f32(ds_QK, q_QH, (0, 0))
-            dq_QH = dot_f32(ds_QK.astype(k_KH.dtype), k_KH, (1, 0))
-            pltriton.atomic_add(dq_ref, (queries, n, slice(None)), dq_QH)
-            dl_QK = dl_QK.astype(q_sel_QH.dtype)
-            dksel_KH = dksel_KH + dot_f32(dl_QK, q_sel_QH, (0, 0))
-            dqsel_QH = dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
-            selecting = jnp.int32(head)  # an array index (the interpreter's rule wants one)
+            pltriton.atomic_add(
+                dq_ref, (queries, n, slice(None)), dot_f32(ds_QK.astype(k_KH.dtype), k_KH, (1, 0))
+            )
+            dksel_KH = dksel_KH + dot_f32(dl_QK.astype(q_sel_QH.dtype), q_sel_QH, (0, 0))
+            # dq_sel's G less the total of the newer tiles' dF (the second walk adds it):
+            # R[g] = R_total - csum (this tile's included)
+            dl_QK = (dl_QK - slope_QK * (csum_K * scale)[None, :]).astype(k_sel_KH.dtype)
+            dqsel_QH = dot_f32(dl_QK, k_sel_KH, (1, 0))
             pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
-            return dk_KH, dv_KW, dksel_KH, r_K, p_K, dkv, dparams
+            return dk_KH, dv_KW, dksel_KH, p_K, csum_K, u_KH, dkv, dparams
 
         def selections(state: tuple) -> tuple:  # no allowed pair, but selections: P's part
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
             s_QK = selection_QK(logits_QK, keep, nonlinearity)
-            return (*state[:4], state[4] - jnp.sum(s_QK, axis=0), *state[5:])
+            return (*state[:3], state[3] + jnp.sum(s_QK, axis=0), *state[4:])
 
         def masked(state: tuple) -> tuple:
-            selecting = selection_live(plan, q_first, k_first, q_seg_Q, k_seg_K)
-            return jax.lax.cond(selecting, selections, lambda s: s, state)
+            selects = selection_live(plan, q_first, k_first, q_seg_Q, k_seg_K)
+            return jax.lax.cond(selects, selections, lambda s: s, state)
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, masked, state)
@@ -192,12 +205,32 @@ def _backward_kernel(
         jnp.zeros(k_KH.shape, jnp.float32),
         jnp.zeros(v_KW.shape, jnp.float32),
         jnp.zeros(k_sel_KH.shape, jnp.float32),
-        jnp.zeros((plan.size_k,), jnp.float32),
-        total_ref[...],
+        zeros_K,
+        zeros_K,
+        jnp.zeros(k_sel_KH.shape, jnp.float32),
         [jnp.zeros((plan.size_k,), jnp.float32) for _ in dkv_refs],
         [jnp.zeros(r.shape, jnp.float32) for r in dp_refs],
     )
-    dk_KH, dv_KW, dksel_KH, _, _, dkv, dparams = jax.lax.fori_loop(0, end - first, pair, init)
+    dk_KH, dv_KW, dksel_KH, _, total_K, _, dkv, dparams = jax.lax.fori_loop(first, end, pair, init)
+    # The second walk: dq_sel's share of R_total, the column sums of dF over every tile.
+    total_KH = (total_K[:, None] * k_sel_KH.astype(jnp.float32)).astype(k_sel_KH.dtype)
+
+    def share(qi: jax.Array, carry: jax.Array) -> jax.Array:
+        q_first, queries, q_seg_Q = tile(qi)
+
+        def add(carry: jax.Array) -> jax.Array:
+            keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
+            logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
+            slope_QK = selection_slope_QK(selection_QK(logits_QK, keep, nonlinearity), nonlinearity)
+            dqsel_QH = dot_f32(slope_QK.astype(total_KH.dtype), total_KH, (1, 0)) * scale
+            pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
+            return carry
+
+        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        live &= selection_live(plan, q_first, k_first, q_seg_Q, k_seg_K)
+        return jax.lax.cond(live, add, lambda c: c, carry)
+
+    jax.lax.fori_loop(first, end, share, kj * 0)
     dk_ref[...] = dk_KH.astype(dk_ref.dtype)
     dv_ref[...] = dv_KW.astype(dv_ref.dtype)
     if own_dk:  # without grouped heads: the selecting head's dk, summed in float32 with
@@ -224,7 +257,6 @@ def selective_backward_calls(
     *,
     head: int,
     stats: tuple[jax.Array, jax.Array],
-    totals: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], list[dict]]:
@@ -235,7 +267,7 @@ def selective_backward_calls(
       head: the selecting query head.
       stats: the forward's log-sum-exp and ``D_i = dO_i . o_i``, both (B, N, T).
       ints, terms: as :func:`copejax.ops.kernels.selective.selective_forward_call`
-        takes them; totals: the P_top (B, S) it returned.
+        takes them.
 
     Returns:
       ((dq_BTNH, dk_BSGH, dv_BSGW) in the inputs' dtypes, the selection's gradients added to
@@ -252,10 +284,9 @@ def selective_backward_calls(
     specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
     specs += term_specs
     kv_head = head // plan.groups
-    specs += [  # the selecting head's q and k
+    specs += [  # the selecting head's q and k, the keys' segment starts
         pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, head, 0)),
         pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, j, kv_head, 0)),
-        pl.BlockSpec((None, sk), lambda b, n, j: (b, j)),
         pl.BlockSpec((None, sk), lambda b, n, j: (b, j)),
     ]
     sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
@@ -302,7 +333,6 @@ def selective_backward_calls(
         q_BTNH,
         k_BSGH,
         ints["k_start"],
-        totals,
         *zeros,
     )
     per_key, (dq_BTNH, dksel_BSH, *dqv) = rest[: -len(zeros)], rest[-len(zeros) :]

@@ -71,9 +71,9 @@ def selection_slope_QK(s_QK: jax.Array, nonlinearity: str) -> jax.Array:
     return s_QK * (1.0 - s_QK)  # 0 where keep masked S to 0
 
 
-def _triangular_sum_QK(x_QK: jax.Array, newer: bool, inclusive: bool = False) -> jax.Array:
-    """``L @ x`` or (``newer``) ``L^T @ x``, L[i, k] = 1 where k < i (``inclusive``: k <= i),
-    as three bfloat16
+def _triangular_sum_QK(x_QK: jax.Array, newer: bool) -> jax.Array:
+    """``L @ x`` or (``newer``) ``L^T @ x``, L[i, k] = 1 where k < i (strictly lower
+    triangular), as three bfloat16
     matmuls with float32 accumulation (tensor cores on a GPU, where a float32 matmul at full
     precision would not run on them, and TF32 would keep 10 bits of x; the TPU's MXU, where
     one at full precision takes more passes, :mod:`copejax.ops.kernels.tpu_selective`): L is
@@ -82,10 +82,7 @@ def _triangular_sum_QK(x_QK: jax.Array, newer: bool, inclusive: bool = False) ->
     size = x_QK.shape[0]
     row_Q1 = jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
     column_1Q = jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
-    if inclusive:
-        ones_QQ = (column_1Q >= row_Q1) if newer else (column_1Q <= row_Q1)
-    else:
-        ones_QQ = (column_1Q > row_Q1) if newer else (column_1Q < row_Q1)
+    ones_QQ = (column_1Q > row_Q1) if newer else (column_1Q < row_Q1)
     return dot_exact_f32(x_QK, ones_QQ.astype(jnp.float32), (0, 1), exact_left=True)
 
 
@@ -98,12 +95,12 @@ def older_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
     return _triangular_sum_QK(x_QK, newer=False)
 
 
-def newer_sum_QK(x_QK: jax.Array, scan: bool = False, inclusive: bool = False) -> jax.Array:
-    """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``; ``inclusive``: ``i >= k``),
-    float32; ``scan``: the column total minus a prefix sum."""
+def newer_sum_QK(x_QK: jax.Array, scan: bool = False) -> jax.Array:
+    """``sum_{i > k} x_ij`` over the tile's rows (``L^T @ x``), float32; ``scan``: the
+    column total minus a prefix sum."""
     if scan:
-        return scan_sum(x_QK, 0, newer=True, inclusive=inclusive)
-    return _triangular_sum_QK(x_QK, newer=True, inclusive=inclusive)
+        return scan_sum(x_QK, 0, newer=True, inclusive=False)
+    return _triangular_sum_QK(x_QK, newer=True)
 
 
 def penalized_scores_QK(
@@ -115,24 +112,18 @@ def penalized_scores_QK(
     *,
     bias_QK: jax.Array | None = None,
     scan: bool = False,
-    after: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the masked scores ``q . k / sqrt(H) + bias - F``, the selection S) of one pair,
     float32 (Q, K); ``bias_QK``: the other terms' (:func:`term_bias`), or None;
     ``scan``: F's sums over the tile's selectors as prefix sums (:func:`older_sum_QK`).
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
-    prefix of this query tile at the keys, (K,) on a GPU or (1, K) on a TPU): P, the sum over
-    the older query tiles' selectors, with ``F = P + L @ S``; or with ``after`` the sum
-    through this tile's selectors too, with ``F = P_after - (L + I)^T @ S`` (the GPU's
-    backward, which walks the query tiles newest first)."""
+    prefix P of this query tile at the keys, the sum over the older query tiles' selectors,
+    (K,) on a GPU or (1, K) on a TPU), with ``F = P + L @ S``."""
     q_sel_QH, k_sel_KH, keep_QK, prefix_K = selectors
     s_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
     prefix = prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K
-    if after:
-        f_QK = prefix - newer_sum_QK(s_QK, scan, inclusive=True)
-    else:
-        f_QK = prefix + older_sum_QK(s_QK, scan)
+    f_QK = prefix + older_sum_QK(s_QK, scan)
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK
     if bias_QK is not None:
         scores_QK = scores_QK + bias_QK

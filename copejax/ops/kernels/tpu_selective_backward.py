@@ -14,8 +14,8 @@ sum_{i in g, i > k} dF_ij``) on the grids of :mod:`copejax.ops.kernels.tpu_backw
 
 The selecting head's gradients come out per query head, (B, N, T, H) float32, and are summed
 outside (:mod:`copejax.ops.kernels.selective_attention` adds them to that head's dq and its
-key/value head's dk). The GPU's one backward kernel instead walks down from the prefix's total
-and adds dq with atomics, keeping no per-tile R, no P and no such partials
+key/value head's dk). The GPU's one backward kernel instead sums P again as it walks, takes R
+by linearity and adds dq with atomics, keeping no per-tile R, no P and no such partials
 (:mod:`copejax.ops.kernels.selective_backward`); Mosaic TPU's grid runs sequentially, where
 VMEM scratch could carry the same. Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """

@@ -205,12 +205,13 @@ def tpu_selective_forward_call(
     ints: dict[str, jax.Array],
     terms: list[dict],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The prefix and forward kernels on padded inputs, with the arguments and results of
-    :func:`copejax.ops.kernels.selective.selective_forward_call` (the layouts change
-    inside; P is (B, count_q, 1, S) here).
+    """The prefix and forward kernels on padded inputs, with the arguments of
+    :func:`copejax.ops.kernels.selective.selective_forward_call` but the selecting head's
+    ``selectors`` "q" (B, T, H) and "k" (B, S, H) (the layouts change inside).
 
     Returns:
-      (o_BTNW float32, lse_BNT float32, P (B, count_q, 1, S) float32).
+      (o_BTNW float32, lse_BNT float32, P (B, count_q, 1, S) float32, which the TPU's backward
+      reads).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     width = v_BSGW.shape[-1]

@@ -30,14 +30,17 @@ Here, in XLA:
 - the merge of the two softmaxes of each row by their log-sum-exps (and GPT-OSS's sink).
 
 JAX differentiates all of it, the kernels through their custom VJP (the log-sum-exp's
-cotangent included). C trades the queries per chunk (T^2 H / C) against the chunks' dense
-pairs (T C): :func:`path_chunk` takes the power of two nearest ``sqrt(T H / 8)``, at least
-the kernels' tile. Shape letters: B batch, T queries (= S keys), N query heads, G key/value
-heads, H head dim, W value width, M chunks, C keys per chunk, X = B M chunks in a batch.
+cotangent included), the scan of q'^(m) through its own (:func:`_queries_per_chunk`: it keeps
+no float32 state per chunk, reading back the queries the kernels keep). C trades the queries
+per chunk (T^2 H / C) against the chunks' dense pairs (T C): :func:`path_chunk` takes the
+power of two nearest ``sqrt(T H / 8)``, at least the kernels' tile. Shape letters: B batch,
+T queries (= S keys), N query heads, G key/value heads, H head dim, W value width, M chunks,
+C keys per chunk, X = B M chunks in a batch.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -159,7 +162,7 @@ def path_attention(
     if count > 1:
         u_BTNH = u_XCNH.reshape(batch, padded, heads, dim)
         products_BMGHH = _chunk_products(w_BTGH, t_BTGC, count)
-        q_BMTNH = _queries_per_chunk(u_BTNH, products_BMGHH, chunk).astype(q_BTNH.dtype)
+        q_BMTNH = _queries_per_chunk(u_BTNH, products_BMGHH, chunk, q_BTNH.dtype)
         between_BTNW, between_lse_BTN = chunked_attention(
             q_BMTNH,
             suffix_BTGH.astype(k_BTGH.dtype),
@@ -271,21 +274,83 @@ def _chunk_products(w_BTGH: jax.Array, t_BTGC: jax.Array, count: int) -> jax.Arr
     return jnp.eye(dim, dtype=jnp.float32) - low_rank_BMGHK
 
 
-def _queries_per_chunk(u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int) -> jax.Array:
-    """q'^(m) for every chunk m: (B, M, T, N, H) float32, walking chunks from the newest to the
-    oldest. Row i of chunk m holds query i transformed down to chunk m's end where i is in a
-    later chunk (elsewhere u_i, which the kernels never read)."""
-    batch, padded, heads, dim = u_BTNH.shape
+def _queries_per_chunk(
+    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtype: jnp.dtype
+) -> jax.Array:
+    """q'^(m) for every chunk m: (B, M, T, N, H) in ``dtype`` (the kernels' queries), walking
+    chunks from the newest to the oldest in float32. Row i of chunk m holds query i
+    transformed down to chunk m's end where i is in a later chunk (elsewhere u_i, which the
+    kernels never read).
+
+    Its VJP is by hand (:func:`_queries_per_chunk_vjp`): JAX's would keep every step's float32
+    state, (B, M, T, N, H), and masks of that shape, beside the output the kernels keep anyway
+    (about 6 GiB of 8 at T = 16384, (B, N, H) = (2, 4, 64)); this one reads the output back
+    instead, so the products' gradient takes the queries as the kernels did, rounded to
+    ``dtype``."""
+    dtypes = (jnp.dtype(dtype), jnp.dtype(u_BTNH.dtype))
+    return _queries_per_chunk_vjp(u_BTNH, products_BMGHH, size, dtypes)
+
+
+def _transform(
+    products_BMGHH: jax.Array, m: jax.Array, r_BTNH: jax.Array, later_T: jax.Array, transpose: bool
+) -> jax.Array:
+    """Chunk m's product (or its transpose) applied to the rows of later chunks, float32."""
+    batch, padded, heads, dim = r_BTNH.shape
     kv_heads = products_BMGHH.shape[2]
-    chunk_T = jnp.arange(padded) // size
+    product_BGHK = jnp.take(products_BMGHH, m, axis=1)
+    r_BTGZH = r_BTNH.reshape(batch, padded, kv_heads, heads // kv_heads, dim)
+    spec = "BGKH,BTGZK->BTGZH" if transpose else "BGHK,BTGZK->BTGZH"
+    moved_BTNH = jnp.einsum(spec, product_BGHK, r_BTGZH).reshape(r_BTNH.shape)
+    return jnp.where(later_T[:, None, None], moved_BTNH, r_BTNH)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _queries_per_chunk_vjp(
+    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
+) -> jax.Array:
+    return _queries_forward(u_BTNH, products_BMGHH, size, dtypes)[0]
+
+
+def _queries_forward(
+    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
+) -> tuple[jax.Array, tuple]:
+    """``dtypes``: (the output's, u's)."""
+    chunk_T = jnp.arange(u_BTNH.shape[1]) // size
 
     def step(r_BTNH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
-        product_BGHK = jnp.take(products_BMGHH, m, axis=1)
-        r_BTGZH = r_BTNH.reshape(batch, padded, kv_heads, heads // kv_heads, dim)
-        moved_BTNH = jnp.einsum("BGHK,BTGZK->BTGZH", product_BGHK, r_BTGZH).reshape(r_BTNH.shape)
-        later_T11 = (chunk_T > m)[:, None, None]
-        return jnp.where(later_T11, moved_BTNH, r_BTNH), r_BTNH
+        moved = _transform(products_BMGHH, m, r_BTNH, chunk_T > m, transpose=False)
+        return moved, r_BTNH.astype(dtypes[0])
 
     count = products_BMGHH.shape[1]
     _, q_MBTNH = jax.lax.scan(step, u_BTNH.astype(jnp.float32), jnp.arange(count)[::-1])
-    return jnp.moveaxis(q_MBTNH[::-1], 0, 1)
+    q_BMTNH = jnp.moveaxis(q_MBTNH[::-1], 0, 1)
+    return q_BMTNH, (q_BMTNH, products_BMGHH)
+
+
+def _queries_backward(size: int, dtypes: tuple, residuals: tuple, dq_BMTNH: jax.Array) -> tuple:
+    """Walks the chunks from the oldest: the cotangent of the state entering chunk m's output,
+    ``lam_m = dq_m + A_m^T lam_(m-1)`` (A_m: chunk m's product on the later chunks' rows),
+    and ``dP_m = sum over those rows of lam_(m-1) q_m^T``, with q_m the output (the state)."""
+    q_BMTNH, products_BMGHH = residuals
+    batch, count, padded, heads, dim = q_BMTNH.shape
+    kv_heads = products_BMGHH.shape[2]
+    chunk_T = jnp.arange(padded) // size
+
+    def step(lam_BTNH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+        later_T = chunk_T > m
+        state_BTNH = jnp.take(q_BMTNH, m, axis=1).astype(jnp.float32)
+        lam_BTGZH = jnp.where(later_T[:, None, None], lam_BTNH, 0.0).reshape(
+            batch, padded, kv_heads, heads // kv_heads, dim
+        )
+        state_BTGZK = state_BTNH.reshape(lam_BTGZH.shape)
+        d_product_BGHK = jnp.einsum("BTGZH,BTGZK->BGHK", lam_BTGZH, state_BTGZK)
+        moved = _transform(products_BMGHH, m, lam_BTNH, later_T, transpose=True)
+        cotangent = jnp.take(dq_BMTNH, m, axis=1).astype(jnp.float32)
+        return moved + cotangent, d_product_BGHK
+
+    lam_BTNH = jnp.zeros((batch, padded, heads, dim), jnp.float32)
+    lam_BTNH, d_MBGHK = jax.lax.scan(step, lam_BTNH, jnp.arange(count))
+    return lam_BTNH.astype(dtypes[1]), jnp.moveaxis(d_MBGHK, 0, 1)
+
+
+_queries_per_chunk_vjp.defvjp(_queries_forward, _queries_backward)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model.kernel_path import path_attention, path_chunk
+from copejax.model.kernel_path import _queries_per_chunk, path_attention, path_chunk
 from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
@@ -299,6 +299,41 @@ def test_path_attention_gradients_equal_the_naive_walk(dtype: str) -> None:
     for key in ("q", "k", "v", "w", "beta", "c"):
         assert grads[key].dtype == x[key].dtype
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=2 * T, roundings=6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_queries_per_chunk_vjp_equals_autodiff_of_the_products(dtype: str) -> None:
+    """q'^(m) of every row (the products of the chunks between, applied to u) and its
+    hand-written VJP against JAX's autodiff of explicit products; bfloat16: the output is
+    rounded, and the products' gradient reads that output back."""
+    batch, count, size, heads, kv_heads, dim = 2, 4, 8, 4, 2, 8
+    length = count * size
+    rng = np.random.default_rng(3)
+    u = jnp.asarray(rng.normal(size=(batch, length, heads, dim)), jnp.float32)
+    products = jnp.asarray(
+        np.eye(dim) + 0.3 * rng.normal(size=(batch, count, kv_heads, dim, dim)), jnp.float32
+    )
+    cot = jnp.asarray(rng.normal(size=(batch, count, length, heads, dim)), jnp.float32)
+
+    def explicit(u, products):  # row t of chunk m: P_(m+1) ... P_(c(t)-1) u_t
+        rows = []
+        for m in range(count):
+            out = []
+            for t in range(length):
+                r = u[:, t]  # (B, N, H)
+                for between in range(t // size - 1, m, -1):
+                    p = jnp.repeat(products[:, between], heads // kv_heads, axis=1)
+                    r = jnp.einsum("bnhk,bnk->bnh", p, r)
+                out.append(r)
+            rows.append(jnp.stack(out, axis=1))
+        return jnp.stack(rows, axis=1)
+
+    got, pull = jax.vjp(lambda u, p: _queries_per_chunk(u, p, size, jnp.dtype(dtype)), u, products)
+    want, pull_ref = jax.vjp(explicit, u, products)
+    assert got.dtype == jnp.dtype(dtype)
+    assert_close(got, want, dtype=dtype, summands=count * dim, roundings=1)
+    for g, g_ref in zip(pull(cot.astype(dtype)), pull_ref(cot), strict=True):
+        assert_close(g, g_ref, dtype=dtype, summands=count * count * dim * length, roundings=2)
 
 
 def test_path_chunk_balances_the_two_parts() -> None:

@@ -3,6 +3,7 @@ an H100 compiles it, from a CPU (issue 45's memory target).
 
     .venv-ptx/bin/python -m experiments.kernel_memory                 # T = 16384, both shapes
     .venv-ptx/bin/python -m experiments.kernel_memory --lengths 4096 --shapes 2,4,64
+    .venv-ptx/bin/python -m experiments.kernel_memory --schemes path --merge   # PaTH's rows only
     python -m experiments.kernel_memory --render experiments/results/kernel_memory.json
 
 Issue 45 asks for "no (T, S) buffer" and "XLA temporaries at 16K within 1.2x of cuDNN nope's".
@@ -124,6 +125,16 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def merged_rows(kept: list[dict], measured: list[dict]) -> list[dict]:
+    """``kept`` (an earlier run's rows) with each row of the same scheme, shape and T replaced
+    by ``measured``'s, then ``measured``'s new rows: a run of a few schemes updates a full page
+    (``--merge``) instead of replacing it."""
+    key = lambda r: (r["scheme"], tuple(r["shape"]), r["T"])
+    fresh = {key(r): r for r in measured}
+    rows = [fresh.pop(key(r), r) for r in kept]
+    return rows + [r for r in measured if key(r) in fresh]
+
+
 def page(rows: list[dict], meta: dict) -> str:
     """The markdown page of the rows (:func:`with_ratios`'d)."""
     mib = lambda b: f"{b / 2**20:,.0f}"
@@ -183,6 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schemes", default=",".join(KERNEL_SCHEMES))
     parser.add_argument("--out_dir", default="experiments/results")
     parser.add_argument("--render", help="rewrite the page from this JSON and stop")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of out_dir's kernel_memory.json that this run does not measure",
+    )
     args = parser.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
@@ -201,6 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     meta = {"date": datetime.date.today().isoformat(), "jax": jax.__version__, "command": command}
     out = Path(args.out_dir)
+    kept = []
+    if args.merge and (out / "kernel_memory.json").exists():
+        earlier = json.loads((out / "kernel_memory.json").read_text())
+        kept = earlier["rows"]
+        meta["command"] = f"{earlier['meta']['command']}; then, merged, {command} --schemes " + (
+            args.schemes
+        )
     rows = []
     for shape in shapes:
         for length in lengths:
@@ -209,12 +232,12 @@ def main(argv: list[str] | None = None) -> None:
                 r = rows[-1]
                 print(r["label"], shape, length, r.get("temp_bytes", r.get("error")), flush=True)
                 # the page after every arm: a stopped run keeps what it measured
-                rows = with_ratios(rows)
+                written = with_ratios(merged_rows(kept, rows))
                 (out / "kernel_memory.json").write_text(
-                    json.dumps({"meta": meta, "rows": rows}, indent=1)
+                    json.dumps({"meta": meta, "rows": written}, indent=1)
                 )
-                (out / "kernel_memory.md").write_text(page(rows, meta))
-    print(page(rows, meta))
+                (out / "kernel_memory.md").write_text(page(written, meta))
+    print(page(with_ratios(merged_rows(kept, rows)), meta))
 
 
 if __name__ == "__main__":

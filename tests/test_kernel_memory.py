@@ -82,3 +82,18 @@ def test_render_rewrites_the_page_from_its_json(tmp_path) -> None:
     kernel_memory.main(["--render", str(tmp_path / "m.json"), "--out_dir", str(tmp_path)])
     text = (tmp_path / "kernel_memory.md").read_text()
     assert "at every measured shape: fox. Not within it: stickbreaking." in text
+
+
+def test_merge_replaces_the_measured_rows_and_keeps_the_others() -> None:
+    from experiments.kernel_memory import merged_rows
+
+    kept = [_row(BASELINE, 100), _row("fox", 110), _row("path", 900)]
+    measured = [_row(BASELINE, 100), _row("path", 400), {**_row("nope", 105), "T": 4096}]
+    rows = merged_rows(kept, measured)
+    assert [(r["scheme"], r["T"]) for r in rows] == [
+        (BASELINE, 16384),
+        ("fox", 16384),
+        ("path", 16384),
+        ("nope", 4096),
+    ]
+    assert rows[2]["temp_bytes"] == 400 and rows[1]["temp_bytes"] == 110

@@ -62,9 +62,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     scale = 1.0 / math.sqrt(q_ref.shape[-1])
 
     def pair(q_QH: jax.Array, kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             dq_QH, dqv = state

@@ -90,9 +90,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     def pair(step: jax.Array, state: tuple) -> tuple:
         kj = end - 1 - step
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             dq_QH, dqv, c_Q, s_Q, sm_QH, last = state
@@ -177,11 +175,10 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     def key_tile(step: jax.Array, d_cope: tuple, first: jax.Array, end: jax.Array) -> tuple:
         program_barrier(plan.interpret)  # the previous key tile's carry stores, visible
         kj = end - 1 - step
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
         k_KH, v_KW = k_ref[keys, :], v_ref[keys, :]
         gk_KH = None if gk_ref is None else gk_ref[keys, :]
-        k_pos_K, k_seg_K, k_rank_K = kpos_ref[keys], kseg_ref[keys], krank_ref[keys]
+        k_pos_K = kpos_ref[keys]
         k_values = [None if r is None else r[keys] for r in kv_refs]
 
         def pair(qi: jax.Array, state: tuple) -> tuple:

@@ -40,9 +40,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     width = v_ref.shape[-1]
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             max_Q, sum_Q, acc_QW = state

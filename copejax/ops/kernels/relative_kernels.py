@@ -60,9 +60,7 @@ def relative_forward_kernel(*refs, plan: Plan, static: RelativeStatic, has: tupl
     q_values = [None if r is None else r[...] for r in qv_refs]
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             max_Q, sum_Q, acc_QW = state
@@ -110,9 +108,7 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
     zero_slab(de_ref, static.band, barrier=not plan.interpret)
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             dq_QH, dqv = state

@@ -184,9 +184,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
 
     def pair(step: jax.Array, state: tuple) -> tuple:
         kj = end - 1 - step
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             r_Q, acc_QW = state
@@ -229,9 +227,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     def pair(step: jax.Array, state: tuple) -> tuple:
         kj = end - 1 - step
-        k_first = kj * plan.size_k
-        keys = pl.ds(pl.multiple_of(k_first, plan.size_k), plan.size_k)
-        k_seg_K, k_rank_K = kseg_ref[keys], krank_ref[keys]
+        k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
             r_Q, u_Q, dq_QH, dqv, last = state

@@ -74,6 +74,13 @@ class Plan:
         """Carry checkpoints per head (stick-breaking on a GPU), 0 without groups."""
         return max(len(self.carry_starts) - 1, 0)
 
+    def key_tile(self, kj: jax.Array, kseg_ref: Any, krank_ref: Any) -> tuple:
+        """Key tile kj of a program that walks key tiles: (its first key, its slice of refs
+        holding whole key rows, its segment ids and ranks (K,))."""
+        k_first = kj * self.size_k
+        keys = pl.ds(pl.multiple_of(k_first, self.size_k), self.size_k)
+        return k_first, keys, kseg_ref[keys], krank_ref[keys]
+
     def key_group(self, kj: jax.Array) -> jax.Array:
         """The carry group of key tile kj, an int32 scalar from the static starts (a compare
         per group: no table read in the kernel; Triton's lowering adds no booleans to

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.carry_groups import (
     auto_groups,
     balanced_starts,
@@ -26,7 +25,7 @@ from tests.ops.kernels import (
     test_kernel_registry,
     test_stick_kernel,
 )
-from tests.ops.kernels.test_fused_attention import POSITIONS_BT, SEGMENTS_BT, _inputs
+from tests.ops.kernels.test_fused_attention import _inputs, on_layout
 
 
 def _sums(work: list[int], starts: tuple[int, ...]) -> list[int]:
@@ -151,13 +150,8 @@ def test_backward_keeps_carries_per_group_not_per_key_tile(scheme: str) -> None:
         options = {"cope": CopeTerm(table, CopeStatic(8))}
 
     def loss(x: dict) -> jax.Array:
-        y = fused_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            q_positions_BT=jnp.asarray(POSITIONS_BT),
-            k_positions_BT=jnp.asarray(POSITIONS_BT),
-            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        y = on_layout(
+            x,
             block_q=16,
             block_k=16,
             interpret=False,

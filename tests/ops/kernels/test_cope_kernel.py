@@ -12,13 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, cope_term, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
-    POSITIONS_BT,
     RANK_BT,
     SEGMENTS_BT,
     B,
@@ -27,6 +25,7 @@ from tests.ops.kernels.test_fused_attention import (
     T,
     _decay,
     _inputs,
+    on_layout,
 )
 from tests.ops.kernels.tolerances import assert_close
 
@@ -39,13 +38,8 @@ def _with_table(x: dict, seed: int = 3) -> dict:
 
 
 def _kernel(x: dict, *, window: int | None, sinks: int) -> jax.Array:
-    return fused_attention(
-        x["q"],
-        x["k"],
-        x["v"],
-        q_positions_BT=jnp.asarray(POSITIONS_BT),
-        k_positions_BT=jnp.asarray(POSITIONS_BT),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+    return on_layout(
+        x,
         terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
         window=window,
         sink_tokens=sinks,
@@ -104,13 +98,8 @@ def test_lowers_to_triton() -> None:
     x = _with_table(_inputs(jnp.bfloat16))
 
     def loss(x):
-        y = fused_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            q_positions_BT=jnp.asarray(POSITIONS_BT),
-            k_positions_BT=jnp.asarray(POSITIONS_BT),
-            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        y = on_layout(
+            x,
             cope=CopeTerm(x["table"], CopeStatic(P_MAX)),
             interpret=False,
         )

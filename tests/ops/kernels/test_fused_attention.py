@@ -58,12 +58,9 @@ def _inputs(dtype, seed: int = 0) -> dict:
     }
 
 
-def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None = None) -> jax.Array:
-    terms = [
-        KernelTerm("slope", _slope, params_NP=x["slopes"]),
-        KernelTerm("table", _table, params_NP=x["table"]),
-        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
-    ]
+def on_layout(x: dict, **options) -> jax.Array:
+    """:func:`fused_attention` of ``x``'s q, k and v on this module's layout (two rows, the
+    second packing three documents; positions restart in each), with ``options``."""
     return fused_attention(
         x["q"],
         x["k"],
@@ -71,6 +68,18 @@ def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None =
         q_positions_BT=jnp.asarray(POSITIONS_BT),
         k_positions_BT=jnp.asarray(POSITIONS_BT),
         segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        **options,
+    )
+
+
+def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None = None) -> jax.Array:
+    terms = [
+        KernelTerm("slope", _slope, params_NP=x["slopes"]),
+        KernelTerm("table", _table, params_NP=x["table"]),
+        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+    ]
+    return on_layout(
+        x,
         terms=terms,
         window=window,
         sink_tokens=sinks,

@@ -36,6 +36,7 @@ from tests.ops.kernels.test_fused_attention import (
     T,
     _decay,
     _inputs,
+    on_layout,
 )
 from tests.ops.kernels.tolerances import assert_close
 
@@ -202,13 +203,8 @@ def test_lowers_to_triton() -> None:
     x = _with_table(_inputs(jnp.bfloat16))
 
     def loss(x):
-        y = fused_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            q_positions_BT=jnp.asarray(POSITIONS_BT),
-            k_positions_BT=jnp.asarray(POSITIONS_BT),
-            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        y = on_layout(
+            x,
             relative=RelativeTerm(x["table"], capped=True),
             interpret=False,
         )
@@ -223,13 +219,8 @@ def test_lowers_to_triton() -> None:
 def test_refuses_other_normalizers() -> None:
     x = _with_table(_inputs(jnp.float32))
     with pytest.raises(ValueError, match="Shaw's relative term runs with the softmax"):
-        fused_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            q_positions_BT=jnp.asarray(POSITIONS_BT),
-            k_positions_BT=jnp.asarray(POSITIONS_BT),
-            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        on_layout(
+            x,
             relative=RelativeTerm(x["table"], capped=True),
             normalizer="stickbreaking",
             include_self=False,

@@ -12,13 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
-    POSITIONS_BT,
     RANK_BT,
     SEGMENTS_BT,
     B,
@@ -31,6 +29,7 @@ from tests.ops.kernels.test_fused_attention import (
     _inputs,
     _slope,
     _table,
+    on_layout,
 )
 from tests.ops.kernels.tolerances import assert_close
 
@@ -48,13 +47,8 @@ def _kernel(x: dict, *, window: int | None, sinks: int, include_self: bool) -> j
         KernelTerm("table", _table, params_NP=x["table"]),
         KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
     ]
-    return fused_attention(
-        x["q"],
-        x["k"],
-        x["v"],
-        q_positions_BT=jnp.asarray(POSITIONS_BT),
-        k_positions_BT=jnp.asarray(POSITIONS_BT),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+    return on_layout(
+        x,
         terms=terms,
         window=window,
         sink_tokens=sinks,
@@ -131,13 +125,8 @@ def test_lowers_to_triton() -> None:
     x = _inputs(jnp.bfloat16)
 
     def loss(x):
-        y = fused_attention(
-            x["q"],
-            x["k"],
-            x["v"],
-            q_positions_BT=jnp.asarray(POSITIONS_BT),
-            k_positions_BT=jnp.asarray(POSITIONS_BT),
-            segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        y = on_layout(
+            x,
             terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
             normalizer="stickbreaking",
             include_self=False,

@@ -28,6 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
+from copejax.ops.kernels.tpu_carries import carry_shape, carry_spec
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
 from copejax.ops.kernels.tpu_params import (
     NT,
@@ -197,7 +198,7 @@ def tpu_backward_calls(
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both TPU backward kernels, with the arguments and results of
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
-    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, T, 1)).
+    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, count_q, 1, Q)).
     """
     batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -241,29 +242,25 @@ def tpu_backward_calls(
     out_shape = [jax.ShapeDtypeStruct(tpu_queries(plan, q_BTNH).shape, q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
-    # Per key tile, (B, N, count_k, T, 1): stick-breaking's r and u entering it (out),
-    # CoPE's count entering it (in) and its cotangent leaving it (out).
-    carry_shape = jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), f32)
-    carry_out = pl.BlockSpec(
-        (None, None, None, sq, 1),
-        lambda b, n, i, j: (b, n, key_step(plan, j, newest_first=plan.stick), i, 0),
-    )
+    # Per (key tile, query), (B, N, count_k, count_q, 1, Q) (copejax.ops.kernels.tpu_carries):
+    # stick-breaking's r and u entering the key tile (out), CoPE's count entering it (in) and
+    # its cotangent leaving it (out).
+    carries_shape = carry_shape(plan, batch, heads)
+    carry_out = carry_spec(plan, lambda i, j: (key_step(plan, j, newest_first=plan.stick), i))
     dq_body, num_outs, extra_in, extra_specs = _dq_kernel, 0, [], []
     if plan.stick:
         dq_body, num_outs = stick_dq_kernel, 2
         out_specs += [carry_out] * 2
-        out_shape += [carry_shape] * 2
+        out_shape += [carries_shape] * 2
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
     gate_k = [] if gate_k_BSGH is None else [by_query_heads(gate_k_BSGH)]
     if plan.cope is not None:  # also its parameters' gradients per query tile (B, N, count_q, ..)
         dq_body, num_outs = cope_dq_kernel, 1 + len(cope)
         extra_in = [*cope, *gate_k, cope_counts]
         extra_specs = [*tpu_per_head_specs(cope), *specs(q_tile, k_tile)[1:2] * len(gate_k)]
-        extra_specs.append(
-            pl.BlockSpec((None, None, None, sq, 1), lambda b, n, i, j: (b, n, k_tile(i, j), i, 0))
-        )
+        extra_specs.append(carry_spec(plan, lambda i, j: (k_tile(i, j), i)))
         out_specs.append(carry_out)
-        out_shape.append(carry_shape)
+        out_shape.append(carries_shape)
         for x in cope:
             out_specs.append(
                 pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i, j: (b, n, i, 0, 0))
@@ -319,13 +316,11 @@ def tpu_backward_calls(
         out_specs.append(out_specs[0])
         out_shape.append(out_shape[0])
         scratch.append(scratch[0])
-    carry_spec = pl.BlockSpec(
-        (None, None, None, sq, 1), lambda b, n, j, i: (b, n, j, q_tile(j, i), 0)
-    )
+    carry_in = carry_spec(plan, lambda j, i: (j, q_tile(j, i)))
     dk_BNSH, dv_BNSW, *rest = call(
         functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k, plan.count_q),
-        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + [carry_spec] * len(carries),
+        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + [carry_in] * len(carries),
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,

@@ -27,6 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
+from copejax.ops.kernels.tpu_carries import carry_shape, carry_spec, store_carry
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -70,7 +71,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
 
     if cope:  # every step writes its key tile's count (a skipped tile's is never read)
-        c_out[...] = c_acc[...]
+        store_carry(c_out, c_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -116,7 +117,7 @@ def tpu_forward_call(
 
     Returns:
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
-      with CoPE [the count entering each key tile, (B, N, count_k, T, 1)]).
+      with CoPE [the count entering each key tile, (B, N, count_k, count_q, 1, Q)]).
     """
     batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     width, groups = v_BSGW.shape[-1], plan.groups
@@ -162,15 +163,8 @@ def tpu_forward_call(
         if plan.cope.gate_keys:
             extra.append(by_query_heads(gate_k_BSGH))
             term_specs.append(specs[1])
-        out_specs.append(
-            pl.BlockSpec(
-                (None, None, None, sq, 1),
-                lambda b, n, i, j: (b, n, key_step(plan, j, newest_first=True), i, 0),
-            )
-        )
-        out_shape.append(
-            jax.ShapeDtypeStruct((batch, heads, plan.count_k, length_q, 1), jnp.float32)
-        )
+        out_specs.append(carry_spec(plan, lambda i, j: (key_step(plan, j, True), i)))
+        out_shape.append(carry_shape(plan, batch, heads))
         scratch.append(column)
     o_BNTW, lse_BNT1, *carries = pl.pallas_call(
         kernel,

@@ -11,9 +11,10 @@ more than a v5e's HBM (``experiments/results/kernel_tpu.md``). Here they are
 (B, N, count_k, count_q, 1, Q): each query tile's carries one row, its queries along the lanes
 (4 bytes each from Q = 128 up; a query tile under the lane width pads its row to 128 lanes),
 read and written as whole (1, Q) blocks, which Mosaic takes at any Q (a (1, Q) block of a
-(.., 1, T) array would need Q % 128 == 0). The kernels turn a row into a column and back, a
-relayout in VMEM once per grid step that Mosaic compiles on v4, v5e, v5p and v6e
-(``experiments.kernel_tpu``). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
+(.., 1, T) array would need Q % 128 == 0). The kernels turn a row into a column and back
+through a (Q, Q) diagonal mask and a sum, once per grid step: Mosaic's reshape between them is
+a sublane gather, which v4 does not have (``experiments.kernel_tpu`` compiles both on v4, v5e,
+v5p and v6e). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -45,10 +46,21 @@ def carry_spec(plan: Plan, tiles: Callable) -> pl.BlockSpec:
 
 
 def store_carry(ref: object, column_Q1: jax.Array) -> None:
-    """Writes a (Q, 1) carry into its (1, Q) block."""
-    ref[...] = column_Q1.reshape(ref.shape)
+    """Writes a (Q, 1) carry into its (1, Q) block: the column broadcast along the lanes,
+    its diagonal kept and summed down the sublanes (exact: the other terms are zeros).
+    Mosaic's shape cast of (Q, 1) to (1, Q) is a sublane gather, which v4 lacks."""
+    diagonal_QQ = jnp.where(_diagonal(column_Q1.shape[0]), column_Q1, 0.0)
+    ref[...] = jnp.sum(diagonal_QQ, axis=0, keepdims=True)
 
 
 def load_carry(ref: object) -> jax.Array:
-    """The (Q, 1) carry of a (1, Q) block."""
-    return ref[...].reshape(-1, 1)
+    """The (Q, 1) carry of a (1, Q) block: the row broadcast down the sublanes, its diagonal
+    summed along the lanes."""
+    row_1Q = ref[...]
+    return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+
+
+def _diagonal(size: int) -> jax.Array:
+    """(Q, Q) booleans, true on the diagonal."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    return rows == jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)

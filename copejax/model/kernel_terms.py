@@ -86,7 +86,8 @@ NORMALIZERS = frozenset({"stickbreaking"})
 RELATIVE = ("relative", "relative_capped")
 # Schemes whose kernels keep a float32 carry per (key tile, query) on a TPU, for their dk / dv
 # kernel: selective attention's penalty prefixes, stick-breaking's remainders and CoPE's
-# counts and their cotangents: O(T^2 / 64) memory, where the engine keeps O(T). Their GPU
+# counts and their cotangents (lane-dense rows, copejax.ops.kernels.tpu_rows): O(T^2 / K)
+# memory, where the engine keeps O(T). Their GPU
 # kernels keep O(T H): stick-breaking's and CoPE's carries per carry group
 # (copejax.ops.kernels.carry_groups), selective attention's backward nothing per tile
 # (copejax.ops.kernels.selective_backward; experiments/results/kernel_memory.md).

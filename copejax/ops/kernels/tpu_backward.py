@@ -28,7 +28,6 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
-from copejax.ops.kernels.tpu_carries import carry_shape, carry_spec
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
 from copejax.ops.kernels.tpu_params import (
     NT,
@@ -49,6 +48,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_queries,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_rows import carry_shape, carry_spec, load_row, query_rows, row_spec
 from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
 
 
@@ -58,9 +58,9 @@ def _pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple) -> tuple:
     allowed_QK = plan.allowed_QK(*mask_args)
     inputs = (*terms, qpos_ref[...], kpos_ref[...])
     s_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_ref[...]), 0.0)
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - load_row(lse_ref)), 0.0)
     dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
-    return p_QK, p_QK * (dp_QK - delta_ref[...]), inputs
+    return p_QK, p_QK * (dp_QK - load_row(delta_ref)), inputs
 
 
 def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -178,7 +178,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish() -> None:
         for ref, acc in zip(grad_refs, all_accs, strict=True):
-            ref[...] = acc[...]
+            ref[...] = acc[...].astype(ref.dtype)
 
 
 def tpu_backward_calls(
@@ -206,7 +206,7 @@ def tpu_backward_calls(
     ints = tpu_ints(ints)
     operands = [tpu_queries(plan, q_BTNH)]
     operands += [by_query_heads(x) for x in (k_BSGH, v_BSGW, do_BTNW)]
-    operands += [lse_BNT[..., None], delta_BNT[..., None]]
+    operands += [query_rows(plan, lse_BNT), query_rows(plan, delta_BNT)]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     terms = tpu_terms(terms)
     call = functools.partial(
@@ -222,8 +222,8 @@ def tpu_backward_calls(
             pl.BlockSpec((None, None, sk, dim), kv_rows),
             pl.BlockSpec((None, None, sk, width), kv_rows),
             pl.BlockSpec((None, None, sq, width), q_rows),
-            pl.BlockSpec((None, None, sq, 1), q_rows),
-            pl.BlockSpec((None, None, sq, 1), q_rows),
+            row_spec(plan, q_tile),
+            row_spec(plan, q_tile),
             pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, q_tile(i, j), 0)),
             pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, q_tile(i, j), 0)),
         ] + [pl.BlockSpec((None, 1, sk), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
@@ -242,7 +242,7 @@ def tpu_backward_calls(
     out_shape = [jax.ShapeDtypeStruct(tpu_queries(plan, q_BTNH).shape, q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
-    # Per (key tile, query), (B, N, count_k, count_q, 1, Q) (copejax.ops.kernels.tpu_carries):
+    # Per (key tile, query), (B, N, count_k, count_q, 1, Q) (copejax.ops.kernels.tpu_rows):
     # stick-breaking's r and u entering the key tile (out), CoPE's count entering it (in) and
     # its cotangent leaving it (out).
     carries_shape = carry_shape(plan, batch, heads)
@@ -301,9 +301,11 @@ def tpu_backward_calls(
         pl.BlockSpec((None, None, None, 1, size), lambda b, n, j, i: (b, n, j, 0, 0))
         for size in p_sizes
     ]
+    # dk, dv per query head: float32 to be summed over each group, else k's and v's dtypes
+    dk_dtype, dv_dtype = (k_BSGH.dtype, v_BSGW.dtype) if groups == 1 else (f32, f32)
     out_shape = [
-        jax.ShapeDtypeStruct((batch, heads, length_k, dim), f32),
-        jax.ShapeDtypeStruct((batch, heads, length_k, width), f32),
+        jax.ShapeDtypeStruct((batch, heads, length_k, dim), dk_dtype),
+        jax.ShapeDtypeStruct((batch, heads, length_k, width), dv_dtype),
     ] + [jax.ShapeDtypeStruct((batch, heads, 1, length_k), f32)] * len(k_terms)
     out_shape += [
         jax.ShapeDtypeStruct((batch, heads, plan.count_k, 1, size), f32) for size in p_sizes
@@ -314,7 +316,7 @@ def tpu_backward_calls(
     if gate_k:  # read like k; their gradient per query head, like dk
         extra_specs = [*extra_specs, specs(q_tile, k_tile)[1]]
         out_specs.append(out_specs[0])
-        out_shape.append(out_shape[0])
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, length_k, dim), f32))
         scratch.append(scratch[0])
     carry_in = carry_spec(plan, lambda j, i: (j, q_tile(j, i)))
     dk_BNSH, dv_BNSW, *rest = call(

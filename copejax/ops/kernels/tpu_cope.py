@@ -5,7 +5,7 @@ The maths of :mod:`copejax.ops.kernels.cope` (one function
 differentiated with ``jax.vjp``) on the grid of :mod:`copejax.ops.kernels.tpu_forward`. The
 forward (:func:`copejax.ops.kernels.tpu_forward` with ``plan.cope``) walks the key tiles
 newest first and writes the count entering each key tile, (B, N, count_k, count_q, 1, Q)
-(:mod:`copejax.ops.kernels.tpu_carries`). The dq
+(:mod:`copejax.ops.kernels.tpu_rows`). The dq
 kernel here walks them oldest first with the carry's cotangent in VMEM scratch, writes it as
 it leaves each key tile, and sums the position term's parameters' gradients per query tile;
 the dk / dv kernel (:mod:`copejax.ops.kernels.tpu_backward`, with :func:`cope_pair`) reads
@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK
-from copejax.ops.kernels.tpu_carries import load_carry, store_carry
 from copejax.ops.kernels.tpu_params import NT, read_refs, step_live
+from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 F32 = jnp.float32
 
@@ -59,7 +59,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             acc[...] = jnp.zeros(acc.shape, F32)
 
     # The cotangent of the carry leaving tile kj: the older tiles' pulls on theirs.
-    store_carry(dc_out, dc_acc[...])
+    store_row(dc_out, dc_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -87,10 +87,10 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             )
 
         cope_params = read_refs(cope_p_refs)
-        primals = (content_logits_QK(q_QH, k_KH), q_QH, cope_params, load_carry(c_in), q_values)
+        primals = (content_logits_QK(q_QH, k_KH), q_QH, cope_params, load_row(c_in), q_values)
         (s_QK, _), pull = jax.vjp(scores, *primals)
         dp_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
-        _, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_ref[...], dp_QK, delta_ref[...])
+        _, ds_QK = _softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
         d_logits, d_q, d_params, d_c, d_qv = pull((ds_QK, dc_acc[...]))
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         d_logits = (d_logits * scale).astype(k_KH.dtype)
@@ -127,7 +127,7 @@ def cope_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, extra: tu
             logits_QK,
             q_QH,
             cope_params,
-            c_Q=load_carry(c_in),
+            c_Q=load_row(c_in),
             allowed_QK=allowed_QK,
             inputs=inputs,
             gk_KH=gk_KH,
@@ -140,6 +140,6 @@ def cope_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, extra: tu
     gk_KH = None if gk_ref is None else gk_ref[...]
     (s_QK, _), pull = jax.vjp(scores, logits_QK, params, k_values, gk_KH)
     dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=F32)
-    p_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_ref[...], dp_QK, delta_ref[...])
-    d_logits, d_p, d_kv, d_gk = pull((ds_QK, load_carry(dc_in)))
+    p_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
+    d_logits, d_p, d_kv, d_gk = pull((ds_QK, load_row(dc_in)))
     return p_QK, d_logits, (d_p, d_kv), d_gk

@@ -27,7 +27,6 @@ from jax.experimental.pallas import tpu as pltpu
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
-from copejax.ops.kernels.tpu_carries import carry_shape, carry_spec, store_carry
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -44,6 +43,14 @@ from copejax.ops.kernels.tpu_params import (
     tpu_per_head_specs,
     tpu_queries,
     tpu_terms,
+)
+from copejax.ops.kernels.tpu_rows import (
+    carry_shape,
+    carry_spec,
+    from_query_rows,
+    row_spec,
+    rows_shape,
+    store_row,
 )
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
@@ -71,7 +78,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
 
     if cope:  # every step writes its key tile's count (a skipped tile's is never read)
-        store_carry(c_out, c_acc[...])
+        store_row(c_out, c_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -150,11 +157,11 @@ def tpu_forward_call(
     stats = [column] * (1 if plan.stick else 2)  # r, or max and sum
     out_specs = [
         pl.BlockSpec((None, None, sq, width), lambda b, n, i, j: (b, n, i, 0)),
-        pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0)),
+        row_spec(plan, lambda i, j: i),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, length_q, width), jnp.float32),
-        jax.ShapeDtypeStruct((batch, heads, length_q, 1), jnp.float32),
+        rows_shape(plan, batch, heads),
     ]
     scratch, extra = [*stats, pltpu.VMEM((sq, width), jnp.float32)], []
     if plan.cope is not None:  # parameters, gate keys (like k); the count entering each tile
@@ -166,7 +173,7 @@ def tpu_forward_call(
         out_specs.append(carry_spec(plan, lambda i, j: (key_step(plan, j, True), i)))
         out_shape.append(carry_shape(plan, batch, heads))
         scratch.append(column)
-    o_BNTW, lse_BNT1, *carries = pl.pallas_call(
+    o_BNTW, lse_BNC1Q, *carries = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),
         in_specs=specs + term_specs,
@@ -188,4 +195,4 @@ def tpu_forward_call(
         *term_in,
         *extra,
     )
-    return from_query_heads(o_BNTW), lse_BNT1[..., 0], carries
+    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q), carries

@@ -39,15 +39,18 @@ T: every operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
 float32 dk, dv per query head), plus CoPE's and stick-breaking's per-key-tile carries,
-O(T^2 / K)) and by int32 positions (below 2**30, the padding keys' rank), not by VMEM,
-within the 16 MiB default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
+O(T^2 / K); the statistics and the carries as lane-dense rows,
+:mod:`~copejax.ops.kernels.tpu_rows`) and by int32 positions (below 2**30, the padding keys'
+rank), not by VMEM, within the 16 MiB default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
 
 Checked without a TPU: the tests run the kernels in TPU interpret mode
 (``pltpu.InterpretParams``, which simulates VMEM, DMAs and the grid order) and export the
 forward and backward to ``platforms=["tpu"]``, which runs Pallas's Mosaic lowering (block
-shape rules, supported primitives) on the CPU. Mosaic's own layout passes run only when a TPU
-compiles the kernel, so which in-kernel relayouts they accept (the (Q, 1, K) intermediates of
-the pure position functions, 1-D reductions in the terms' vjps) is unmeasured.
+shape rules, supported primitives) on the CPU. Mosaic's own layout passes run where libtpu
+compiles the program: ``experiments.kernel_tpu`` compiles every covered scheme's model for
+compile-only v4, v5e, v5p and v6e chips (no TPU needed, libtpu in ``.venv-ptx``), which
+also gives XLA's TPU memory plan (``experiments/results/kernel_tpu.md``). Speed on a TPU is
+unmeasured.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_rows import from_query_rows, row_spec, rows_shape
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 
 F32 = jnp.float32
@@ -80,7 +81,7 @@ def pair_specs(
     ]
     if backward:
         specs.append(pl.BlockSpec((None, None, plan.size_q, width), q_rows))
-        specs += [pl.BlockSpec((None, None, plan.size_q, 1), q_rows)] * 2
+        specs += [row_spec(plan, q_tile)] * 2
     specs += [pl.BlockSpec((None, plan.size_q, 1), lambda b, n, i, j: (b, q_tile(i, j), 0))] * 2
     return (
         specs + [pl.BlockSpec((None, 1, plan.size_k), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
@@ -228,7 +229,7 @@ def tpu_selective_forward_call(
         num_term_refs=len(term_in),
     )
     column = pltpu.VMEM((plan.size_q, 1), F32)
-    o_BNTW, lse_BNT1 = pl.pallas_call(
+    o_BNTW, lse_BNC1Q = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),
         in_specs=pair_specs(plan, dim, width, q_tile, k_tile, backward=False)
@@ -236,11 +237,11 @@ def tpu_selective_forward_call(
         + selector_specs(plan, dim, q_tile, k_tile),
         out_specs=[
             pl.BlockSpec((None, None, plan.size_q, width), lambda b, n, i, j: (b, n, i, 0)),
-            pl.BlockSpec((None, None, plan.size_q, 1), lambda b, n, i, j: (b, n, i, 0)),
+            row_spec(plan, lambda i, j: i),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, heads, length_q, width), F32),
-            jax.ShapeDtypeStruct((batch, heads, length_q, 1), F32),
+            rows_shape(plan, batch, heads),
         ],
         scratch_shapes=[column, column, pltpu.VMEM((plan.size_q, width), F32)],
         interpret=interpret_mode(plan),
@@ -257,4 +258,4 @@ def tpu_selective_forward_call(
         ints["k_start"],
         prefix,
     )
-    return from_query_heads(o_BNTW), lse_BNT1[..., 0], prefix
+    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q), prefix

@@ -46,6 +46,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_rows import load_row, query_rows
 from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
 
 F32 = jnp.float32
@@ -88,7 +89,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
             nonlinearity,
             (q_QH, k_ref[...], v_ref[...], do_QW, plan.allowed_QK(*mask_args), bias_QK),
             selectors,
-            (lse_ref[...], delta_ref[...], r_acc[...]),
+            (load_row(lse_ref), load_row(delta_ref), r_acc[...]),
         )
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         q_sel_QH = selectors[0]
@@ -140,7 +141,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
             nonlinearity,
             (q_ref[...], k_KH, v_ref[...], do_ref[...], plan.allowed_QK(*mask_args), bias_QK),
             selectors,
-            (lse_ref[...], delta_ref[...], r_ref[...]),
+            (load_row(lse_ref), load_row(delta_ref), r_ref[...]),
         )
         scale = 1.0 / math.sqrt(k_KH.shape[-1])
         k_sel_KH = selectors[1]
@@ -189,7 +190,7 @@ def tpu_selective_backward_calls(
     sq, sk = plan.size_q, plan.size_k
     ints = {**tpu_ints(ints), "k_start": ints["k_start"][:, None, :]}
     operands = [by_query_heads(x) for x in tensors]
-    operands += [stat_BNT[..., None] for stat_BNT in stats]
+    operands += [query_rows(plan, stat_BNT) for stat_BNT in stats]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     selector_in = [selectors["q"], selectors["k"], ints["k_start"], prefix]
     terms = tpu_terms(terms)
@@ -253,7 +254,7 @@ def tpu_selective_backward_calls(
     k_tile = lambda i, j: tile_index(plan, i, j, keys=True)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
-    query_rows = lambda size: pl.BlockSpec((None, None, sq, size), lambda b, n, i, j: (b, n, i, 0))
+    query_block = lambda size: pl.BlockSpec((None, None, sq, size), lambda b, n, i, j: (b, n, i, 0))
     r_spec = pl.BlockSpec((None, None, None, 1, sk), lambda b, n, i, j: (b, n, i, 0, k_tile(i, j)))
     sizes = [dim, dim] + [1] * len(q_terms)
     dq_BNTH, dqsel_BNTH, *dqv = call(
@@ -263,7 +264,7 @@ def tpu_selective_backward_calls(
         + term_specs
         + selector_specs(plan, dim, q_tile, k_tile)
         + [r_spec],
-        out_specs=[query_rows(size) for size in sizes],
+        out_specs=[query_block(size) for size in sizes],
         out_shape=[jax.ShapeDtypeStruct((batch, heads, length_q, size), F32) for size in sizes],
         scratch_shapes=[pltpu.VMEM((sq, size), F32) for size in sizes],
         name="copejax_selective_dq_tpu",

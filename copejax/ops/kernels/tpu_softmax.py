@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan
+from copejax.ops.kernels.tpu_rows import store_row
 
 F32 = jnp.float32
 # The VMEM scratch refs: the running max (Q, 1), sum (Q, 1) and output accumulator (Q, W).
@@ -51,4 +52,4 @@ def finish_softmax(plan: Plan, o_ref: jax.Array, lse_ref: jax.Array, scratch: Sc
     seen_Q1 = sum_Q1 > 0
     safe_Q1 = jnp.where(seen_Q1, sum_Q1, 1.0)
     o_ref[...] = (acc_ref[...] / safe_Q1).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), plan.unseen_lse)
+    store_row(lse_ref, jnp.where(seen_Q1, max_ref[...] + jnp.log(safe_Q1), plan.unseen_lse))

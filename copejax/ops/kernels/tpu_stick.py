@@ -5,7 +5,7 @@ on (Q, 1) carries) on the grid of :mod:`copejax.ops.kernels.tpu_forward`: the fo
 dq kernels walk the key tiles newest first (:func:`~copejax.ops.kernels.tpu_params.key_step`)
 with the log stick remainder ``r`` (and in dq the ``G`` total ``u``) in VMEM scratch; the dq
 kernel writes both as they enter each key tile, (B, N, count_k, count_q, 1, Q)
-(:mod:`copejax.ops.kernels.tpu_carries`), which the dk / dv kernel (the softmax's,
+(:mod:`copejax.ops.kernels.tpu_rows`), which the dk / dv kernel (the softmax's,
 :mod:`copejax.ops.kernels.tpu_backward`, with :func:`stick_pair` for its pair) reads for its
 query tiles. Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
@@ -22,8 +22,8 @@ from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.stick import as_mixed, stick_dz_QK, stick_weights_QK
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
-from copejax.ops.kernels.tpu_carries import load_carry, store_carry
 from copejax.ops.kernels.tpu_params import NT, key_step, read_refs, step_live
+from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 F32 = jnp.float32
 
@@ -58,7 +58,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish() -> None:
         o_ref[...] = o_acc[...].astype(o_ref.dtype)
-        stat_ref[...] = -r_acc[...]
+        store_row(stat_ref, -r_acc[...])
 
 
 def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -80,8 +80,8 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             acc[...] = jnp.zeros(acc.shape, F32)
 
     # Every step writes its key tile's carries (a skipped tile's are never read).
-    store_carry(r_out, r_acc[...])
-    store_carry(u_out, u_acc[...])
+    store_row(r_out, r_acc[...])
+    store_row(u_out, u_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -97,7 +97,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         dov_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
         g_QK = as_mixed(a_QK, v_KW.dtype) * dov_QK
         dz_QK = stick_dz_QK(
-            z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_ref[...], u_Q=u_acc[...]
+            z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=load_row(delta_ref), u_Q=u_acc[...]
         )
         scale = 1.0 / math.sqrt(k_KH.shape[-1])
         dq_acc[...] += jax.lax.dot(
@@ -130,11 +130,11 @@ def stick_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, carries:
     allowed_QK = plan.allowed_QK(*mask_args)
     inputs = (*terms, qpos_ref[...], kpos_ref[...])
     z_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
-    a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, load_carry(r_ref))
+    a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, load_row(r_ref))
     v_KW = v_ref[...]
     dov_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
     g_QK = as_mixed(a_QK, v_KW.dtype) * dov_QK
     dz_QK = stick_dz_QK(
-        z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=delta_ref[...], u_Q=load_carry(u_ref)
+        z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=load_row(delta_ref), u_Q=load_row(u_ref)
     )
     return a_QK, dz_QK, inputs

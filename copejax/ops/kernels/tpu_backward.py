@@ -48,7 +48,17 @@ from copejax.ops.kernels.tpu_params import (
     tpu_queries,
     tpu_terms,
 )
-from copejax.ops.kernels.tpu_rows import carry_shape, carry_spec, load_row, query_rows, row_spec
+from copejax.ops.kernels.tpu_rows import (
+    carry_shape,
+    carry_spec,
+    from_query_rows,
+    load_row,
+    query_rows,
+    read_rows,
+    row_spec,
+    rows_shape,
+    store_row,
+)
 from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
 
 
@@ -92,7 +102,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
         _, ds_QK, inputs = _pair(
             plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
         )
@@ -117,7 +127,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     @pl.when(kj == last)
     def _finish() -> None:
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
-            ref[...] = acc[...]
+            store_row(ref, acc[...])
 
 
 def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -145,7 +155,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
         terms, term_grads = (params, q_values, k_values), None
         pair_refs = (*main, qpos_ref, kpos_ref)
         if cope:  # dS here is the content logits' cotangent
@@ -200,7 +210,7 @@ def tpu_backward_calls(
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
     counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, count_q, 1, Q)).
     """
-    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
+    batch, (heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-2:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
     ints = tpu_ints(ints)
@@ -208,7 +218,7 @@ def tpu_backward_calls(
     operands += [by_query_heads(x) for x in (k_BSGH, v_BSGW, do_BTNW)]
     operands += [query_rows(plan, lse_BNT), query_rows(plan, delta_BNT)]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
-    terms = tpu_terms(terms)
+    terms = tpu_terms(plan, terms)
     call = functools.partial(
         pl.pallas_call, interpret=interpret_mode(plan), compiler_params=compiler_params()
     )
@@ -233,8 +243,7 @@ def tpu_backward_calls(
     k_tile = lambda i, j: tile_index(plan, i, j, keys=True, newest_first=plan.stick)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
-    q_spec = pl.BlockSpec((None, None, sq, 1), lambda b, n, i, j: (b, n, i, 0))
-    q_shape = jax.ShapeDtypeStruct((batch, heads, length_q, 1), f32)
+    q_spec, q_shape = row_spec(plan, lambda i, j: i), rows_shape(plan, batch, heads)
     # dq per key chunk: the block of the grid step's own key tile's chunk (not the clamped
     # one's), so that every chunk's block is written.
     out_specs = [query_block(plan, sq, dim, lambda b, n, i, j: (b, n, i, 0), lambda *g: g[3])]
@@ -333,7 +342,7 @@ def tpu_backward_calls(
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
-        grads[i]["q"] = g[..., 0]
+        grads[i]["q"] = from_query_rows(g)
     for i, g in zip(k_terms, dkv, strict=True):
         grads[i]["k"] = g[:, :, 0, :]
     for i, g in zip(p_terms, dparams, strict=True):

@@ -48,6 +48,7 @@ from copejax.ops.kernels.tpu_rows import (
     carry_shape,
     carry_spec,
     from_query_rows,
+    read_rows,
     row_spec,
     rows_shape,
     store_row,
@@ -84,7 +85,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
+        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
         inputs = (*terms, qpos_ref[...], kpos_ref[...])
         q_QH, k_KH = q_ref[...], k_ref[...]
         if cope:
@@ -149,7 +150,7 @@ def tpu_forward_call(
         pl.BlockSpec((None, sq, 1), lambda b, n, i, j: (b, i, 0)),
     ] + [pl.BlockSpec((None, 1, sk), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
     has, term_in, term_specs = term_operands(
-        plan, tpu_terms(terms), q_tile=lambda i, j: i, k_tile=k_tile
+        plan, tpu_terms(plan, terms), q_tile=lambda i, j: i, k_tile=k_tile
     )
     body = stick_forward_kernel if plan.stick else _forward_kernel
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_in))

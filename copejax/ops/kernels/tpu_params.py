@@ -63,6 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.tiles import Plan
+from copejax.ops.kernels.tpu_rows import query_rows, row_spec
 
 LANES = 128  # a (1, K) block's K must be a multiple of this (or the whole axis)
 BACKENDS = ("triton", "tpu")
@@ -196,15 +197,16 @@ def tpu_ints(ints: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
-def tpu_terms(terms: list[dict]) -> list[dict]:
-    """The terms' arrays as (N, 1, P) rows, (B, N, T, 1) query and (B, N, 1, S) key values."""
+def tpu_terms(plan: Plan, terms: list[dict]) -> list[dict]:
+    """The terms' arrays as (N, 1, P) rows, (B, N, count_q, 1, Q) query values
+    (:func:`~copejax.ops.kernels.tpu_rows.query_rows`) and (B, N, 1, S) key values."""
     out = []
     for term in terms:
         p, q, k = term["params"], term["q"], term["k"]
         out.append(
             {
                 "params": None if p is None else p[:, None, :],
-                "q": None if q is None else q[..., None],
+                "q": None if q is None else query_rows(plan, q),
                 "k": None if k is None else k[:, :, None, :],
             }
         )
@@ -226,11 +228,7 @@ def term_operands(
             specs.append(pl.BlockSpec((None, 1, size), lambda b, n, i, j: (n, 0, 0)))
         if term["q"] is not None:
             operands.append(term["q"])
-            specs.append(
-                pl.BlockSpec(
-                    (None, None, plan.size_q, 1), lambda b, n, i, j: (b, n, q_tile(i, j), 0)
-                )
-            )
+            specs.append(row_spec(plan, q_tile))
         if term["k"] is not None:
             operands.append(term["k"])
             specs.append(

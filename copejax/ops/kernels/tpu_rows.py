@@ -1,5 +1,6 @@
 """Per-query float32 values of the TPU kernels stored as lane-dense rows (issue 45): the
-log-sum-exp and D = rowsum(dO o O), and the carries per (key tile, query).
+log-sum-exp and D = rowsum(dO o O), the terms' per-query values (FoX's prefix sums) and their
+gradients, and the carries per (key tile, query).
 
 In a kernel such a value is a (Q, 1) column, one float32 per query row. Stored as a (.., T, 1)
 array, TPU's HBM tiles the last two axes by (8, 128): each float32 takes a 128-lane row, 512
@@ -83,6 +84,12 @@ def load_row(ref: object) -> jax.Array:
     diagonal summed along the lanes."""
     row_1Q = ref[...]
     return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+
+
+def read_rows(refs: list) -> list:
+    """The (Q, 1) columns of (1, Q) row blocks (the terms' per-query values), None where a
+    term has none."""
+    return [None if r is None else load_row(r) for r in refs]
 
 
 def _diagonal(size: int) -> jax.Array:

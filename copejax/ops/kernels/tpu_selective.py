@@ -59,7 +59,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
-from copejax.ops.kernels.tpu_rows import from_query_rows, row_spec, rows_shape
+from copejax.ops.kernels.tpu_rows import from_query_rows, read_rows, row_spec, rows_shape
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 
 F32 = jnp.float32
@@ -178,7 +178,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
+        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
         bias_QK = term_bias(plan, terms, qpos_ref[...], kpos_ref[...])
         s_QK, _ = penalized_scores_QK(
             nonlinearity,
@@ -220,7 +220,9 @@ def tpu_selective_forward_call(
     prefix = tpu_prefix_call(plan, nonlinearity, selectors, ints)
     q_tile = lambda i, j: i
     k_tile = lambda i, j: tile_index(plan, i, j, keys=True)
-    has, term_in, term_specs = term_operands(plan, tpu_terms(terms), q_tile=q_tile, k_tile=k_tile)
+    has, term_in, term_specs = term_operands(
+        plan, tpu_terms(plan, terms), q_tile=q_tile, k_tile=k_tile
+    )
     kernel = functools.partial(
         _forward_kernel,
         plan=plan,

@@ -46,7 +46,15 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_terms,
 )
-from copejax.ops.kernels.tpu_rows import load_row, query_rows
+from copejax.ops.kernels.tpu_rows import (
+    from_query_rows,
+    load_row,
+    query_rows,
+    read_rows,
+    row_spec,
+    rows_shape,
+    store_row,
+)
 from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
 
 F32 = jnp.float32
@@ -76,7 +84,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
 
         def bias(p: list, kv: list) -> jax.Array | None:
@@ -128,7 +136,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
 
         def bias(qv: list) -> jax.Array | None:
@@ -154,8 +162,10 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish() -> None:
-        for ref, acc in zip(out_refs, accs, strict=True):
+        for ref, acc in zip(out_refs[:2], accs[:2], strict=True):
             ref[...] = acc[...]
+        for ref, acc in zip(out_refs[2:], accs[2:], strict=True):  # the per-query gradients
+            store_row(ref, acc[...])
 
 
 def tpu_selective_backward_calls(
@@ -193,7 +203,7 @@ def tpu_selective_backward_calls(
     operands += [query_rows(plan, stat_BNT) for stat_BNT in stats]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     selector_in = [selectors["q"], selectors["k"], ints["k_start"], prefix]
-    terms = tpu_terms(terms)
+    terms = tpu_terms(plan, terms)
     call = functools.partial(
         pl.pallas_call, interpret=interpret_mode(plan), compiler_params=compiler_params()
     )
@@ -257,6 +267,7 @@ def tpu_selective_backward_calls(
     query_block = lambda size: pl.BlockSpec((None, None, sq, size), lambda b, n, i, j: (b, n, i, 0))
     r_spec = pl.BlockSpec((None, None, None, 1, sk), lambda b, n, i, j: (b, n, i, 0, k_tile(i, j)))
     sizes = [dim, dim] + [1] * len(q_terms)
+    q_row_shape = rows_shape(plan, batch, heads)
     dq_BNTH, dqsel_BNTH, *dqv = call(
         kernel(_dq_kernel, has, term_in),
         grid=(batch, heads, plan.count_q, plan.count_k),
@@ -264,14 +275,15 @@ def tpu_selective_backward_calls(
         + term_specs
         + selector_specs(plan, dim, q_tile, k_tile)
         + [r_spec],
-        out_specs=[query_block(size) for size in sizes],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, length_q, size), F32) for size in sizes],
+        out_specs=[query_block(dim)] * 2 + [row_spec(plan, q_tile)] * len(q_terms),
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, length_q, dim), F32)] * 2
+        + [q_row_shape] * len(q_terms),
         scratch_shapes=[pltpu.VMEM((sq, size), F32) for size in sizes],
         name="copejax_selective_dq_tpu",
     )(*operands, *term_in, *selector_in, carry)
     grads = [{"params": None, "q": None, "k": None} for _ in terms]
     for i, g in zip(q_terms, dqv, strict=True):
-        grads[i]["q"] = g[..., 0]
+        grads[i]["q"] = from_query_rows(g)
     for i, g in zip(k_terms, dkv, strict=True):
         grads[i]["k"] = g[:, :, 0, :]
     for i, g in zip(p_terms, dparams, strict=True):

@@ -23,7 +23,7 @@ from copejax.ops.kernels.stick import as_mixed, stick_dz_QK, stick_weights_QK
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
 from copejax.ops.kernels.tpu_params import NT, key_step, read_refs, step_live
-from copejax.ops.kernels.tpu_rows import load_row, store_row
+from copejax.ops.kernels.tpu_rows import load_row, read_rows, store_row
 
 F32 = jnp.float32
 
@@ -47,7 +47,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs))
+        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
         inputs = (*terms, qpos_ref[...], kpos_ref[...])
         z_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
         a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_acc[...])
@@ -86,7 +86,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_refs(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
         allowed_QK = plan.allowed_QK(*mask_args)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
         k_KH, v_KW = k_ref[...], v_ref[...]
@@ -118,7 +118,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     def _finish() -> None:
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
-            ref[...] = acc[...]
+            store_row(ref, acc[...])
 
 
 def stick_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, carries: tuple) -> tuple:

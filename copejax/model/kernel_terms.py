@@ -92,6 +92,18 @@ RELATIVE = ("relative", "relative_capped")
 # (copejax.ops.kernels.carry_groups), selective attention's backward nothing per tile
 # (copejax.ops.kernels.selective_backward; experiments/results/kernel_memory.md).
 CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
+# Composites that the registry-wide kernel checks run beside the registered names (their parts'
+# terms are summed in the kernels as the naive path sums biases): tests/ops/kernels/
+# test_kernel_registry.py and experiments/kernel_tpu.py.
+CHECKED_COMPOSITES = (
+    "alibi+rope",
+    "fox+t5",
+    "kerple+xpos",
+    "alibi+stickbreaking",
+    "selective+rope",
+    "selective+fox",
+    "path+fox",
+)
 LINEAR_ON_GPU = frozenset({"cope", "selective", *NORMALIZERS})
 
 

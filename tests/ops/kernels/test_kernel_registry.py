@@ -17,7 +17,7 @@ import pytest
 
 from copejax.model import decode
 from copejax.model.attention_paths import choose_impl
-from copejax.model.kernel_terms import kernel_refusal
+from copejax.model.kernel_terms import CHECKED_COMPOSITES, kernel_refusal
 from copejax.model.measured_paths import MEASURED
 from copejax.model.transformer import Transformer
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
@@ -32,16 +32,7 @@ POSITIONS_BT = np.array([np.arange(LENGTH), np.r_[np.arange(17), np.arange(15), 
 SCHEMES = registry.names()
 COVERED = [name for name in SCHEMES if kernel_refusal(registry.make_scheme(name)) is None]
 REFUSED = [name for name in SCHEMES if name not in COVERED]
-# Composites: their parts' terms are summed in the kernels as the naive path sums biases.
-COMPOSITES = [
-    "alibi+rope",
-    "fox+t5",
-    "kerple+xpos",
-    "alibi+stickbreaking",
-    "selective+rope",
-    "selective+fox",
-    "path+fox",
-]
+COMPOSITES = list(CHECKED_COMPOSITES)
 SLOW = pytest.mark.slow
 
 

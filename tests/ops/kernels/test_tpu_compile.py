@@ -1,0 +1,92 @@
+"""The TPU kernels compile for real TPUs, Mosaic's own passes included, without a TPU.
+
+TPU interpret mode and the export to ``platforms=["tpu"]`` (the other TPU tests) stop before
+Mosaic's layout passes, which run only where libtpu compiles the program; they are where a
+relayout a TPU generation lacks fails (a (Q, 1) <-> (1, Q) reshape is a sublane gather, which
+v4 has not: ``copejax/ops/kernels/tpu_rows.py``). libtpu compiles for compile-only chips of a
+named TPU slice on a CPU (``experiments/kernel_tpu.py``). ``python3 dev.py test`` installs the
+libtpu that the pinned jax's ``[tpu]`` extra names into ``.libtpu``, outside ``.venv``; the
+compiles run in a child process that alone has it on its path. Here: one scheme per kernel
+family on v4 and v5e in bfloat16; slow: every covered scheme (the registry, so a new scheme is
+compiled too, or refused by ``tpu_kernel_refusal``) on v4, v5e, v5p and v6e in bfloat16 and
+float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+LIBTPU_DIR = ROOT / ".libtpu"
+# One scheme per kernel family: the softmax alone, per-query values with table parameters,
+# stick-breaking with parameters, CoPE's carried count, selective attention with per-query
+# values, PaTH's chunked queries, TAPE's value columns, XL's wider queries, FIRE's MLP.
+FAMILIES = (
+    "nope",
+    "fox+t5",
+    "alibi+stickbreaking",
+    "cope",
+    "selective+fox",
+    "path+fox",
+    "tape",
+    "transformer_xl",
+    "fire",
+)
+
+
+def _compile(generations: str, schemes: str, dtypes: str) -> list[dict]:
+    """Rows of ``experiments.kernel_tpu.compile_rows``, run in a child process with libtpu."""
+    if not (LIBTPU_DIR / "libtpu").is_dir():
+        pytest.skip(f"no libtpu in {LIBTPU_DIR}: python3 dev.py test installs it")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(LIBTPU_DIR)]),
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",  # pytest-xdist's workers may each hold libtpu
+    )
+    code = (
+        "import sys; from experiments.kernel_tpu import compile_rows; "
+        "compile_rows(*(arg.split(',') for arg in sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, generations, schemes, dtypes],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and rows, done.stderr[-3000:]
+    return rows
+
+
+def _assert_compiled(rows: list[dict]) -> None:
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert not failed, "\n".join(
+        f"{r['scheme']} {r['generation']} {r['dtype']}: {r}" for r in failed
+    )
+
+
+def test_each_kernel_family_compiles_for_v4_and_v5e() -> None:
+    rows = _compile("v4,v5e", ",".join(FAMILIES), "bfloat16")
+    assert len(rows) == 2 * len(FAMILIES)
+    _assert_compiled(rows)
+    assert all(r["kernels"] >= 3 for r in rows)  # forward, dq, dk / dv at least
+
+
+@pytest.mark.slow
+def test_every_covered_scheme_compiles_for_four_generations() -> None:
+    from experiments.kernel_tpu import covered_schemes
+
+    schemes = covered_schemes()
+    rows = _compile("v4,v5e,v5p,v6e", ",".join(schemes), "bfloat16,float32")
+    assert len(rows) == 8 * len(schemes)
+    _assert_compiled(rows)

@@ -103,10 +103,11 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
 def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_cap(
     table,
 ) -> None:
-    """On a TPU, CoPE's, stick-breaking's and selective attention's kernels keep O(T^2 / 64)
-    carries: auto follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES.
-    FoX's kernels keep O(T), and the three's GPU kernels O(T H) (carry groups; selective
-    attention's backward keeps nothing per tile): auto follows those at any length."""
+    """On a TPU, CoPE's and selective attention's kernels keep O(T^2 / 64) carries: auto
+    follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES. FoX's kernels keep
+    O(T), stick-breaking's TPU kernels keep theirs in VMEM, and the three's GPU kernels O(T H)
+    (carry groups; selective attention's backward keeps nothing per tile): auto follows those
+    at any length."""
     table(
         _entry("selective", 4096, "kernel"),
         _entry("fox", 4096, "kernel"),
@@ -127,8 +128,9 @@ def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_c
     assert choose_impl(cope, 16384, False, "tpu", 96 * 16384**2) == "kernel"
     assert choose_impl(cope, 32768, False, "tpu", 96 * 32768**2) == "blockwise"
     composite = tiny_config("alibi+stickbreaking", dtype="bfloat16", max_len=65536)
-    assert carries_across_tiles(composite.scheme, "tpu")
+    assert not carries_across_tiles(composite.scheme, "tpu")
     assert not carries_across_tiles(composite.scheme, "gpu")
+    assert carries_across_tiles(cope.scheme, "tpu") and not carries_across_tiles(cope.scheme, "gpu")
     selective, fox = linear[0], linear[3]
     assert carries_across_tiles(selective.scheme, "tpu") and not carries_across_tiles(
         selective.scheme, "gpu"

@@ -6,10 +6,10 @@ kernels (:mod:`copejax.ops.kernels.backward`) recompute each pair's scores from 
 wired by ``jax.custom_vjp``. The scores are ``q . k / sqrt(H)`` plus the sum of the given
 :class:`~copejax.ops.kernels.terms.KernelTerm` biases, computed tile by tile inside the
 kernels: no (T, S) array exists, forward or backward. With ``normalizer="stickbreaking"``
-stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`; its backward keeps
-O(T^2 / K) carries, one per query and key tile). GPT-OSS's attention sink (``sink_N``) joins
-the softmax's denominator (:mod:`copejax.ops.kernels.sink`). Masking: causal, packed segments,
-a sliding window W with StreamingLLM's sink tokens (the mask of
+stick-breaking replaces the softmax (:mod:`copejax.ops.kernels.stick`; its GPU backward keeps
+its carries per carry group of key tiles, O(T H); the TPU's in VMEM). GPT-OSS's attention
+sink (``sink_N``) joins the softmax's denominator (:mod:`copejax.ops.kernels.sink`). Masking:
+causal, packed segments, a sliding window W with StreamingLLM's sink tokens (the mask of
 :func:`copejax.ops.segments.pair_allowed_BQK`); grouped KV heads (G divides N); tiles with
 no allowed pair are skipped. Inputs in bfloat16 or float32; logits, softmax statistics and
 the terms in float32; the matmuls take the inputs' dtype with float32 accumulation.

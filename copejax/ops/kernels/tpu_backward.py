@@ -49,10 +49,12 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_rows import (
+    add_row_at,
     carry_shape,
     carry_spec,
     from_query_rows,
     load_row,
+    load_row_at,
     query_rows,
     read_rows,
     row_spec,
@@ -134,22 +136,33 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     main = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    # stick-breaking's r and u entering this key tile; CoPE's parameters, gate keys, count
-    # and its cotangent (and then the gate keys' gradient after the terms')
+    # CoPE's parameters, gate keys, count and its cotangent (and then the gate keys'
+    # gradient after the terms'); stick-breaking's r and u for every query of the head, last
+    # in the scratch (key tiles walked newest first)
     cope, gate_keys = plan.cope is not None, plan.cope is not None and plan.cope.gate_keys
-    num_extra = 2 if plan.stick else plan.cope.num_params + gate_keys + 2 if cope else 0
+    num_extra = plan.cope.num_params + gate_keys + 2 if cope else 0
     extra = refs[11 + num_term_refs : 11 + num_term_refs + num_extra]
     outs = refs[11 + num_term_refs + num_extra :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has) + gate_keys
     grad_refs, all_accs = outs[:num_grads], outs[num_grads:]
+    carries = all_accs[-2:] if plan.stick else ()
+    all_accs = all_accs[:-2] if plan.stick else all_accs
     accs = all_accs[: len(all_accs) - gate_keys]
     dgk_acc = all_accs[-1] if gate_keys else None
-    kj, qi = pl.program_id(2), pl.program_id(3)
+    step, qi = pl.program_id(2), pl.program_id(3)
+    kj = key_step(plan, step, newest_first=plan.stick)
 
     @pl.when(qi == 0)
     def _init() -> None:
         for acc in all_accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+    if carries:  # the newest key tile: nothing newer yet for any query
+
+        @pl.when((step == 0) & (qi == 0))
+        def _init_carries() -> None:
+            for carry in carries:
+                carry[...] = jnp.zeros(carry.shape, jnp.float32)
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -163,7 +176,10 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             if dgk_acc is not None:
                 dgk_acc[...] += d_gk
         elif plan.stick:
-            p_QK, ds_QK, inputs = stick_pair(plan, pair_refs, mask_args, terms, extra)
+            entering = tuple(load_row_at(carry, qi) for carry in carries)
+            p_QK, ds_QK, inputs, added = stick_pair(plan, pair_refs, mask_args, terms, entering)
+            for carry, column_Q1 in zip(carries, added, strict=True):
+                add_row_at(carry, qi, column_Q1)
         else:
             p_QK, ds_QK, inputs = _pair(plan, pair_refs, mask_args, terms)
         q_QH, do_QW = main[0][...], main[3][...]
@@ -252,15 +268,12 @@ def tpu_backward_calls(
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
     # Per (key tile, query), (B, N, count_k, count_q, 1, Q) (copejax.ops.kernels.tpu_rows):
-    # stick-breaking's r and u entering the key tile (out), CoPE's count entering it (in) and
-    # its cotangent leaving it (out).
+    # CoPE's count entering the key tile (in) and its cotangent leaving it (out).
     carries_shape = carry_shape(plan, batch, heads)
-    carry_out = carry_spec(plan, lambda i, j: (key_step(plan, j, newest_first=plan.stick), i))
+    carry_out = carry_spec(plan, lambda i, j: (j, i))
     dq_body, num_outs, extra_in, extra_specs = _dq_kernel, 0, [], []
-    if plan.stick:
-        dq_body, num_outs = stick_dq_kernel, 2
-        out_specs += [carry_out] * 2
-        out_shape += [carries_shape] * 2
+    if plan.stick:  # r and u in scratch
+        dq_body = stick_dq_kernel
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
     gate_k = [] if gate_k_BSGH is None else [by_query_heads(gate_k_BSGH)]
     if plan.cope is not None:  # also its parameters' gradients per query tile (B, N, count_q, ..)
@@ -294,20 +307,21 @@ def tpu_backward_calls(
         extra_in = [*cope, *gate_k]
         extra_specs = tpu_per_head_specs(cope)
 
-    # dk, dv: grid (b, n, key tile j, query tile i), query tiles clamped to those seeing j.
-    q_tile = lambda j, i: tile_index(plan, j, i, keys=False)
-    k_tile = lambda j, i: j
+    # dk, dv: grid (b, n, key step j, query tile i), query tiles clamped to those seeing the
+    # step's key tile (stick-breaking: the key tiles newest first, its carries in scratch).
+    k_tile = lambda j, i: key_step(plan, j, newest_first=plan.stick)
+    q_tile = lambda j, i: tile_index(plan, k_tile(j, i), i, keys=False)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
     p_terms = [i for i, t in enumerate(terms) if t["params"] is not None]
     p_sizes = [terms[i]["params"].shape[-1] for i in p_terms]
-    k_spec = pl.BlockSpec((None, None, 1, sk), lambda b, n, j, i: (b, n, 0, j))
+    k_spec = pl.BlockSpec((None, None, 1, sk), lambda b, n, j, i: (b, n, 0, k_tile(j, i)))
     out_specs = [
-        pl.BlockSpec((None, None, sk, dim), lambda b, n, j, i: (b, n, j, 0)),
-        pl.BlockSpec((None, None, sk, width), lambda b, n, j, i: (b, n, j, 0)),
+        pl.BlockSpec((None, None, sk, dim), lambda b, n, j, i: (b, n, k_tile(j, i), 0)),
+        pl.BlockSpec((None, None, sk, width), lambda b, n, j, i: (b, n, k_tile(j, i), 0)),
     ] + [k_spec] * len(k_terms)
     out_specs += [
-        pl.BlockSpec((None, None, None, 1, size), lambda b, n, j, i: (b, n, j, 0, 0))
+        pl.BlockSpec((None, None, None, 1, size), lambda b, n, j, i: (b, n, k_tile(j, i), 0, 0))
         for size in p_sizes
     ]
     # dk, dv per query head: float32 to be summed over each group, else k's and v's dtypes
@@ -327,6 +341,10 @@ def tpu_backward_calls(
         out_specs.append(out_specs[0])
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, length_k, dim), f32))
         scratch.append(scratch[0])
+    params = compiler_params()
+    if plan.stick:  # r and u per query of the head, carried across the key steps
+        scratch += [pltpu.VMEM((plan.count_q, sq), f32)] * 2
+        params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
     carry_in = carry_spec(plan, lambda j, i: (j, q_tile(j, i)))
     dk_BNSH, dv_BNSW, *rest = call(
         functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
@@ -335,6 +353,7 @@ def tpu_backward_calls(
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
+        compiler_params=params,
         name="copejax_attention_dkdv_tpu",
     )(*operands, *term_in, *extra_in, *carries)
     if gate_k:

@@ -34,12 +34,15 @@ float32, the dq kernel 1.3 / 1.5 MiB, the dk / dv kernel 1.5 / 1.8 MiB (each ter
 most 0.2 MiB; selective attention's kernels about 0.5 MiB more in the forward and 0.7 MiB in
 each backward kernel, counted the same way: the selecting head's q and k tiles, P or R, the
 selection and its three bfloat16 pieces, the (Q, Q) triangle and the selecting head's
-float32 gradients); at Q = K = 256 and H = 256 about 4.5 MiB in float32. None of it grows with
-T: every operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N, T)
+float32 gradients); at Q = K = 256 and H = 256 about 4.5 MiB in float32. Only stick-breaking's
+dk / dv kernel grows with T: it keeps r and u for the head's queries, 8 bytes per query (16
+with query tiles under the 128 lanes: 256 KiB at T = 16384, Q = 64), which the 16 MiB of
+v4 / v5e hold up to about T = 800K at Q = 64. Every other operand is tiled along T, so T is
+bounded by HBM (q, k, v, o and the (B, N, T)
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
-float32 dk, dv per query head), plus CoPE's and stick-breaking's per-key-tile carries,
-O(T^2 / K); the statistics and the carries as lane-dense rows,
+float32 dk, dv per query head), plus CoPE's per-key-tile carries, O(T^2 / K); the
+statistics and the carries as lane-dense rows,
 :mod:`~copejax.ops.kernels.tpu_rows`) and by int32 positions (below 2**30, the padding keys'
 rank), not by VMEM, within the 16 MiB default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
 
@@ -92,12 +95,12 @@ def check_tpu_call(backend: str, extras: dict[str, object]) -> None:
         )
 
 
-def compiler_params() -> pltpu.CompilerParams:
-    """Mosaic's parameters: the batch, head and outer tile axes parallel (megacore may
-    split them), the walked tile axis sequential (the scratch carries across it)."""
-    return pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-    )
+def compiler_params(
+    semantics: tuple[str, ...] = ("parallel", "parallel", "parallel", "arbitrary"),
+) -> pltpu.CompilerParams:
+    """Mosaic's parameters: by default the batch, head and outer tile axes parallel (megacore
+    may split them), the walked tile axis sequential (the scratch carries across it)."""
+    return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
 def interpret_mode(plan: Plan) -> pltpu.InterpretParams | bool:

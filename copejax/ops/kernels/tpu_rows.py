@@ -1,22 +1,22 @@
 """Per-query float32 values of the TPU kernels stored as lane-dense rows (issue 45): the
 log-sum-exp and D = rowsum(dO o O), the terms' per-query values (FoX's prefix sums) and their
-gradients, and the carries per (key tile, query).
+gradients, CoPE's carries per (key tile, query), and stick-breaking's carries for the head's
+queries in VMEM.
 
 In a kernel such a value is a (Q, 1) column, one float32 per query row. Stored as a (.., T, 1)
 array, TPU's HBM tiles the last two axes by (8, 128): each float32 takes a 128-lane row, 512
 bytes. For the log-sum-exp and D, (B, N, T, 1) each, that was 1 GiB of the nope kernel's
 3.6 GiB of temporaries at (B, N, H) = (4, 16, 128), T = 16384; for stick-breaking's r and u
-(:mod:`copejax.ops.kernels.tpu_stick`) and CoPE's count and its cotangent
-(:mod:`copejax.ops.kernels.tpu_cope`), one per key tile, (B, N, count_k, T, 1), 16 GiB at
+and CoPE's count and its cotangent, one per key tile, (B, N, count_k, T, 1), 16 GiB at
 (2, 4, 64), more than a v5e's HBM (``experiments/results/kernel_tpu.md``). Here they are
 (B, N, count_q, 1, Q) and (B, N, count_k, count_q, 1, Q): each query tile's values one row,
 its queries along the lanes (4 bytes each from Q = 128 up; a query tile under the lane width
 pads its row to 128 lanes), read and written as whole (1, Q) blocks, which Mosaic takes at any
-Q (a (1, Q) block of a (.., 1, T) array would need Q % 128 == 0). The kernels turn a row into
-a column and back through a (Q, Q) diagonal mask and a sum, once per grid step and value:
-Mosaic's reshape between them is a sublane gather, which v4 does not have
-(``experiments.kernel_tpu`` compiles both on v4, v5e, v5p and v6e). Shape letters as in
-:mod:`copejax.ops.kernels.tpu_forward`.
+Q (a (1, Q) block of a (.., 1, T) array would need Q % 128 == 0); in VMEM, (count_q, Q) with
+a dynamic row. The kernels turn a row into a column and back through a (Q, Q) diagonal mask
+and a sum, once per grid step and value: Mosaic's reshape between them is a sublane gather,
+which v4 does not have (``experiments.kernel_tpu`` compiles both on v4, v5e, v5p and v6e).
+Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ def load_row(ref: object) -> jax.Array:
     diagonal summed along the lanes."""
     row_1Q = ref[...]
     return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+
+
+def load_row_at(ref: object, index: jax.Array) -> jax.Array:
+    """The (Q, 1) column of row ``index`` of a (rows, Q) VMEM ref."""
+    row_1Q = ref[pl.ds(index, 1), :]
+    return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+
+
+def add_row_at(ref: object, index: jax.Array, column_Q1: jax.Array) -> None:
+    """Adds a (Q, 1) column to row ``index`` of a (rows, Q) VMEM ref."""
+    diagonal_QQ = jnp.where(_diagonal(column_Q1.shape[0]), column_Q1, 0.0)
+    ref[pl.ds(index, 1), :] += jnp.sum(diagonal_QQ, axis=0, keepdims=True)
 
 
 def read_rows(refs: list) -> list:

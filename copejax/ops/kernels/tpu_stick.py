@@ -3,11 +3,16 @@
 The maths of :mod:`copejax.ops.kernels.stick` (its ``stick_weights_QK`` and ``stick_dz_QK``
 on (Q, 1) carries) on the grid of :mod:`copejax.ops.kernels.tpu_forward`: the forward and
 dq kernels walk the key tiles newest first (:func:`~copejax.ops.kernels.tpu_params.key_step`)
-with the log stick remainder ``r`` (and in dq the ``G`` total ``u``) in VMEM scratch; the dq
-kernel writes both as they enter each key tile, (B, N, count_k, count_q, 1, Q)
-(:mod:`copejax.ops.kernels.tpu_rows`), which the dk / dv kernel (the softmax's,
-:mod:`copejax.ops.kernels.tpu_backward`, with :func:`stick_pair` for its pair) reads for its
-query tiles. Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
+with the log stick remainder ``r`` (and in dq the ``G`` total ``u``) in VMEM scratch. The
+dk / dv kernel (the softmax's, :mod:`copejax.ops.kernels.tpu_backward`, with
+:func:`stick_pair` for its pair) walks the key tiles newest first too, each over its query
+tiles, and keeps r and u for every query of the head in VMEM, (count_q, Q) each
+(:func:`~copejax.ops.kernels.tpu_rows.load_row_at`): a pair reads its query tile's carries
+entering the key tile and adds its row sums for the older tiles. Nothing per (key tile,
+query) goes to HBM (it did: (B, N, count_k, T) twice, 16 GiB at (B, N, H) = (2, 4, 64),
+T = 16384, in TPU's padded layout), and the key axis of that grid is sequential
+("arbitrary"): the head's carries cross it. VMEM: 8 bytes per query of the head (128 KiB at
+T = 16384). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -62,15 +67,15 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
 
 
 def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dq, the terms' per-query gradients, and the carries r, u entering each key tile
-    (outputs: dq, per-query gradients, r, u; scratch: dq, per-query gradients, r, u)."""
+    """dq and the terms' per-query gradients (outputs: dq, per-query gradients; scratch: dq,
+    per-query gradients, r, u)."""
     q_ref, k_ref, v_ref, do_ref, _, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     outs = refs[11 + num_term_refs :]
     num_q = sum(h[1] for h in has)
-    dq_ref, dqv_refs, r_out, u_out = outs[0], outs[1 : 1 + num_q], *outs[1 + num_q : 3 + num_q]
-    dq_acc, *dqv_accs, r_acc, u_acc = outs[3 + num_q :]
+    dq_ref, dqv_refs = outs[0], outs[1 : 1 + num_q]
+    dq_acc, *dqv_accs, r_acc, u_acc = outs[1 + num_q :]
     qi, step = pl.program_id(2), pl.program_id(3)
     kj = key_step(plan, step, newest_first=True)
 
@@ -79,9 +84,6 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         for acc in (dq_acc, *dqv_accs, r_acc, u_acc):
             acc[...] = jnp.zeros(acc.shape, F32)
 
-    # Every step writes its key tile's carries (a skipped tile's are never read).
-    store_row(r_out, r_acc[...])
-    store_row(u_out, u_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -122,19 +124,21 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
 
 def stick_pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, carries: tuple) -> tuple:
-    """(A, dz, term inputs) of one dk / dv step's pair, float32 (Q, K), from the carries
-    (r, u) the dq kernel wrote for this key tile and query tile; ``refs`` as
+    """(A, dz, term inputs, the carries' increments) of one dk / dv step's pair: float32
+    (Q, K) tiles from the (Q, 1) carries r, u entering this key tile, and the pair's row sums
+    of softplus and G that the next (older) key tile's carries add; ``refs`` as
     ``tpu_backward._pair`` reads them."""
     q_ref, k_ref, v_ref, do_ref, _, delta_ref, qpos_ref, kpos_ref = refs
-    r_ref, u_ref = carries
+    r_Q1, u_Q1 = carries
     allowed_QK = plan.allowed_QK(*mask_args)
     inputs = (*terms, qpos_ref[...], kpos_ref[...])
     z_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
-    a_QK, _, e_QK = stick_weights_QK(z_QK, allowed_QK, load_row(r_ref))
+    a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q1)
     v_KW = v_ref[...]
     dov_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
     g_QK = as_mixed(a_QK, v_KW.dtype) * dov_QK
     dz_QK = stick_dz_QK(
-        z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=load_row(delta_ref), u_Q=load_row(u_ref)
+        z_QK, allowed_QK, e_QK=e_QK, g_QK=g_QK, delta_Q=load_row(delta_ref), u_Q=u_Q1
     )
-    return a_QK, dz_QK, inputs
+    increments = (jnp.sum(softplus_QK, axis=1, keepdims=True), jnp.sum(g_QK, axis=1, keepdims=True))
+    return a_QK, dz_QK, inputs, increments

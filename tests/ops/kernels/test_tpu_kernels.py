@@ -218,9 +218,8 @@ def test_lowers_to_mosaic_tpu(with_terms: bool, stick: bool) -> None:
     assert text.count("tpu_custom_call") == 3
     for name in ("forward", "dq", "dkdv"):
         assert f"copejax_attention_{name}_tpu" in text
-    if stick:  # its carries per (key tile, query) lane-dense: (B, N, count_k, count_q, 1, Q)
-        assert "tensor<1x2x2x4x1x64xf32>" in text
-        assert not re.search(r"tensor<\d+x\d+x\d+x\d+x1xf32>", text)  # not (B, N, count_k, T, 1)
+    if stick:  # its carries stay in VMEM: no float32 per (key tile, query) in HBM
+        assert not re.search(r"tensor<(\d+x){6,}f32>", text)  # (B, N, count_k, count_q, 1, Q)
 
 
 def exported_to_tpu(*, heads: int, kv_heads: int, with_terms: bool, **options: object) -> str:

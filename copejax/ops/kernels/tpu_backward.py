@@ -39,7 +39,7 @@ from copejax.ops.kernels.tpu_params import (
     key_step,
     kv_head,
     query_block,
-    read_refs,
+    read_terms,
     step_live,
     term_operands,
     tile_index,
@@ -56,7 +56,6 @@ from copejax.ops.kernels.tpu_rows import (
     load_row,
     load_row_at,
     query_rows,
-    read_rows,
     row_spec,
     rows_shape,
     store_row,
@@ -104,7 +103,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         _, ds_QK, inputs = _pair(
             plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
         )
@@ -168,7 +167,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         terms, term_grads = (params, q_values, k_values), None
         pair_refs = (*main, qpos_ref, kpos_ref)
         if cope:  # dS here is the content logits' cotangent

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK
-from copejax.ops.kernels.tpu_params import NT, read_refs, step_live
-from copejax.ops.kernels.tpu_rows import load_row, read_rows, store_row
+from copejax.ops.kernels.tpu_params import NT, read_refs, read_terms, step_live
+from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 F32 = jnp.float32
 
@@ -64,7 +64,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         allowed_QK = plan.allowed_QK(*mask_args)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
         q_QH, k_KH, v_KW = q_ref[...], k_ref[...], v_ref[...]

@@ -36,6 +36,7 @@ from copejax.ops.kernels.tpu_params import (
     kv_head,
     query_block,
     read_refs,
+    read_terms,
     step_live,
     term_operands,
     tile_index,
@@ -48,7 +49,6 @@ from copejax.ops.kernels.tpu_rows import (
     carry_shape,
     carry_spec,
     from_query_rows,
-    read_rows,
     row_spec,
     rows_shape,
     store_row,
@@ -85,7 +85,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
+        terms = read_terms(p_refs, qv_refs, kv_refs)
         inputs = (*terms, qpos_ref[...], kpos_ref[...])
         q_QH, k_KH = q_ref[...], k_ref[...]
         if cope:

@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.tiles import Plan
-from copejax.ops.kernels.tpu_rows import query_rows, row_spec
+from copejax.ops.kernels.tpu_rows import query_rows, read_rows, row_spec
 
 LANES = 128  # a (1, K) block's K must be a multiple of this (or the whole axis)
 BACKENDS = ("triton", "tpu")
@@ -146,6 +146,13 @@ def step_live(plan: Plan, qi: jax.Array, kj: jax.Array, refs: tuple) -> tuple[ja
 def read_refs(refs: list) -> list:
     """The refs' blocks, None where a term has no such array."""
     return [None if r is None else r[...] for r in refs]
+
+
+def read_terms(p_refs: list, qv_refs: list, kv_refs: list) -> tuple[list, list, list]:
+    """The terms' (parameters, per-query values as (Q, 1) columns, per-key values) of a grid
+    step, from their blocks: the per-query values are (1, Q) rows in HBM
+    (:func:`~copejax.ops.kernels.tpu_rows.read_rows`), the others read as they are."""
+    return read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
 
 
 def kv_head(n: jax.Array, groups: int) -> jax.Array:

@@ -52,14 +52,14 @@ from copejax.ops.kernels.tpu_params import (
     from_query_heads,
     interpret_mode,
     kv_head,
-    read_refs,
+    read_terms,
     step_live,
     term_operands,
     tile_index,
     tpu_ints,
     tpu_terms,
 )
-from copejax.ops.kernels.tpu_rows import from_query_rows, read_rows, row_spec, rows_shape
+from copejax.ops.kernels.tpu_rows import from_query_rows, row_spec, rows_shape
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 
 F32 = jnp.float32
@@ -178,7 +178,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
+        terms = read_terms(p_refs, qv_refs, kv_refs)
         bias_QK = term_bias(plan, terms, qpos_ref[...], kpos_ref[...])
         s_QK, _ = penalized_scores_QK(
             nonlinearity,

@@ -39,7 +39,7 @@ from copejax.ops.kernels.tpu_params import (
     compiler_params,
     from_query_heads,
     interpret_mode,
-    read_refs,
+    read_terms,
     step_live,
     term_operands,
     tile_index,
@@ -50,7 +50,6 @@ from copejax.ops.kernels.tpu_rows import (
     from_query_rows,
     load_row,
     query_rows,
-    read_rows,
     row_spec,
     rows_shape,
     store_row,
@@ -84,7 +83,7 @@ def _dkdv_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
 
         def bias(p: list, kv: list) -> jax.Array | None:
@@ -136,7 +135,7 @@ def _dq_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: 
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
 
         def bias(qv: list) -> jax.Array | None:

@@ -11,8 +11,9 @@ tiles, and keeps r and u for every query of the head in VMEM, (count_q, Q) each
 entering the key tile and adds its row sums for the older tiles. Nothing per (key tile,
 query) goes to HBM (it did: (B, N, count_k, T) twice, 16 GiB at (B, N, H) = (2, 4, 64),
 T = 16384, in TPU's padded layout), and the key axis of that grid is sequential
-("arbitrary"): the head's carries cross it. VMEM: 8 bytes per query of the head (128 KiB at
-T = 16384). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
+("arbitrary"): the head's carries cross it. VMEM: 8 bytes per query of the head, 16 with
+query tiles under the 128 lanes (256 KiB at T = 16384, Q = 64). Shape letters as in
+:mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.stick import as_mixed, stick_dz_QK, stick_weights_QK
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK
-from copejax.ops.kernels.tpu_params import NT, key_step, read_refs, step_live
-from copejax.ops.kernels.tpu_rows import load_row, read_rows, store_row
+from copejax.ops.kernels.tpu_params import NT, key_step, read_terms, step_live
+from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 F32 = jnp.float32
 
@@ -52,7 +53,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
     @pl.when(live)
     def _compute() -> None:
         allowed_QK = plan.allowed_QK(*mask_args)
-        terms = (read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs))
+        terms = read_terms(p_refs, qv_refs, kv_refs)
         inputs = (*terms, qpos_ref[...], kpos_ref[...])
         z_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
         a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_acc[...])
@@ -88,7 +89,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(live)
     def _compute() -> None:
-        params, q_values, k_values = read_refs(p_refs), read_rows(qv_refs), read_refs(kv_refs)
+        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         allowed_QK = plan.allowed_QK(*mask_args)
         q_pos, k_pos = qpos_ref[...], kpos_ref[...]
         k_KH, v_KW = k_ref[...], v_ref[...]

@@ -20,8 +20,8 @@ so it says so while tracing.
 
 Two parts:
 
-- **compile**: every scheme the TPU kernels cover (the registry and
-  ``kernel_terms.CHECKED_COMPOSITES``, refused ones skipped by ``tpu_kernel_refusal``), as a
+- **compile**: every scheme the kernels cover (the registry and
+  ``kernel_terms.CHECKED_COMPOSITES``, refused ones skipped by ``kernel_refusal``), as a
   one-layer model on ``attention_impl="kernel"`` with grouped KV heads, a window with sink
   tokens where the scheme takes them, and several query and key tiles (``LENGTH`` tokens,
   query tiles of ``BLOCK``, key tiles of 128): its forward + backward compiled for each
@@ -97,18 +97,14 @@ def compile_for_tpu(fn: Any, args: Any, device: Any) -> Any:
 
 
 def covered_schemes() -> list[str]:
-    """The registry's schemes and ``kernel_terms.CHECKED_COMPOSITES`` that the TPU kernels
-    run."""
-    from copejax.model.kernel_terms import CHECKED_COMPOSITES, kernel_refusal, tpu_kernel_refusal
+    """The registry's schemes and ``kernel_terms.CHECKED_COMPOSITES`` that the kernels run
+    (the TPU kernels run all of them)."""
+    from copejax.model.kernel_terms import CHECKED_COMPOSITES, kernel_refusal
     from copejax.positions import registry
 
     names = [*registry.names(), *CHECKED_COMPOSITES]
     schemes = {name: registry.make_scheme(name) for name in names}
-    return [
-        name
-        for name, scheme in schemes.items()
-        if kernel_refusal(scheme) is None and tpu_kernel_refusal(scheme) is None
-    ]
+    return [name for name, scheme in schemes.items() if kernel_refusal(scheme) is None]
 
 
 def model_program(scheme: str, dtype: str) -> tuple:

@@ -24,7 +24,6 @@ from copejax.model.kernel_terms import (
     part_term,
     relative_term,
     selective_term,
-    tpu_kernel_refusal,
 )
 from copejax.model.kernel_xl import XL, xl_widened_qk
 from copejax.model.measured_paths import measured_impl
@@ -100,8 +99,6 @@ def _can_take(
     carry_bytes = CARRY_BYTES_PER_PAIR * (pairs or 0)
     if carries_across_tiles(cfg.scheme, backend) and carry_bytes > KERNEL_CARRY_MAX_BYTES:
         return False
-    if backend == "tpu":  # the Mosaic TPU kernels run fewer schemes
-        return tpu_kernel_refusal(cfg.scheme, cfg.dims) is None
     head_dim = cfg.resolved_head_dim
     return backend != "gpu" or (head_dim >= MIN_BLOCK and not head_dim & (head_dim - 1))
 
@@ -208,8 +205,7 @@ def kernel_attention(
       sink_N: GPT-OSS's attention sink logit per head (``model.attention_sink``), or None.
 
     Returns:
-      y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask,
-      and on a TPU the schemes the TPU kernels do not run yet (``tpu_kernel_refusal``).
+      y_BTNH. Refuses, naming what it cannot run: decoding (a KV cache), an explicit mask.
     """
     q_BTNH, k_BSGH, v_BSGH = qkv
     if ctx.decode:
@@ -223,9 +219,6 @@ def kernel_attention(
             "naive-path unit tests (use attention_impl='naive')"
         )
     backend = kernel_backend()
-    refusal = tpu_kernel_refusal(cfg.scheme, cfg.dims) if backend == "tpu" else None
-    if refusal is not None:
-        raise ValueError(refusal)
     block_terms = site.block_terms(q_BTNH, kv_BSNH[0], kv_BSNH[1], ctx)
     terms, cope = kernel_terms(cfg.scheme, block_terms, cfg.dims)
     xl = part_term(cfg.scheme, block_terms, XL)

@@ -36,10 +36,10 @@ functions, evaluated tile by tile in the kernels:
 - tape: its qk site's q' and k' as the kernels' q and k, its carry's mixing (eq. 7) as float32
   value columns (:mod:`copejax.model.kernel_tape`), without cope, selective, Shaw, XL or PaTH.
 
-On TPU (:mod:`copejax.ops.kernels.tpu_forward`) the content-only schemes, the five terms
-above, stickbreaking, cope, selective (:mod:`copejax.ops.kernels.tpu_selective`), tape, path
-and transformer_xl run; Shaw's relative tables, which have GPU kernels of their own, are
-refused there by name (:func:`tpu_kernel_refusal`).
+On TPU the Mosaic TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`) run every scheme
+above: stickbreaking (:mod:`copejax.ops.kernels.tpu_stick`), cope
+(:mod:`copejax.ops.kernels.tpu_cope`), selective (:mod:`copejax.ops.kernels.tpu_selective`)
+and Shaw's tables (:mod:`copejax.ops.kernels.tpu_relative`) with kernels of their own.
 
 Every other scheme is refused by name with the reason (:func:`kernel_refusal`); the
 registry-wide test (``tests/ops/kernels/test_kernel_registry.py``) holds every registered
@@ -338,39 +338,6 @@ def kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | No
                 "use attention_impl="
                 "'auto', 'blockwise' or 'naive'"
             )
-    return None
-
-
-def tpu_kernel_refusal(scheme: PositionScheme, dims: Dims | None = None) -> str | None:
-    """Why ``scheme`` cannot run on the TPU kernels (:mod:`copejax.ops.kernels.tpu_forward`),
-    naming the part, or None: they run the content, the :data:`TERM_BUILDERS` terms,
-    stick-breaking (:mod:`copejax.ops.kernels.tpu_stick`), CoPE's carried count
-    (:mod:`copejax.ops.kernels.tpu_cope`, the variants :func:`kernel_refusal` allows),
-    selective attention's penalties (:mod:`copejax.ops.kernels.tpu_selective`, with the
-    options and parts :func:`kernel_refusal` allows) and
-    TAPE (:mod:`copejax.model.kernel_tape`: no kernel of its own), PaTH (its chunks,
-    :mod:`copejax.model.kernel_path`) and Transformer-XL (wider queries and keys,
-    :mod:`copejax.model.kernel_xl`); Shaw's tables, which the GPU kernels run with kernels
-    of their own, have no Mosaic TPU kernel yet."""
-    refusal = kernel_refusal(scheme, dims)
-    if refusal is not None:
-        return refusal
-    for part in parts(scheme):
-        if part.name in TERM_BUILDERS or part.name in NORMALIZERS:
-            continue
-        if part.name in ("cope", "selective", TAPE, PATH, XL):  # XL: wider q and k
-            continue
-        if set(part.sites) <= CONTENT_SITES:
-            continue
-        return (
-            f"model.attention_impl='kernel' on TPU has no kernel for scheme {part.name!r} "
-            f"yet: its sites {part.sites} run in the GPU kernels only (the TPU kernels run "
-            f"{sorted(CONTENT_SITES)}, {sorted(NORMALIZERS)}, cope, selective, tape, path, "
-            f"{XL} and the "
-            "terms "
-            f"{list(TERM_BUILDERS)}); use "
-            "attention_impl='auto', 'blockwise' or 'naive' on TPU"
-        )
     return None
 
 

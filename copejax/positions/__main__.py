@@ -6,14 +6,15 @@ import dataclasses
 
 from copejax.model.attention_paths import auto_blockwise_start
 from copejax.model.config import KERNEL_SITES
-from copejax.model.kernel_terms import kernel_refusal, tpu_kernel_refusal
+from copejax.model.kernel_terms import kernel_refusal
 from copejax.positions import registry
 from copejax.positions.base import PositionScheme
 
 
 def attention_paths(cls: type[PositionScheme]) -> str:
     """The attention paths a scheme runs on (``model.attention_impl``; the fused kernels with
-    the backends whose kernels cover its default options), and the blockwise
+    the backends whose kernels cover its default options: every covered scheme runs on the
+    GPU's and the TPU's), and the blockwise
     engine's backwards: flash (custom VJP) and remat for every scheme (flash for a walk carry
     or stick-breaking only outside windows; ``auto`` keeps remat for PaTH's carry, see
     ``copejax.ops.engine``), and what ``auto`` takes on a CPU (``choose_impl``; on a GPU it
@@ -24,8 +25,7 @@ def attention_paths(cls: type[PositionScheme]) -> str:
         paths.append("dot_product_attention")
     scheme = cls()
     if kernel_refusal(scheme) is None:  # with its default options
-        backends = "GPU, TPU" if tpu_kernel_refusal(scheme) is None else "GPU"
-        paths.append(f"kernel ({backends})")
+        paths.append("kernel (GPU, TPU)")
     auto = f"auto on CPU: naive below {auto_blockwise_start(cls)} keys, blockwise from there"
     if cls.max_engine_block is not None:
         auto += f" in blocks of at most {cls.max_engine_block}"

@@ -17,7 +17,7 @@ the terms in float32; the matmuls take the inputs' dtype with float32 accumulati
 Backends: on a GPU the kernels lower to Triton (:mod:`copejax.ops.kernels.triton_params`
 says why not Mosaic GPU); on a TPU, Mosaic TPU kernels of the same maths
 (:mod:`copejax.ops.kernels.tpu_params`: the softmax or stick-breaking with the KernelTerm
-terms, CoPE and selective attention's penalties; no Shaw kernels yet); elsewhere Pallas
+terms, CoPE, selective attention's penalties and Shaw's tables); elsewhere Pallas
 interpret mode of either (``backend``), which is how the CPU tests check them (slow: a
 correctness path, not a fast one).
 
@@ -54,7 +54,8 @@ from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_backward import tpu_backward_calls
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
-from copejax.ops.kernels.tpu_params import check_tpu_call, kernel_backend
+from copejax.ops.kernels.tpu_params import kernel_backend
+from copejax.ops.kernels.tpu_relative import TpuRelative, reversed_table, tpu_relative
 
 DEFAULT_BLOCK = 128
 NORMALIZERS = ("softmax", "stickbreaking")
@@ -100,7 +101,7 @@ def fused_attention(
       normalizer: "softmax", or "stickbreaking" (:mod:`copejax.ops.kernels.stick`).
       include_self: whether query i sees key i (False: stick-breaking's default).
       backend: "triton" (the GPU kernels), "tpu" (the Mosaic TPU kernels,
-        :mod:`copejax.ops.kernels.tpu_params`: all but Shaw's kernels; key tiles of at
+        :mod:`copejax.ops.kernels.tpu_params`: the same schemes; key tiles of at
         least 128 keys) or None: "tpu" on a TPU, else "triton".
       cope: CoPE's carried count, any of its gates and position terms
         (:mod:`copejax.ops.kernels.cope`), with the softmax only.
@@ -139,7 +140,6 @@ def fused_attention(
     if sinks and k_rank_BT is None:
         raise ValueError("kernel: sink_tokens needs k_rank_BT (each key's rank in its segment)")
     backend = kernel_backend(backend)
-    check_tpu_call(backend, {"relative": relative})
     terms = tuple(terms)
     plan = tiled_plan(
         length,
@@ -180,7 +180,10 @@ def fused_attention(
         "sink": None if sink_N is None else sink_N.astype(jnp.float32),
     }
     rel = None
-    if relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
+    if relative is not None and backend == "tpu":  # the reversed table, read by DMA
+        rel = tpu_relative(relative.table.shape[0], relative.capped, plan.size_q, plan.size_k)
+        arrays["relative"] = reversed_table(rel, relative.table)
+    elif relative is not None:  # a band holds the Q + K - 1 rows one tile pair reads
         rows = relative.table.shape[0]
         rel = RelativeStatic(rows, relative.capped, power_of_two(plan.size_q + plan.size_k - 1))
         table = relative.table.astype(jnp.float32)
@@ -219,10 +222,11 @@ def _gate_keys(cope: CopeTerm, k_BTGH: jax.Array, padded: int) -> jax.Array | No
 
 
 def attend(
-    plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | None = None
+    plan: Plan, arrays: dict, ints: dict, rel: RelativeStatic | TpuRelative | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """The kernels as one differentiable function of ``arrays`` (the integer ``ints`` get
-    no gradient); ``rel``: Shaw's term, whose table is ``arrays["relative"]``.
+    no gradient); ``rel``: Shaw's term, whose table is ``arrays["relative"]`` (on a TPU the
+    reversed table of :mod:`copejax.ops.kernels.tpu_relative`).
 
     Returns (o_BTNW float32, lse_BNT float32), both differentiable: a cotangent of the
     log-sum-exp enters the backward as ``D_i - dL_i`` (``dL_i / ds_ij = P_ij``), which is
@@ -238,7 +242,7 @@ def attend(
     backward_kernels = tpu_backward_calls if tpu else backward_calls
 
     def forward(arrays: dict, ints: dict) -> tuple[jax.Array, tuple]:
-        if rel is not None:
+        if rel is not None and not tpu:
             o_BTNW, lse_BNT = relative_forward_call(
                 plan,
                 *(arrays[key] for key in "qkv"),
@@ -257,6 +261,7 @@ def attend(
             terms=arrays["terms"],
             cope=arrays["cope"],
             gate_k_BSGH=arrays.get("gate_k"),
+            **({} if rel is None else {"relative": (rel, arrays["relative"])}),
         )
         return _with_sink(arrays, o_BTNW, lse_BNT, ints, carries)
 
@@ -272,7 +277,7 @@ def attend(
         delta_BNT = jnp.moveaxis(delta_BTN, 2, 1) - dlse_BNT
         stats = {"lse_BNT": lse_BNT, "delta_BNT": delta_BNT}
         d_cope, d_relative_PH = None, None
-        if rel is not None:
+        if rel is not None and not tpu:
             dq_BTNH, dk_BTNH, dv_BTNW, term_grads, d_relative_PH = relative_backward_calls(
                 plan,
                 *inputs,
@@ -292,7 +297,10 @@ def attend(
                 cope=arrays["cope"],
                 gate_k_BSGH=arrays.get("gate_k"),
                 cope_counts=carries[0] if carries else None,
+                **({} if rel is None else {"relative": (rel, arrays["relative"])}),
             )
+            if rel is not None:  # the reversed table's gradient
+                d_cope, d_relative_PH = None, d_cope["relative"]
         (batch, length), heads = k_BTGH.shape[:2], q_BTNH.shape[-2]
         kv_heads = k_BTGH.shape[2]
 

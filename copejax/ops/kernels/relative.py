@@ -114,7 +114,7 @@ def band_pieces(band_RH: jax.Array, dtype: jnp.dtype) -> list[jax.Array]:
     return [hi_RH, (band_RH - hi_RH.astype(jnp.float32)).astype(dtype)]
 
 
-def _band_dot(a: jax.Array, band_RH: jax.Array, contract: tuple[int, int]) -> jax.Array:
+def band_dot(a: jax.Array, band_RH: jax.Array, contract: tuple[int, int]) -> jax.Array:
     """``a`` (in the inputs' dtype) times the band, through :func:`band_pieces`."""
     pieces = band_pieces(band_RH, a.dtype)
     return sum(
@@ -140,7 +140,7 @@ def relative_term_QK(
 
         def band(b: jax.Array, term_QK: jax.Array) -> jax.Array:
             start = rows.lo + b * static.band
-            z_QR = _band_dot(q_QH, table_ref[pl.ds(start, static.band), :], (1, 1)) * scale
+            z_QR = band_dot(q_QH, table_ref[pl.ds(start, static.band), :], (1, 1)) * scale
             offset_QK = jnp.where(rows.ok_QK, rows.row_QK - start, -1)
 
             def place(r: jax.Array, term_QK: jax.Array) -> jax.Array:
@@ -196,7 +196,7 @@ def relative_grads(
             window = pl.ds(start, static.band)
             de_ref[window, :] = de_ref[window, :] + dot_f32(dz_QR, q_QH, (0, 0))
             sync_slab(barrier)
-            return dq_QH + _band_dot(dz_QR, table_ref[window, :], (1, 0))
+            return dq_QH + band_dot(dz_QR, table_ref[window, :], (1, 0))
 
         return jax.lax.fori_loop(0, rows.bands, band, jnp.zeros(q_QH.shape, jnp.float32))
 

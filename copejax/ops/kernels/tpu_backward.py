@@ -2,17 +2,20 @@
 
 The maths of :mod:`copejax.ops.kernels.backward` (``P_ij = exp(s_ij - L_i)``,
 ``dS_ij = P_ij (dO_i . v_j - D_i)``, the terms' inputs through ``jax.vjp`` of their tile
-functions) on Pallas Mosaic TPU (:mod:`copejax.ops.kernels.tpu_params`): the dq kernel's
-grid is (batch row, head, query tile, key tile) with dq and the terms' per-query gradients
-in VMEM scratch across the key tiles; the dk / dv kernel's is (batch row, head, key tile,
-query tile) with dk, dv, the per-key gradients and the parameter rows' partial sums in
-scratch across the query tiles. Each writes its outputs at the last step of the walked axis;
-steps whose pair has no allowed entry do nothing (``pl.when``). With grouped heads dk and dv
-come out per query head and are summed over each group outside, as on the GPU. With
-stick-breaking the dq kernel is :func:`copejax.ops.kernels.tpu_stick.stick_dq_kernel`, which
-also writes the carries entering each key tile, and the dk / dv kernel reads them for its
-pair (:func:`~copejax.ops.kernels.tpu_stick.stick_pair`). Shape letters as in
-:mod:`copejax.ops.kernels.tpu_forward`.
+functions) on Pallas Mosaic TPU (:mod:`copejax.ops.kernels.tpu_params`): the dq kernel
+(:mod:`copejax.ops.kernels.tpu_dq`) with grid (batch row, head, query tile, key tile) and dq
+and the terms' per-query gradients in VMEM scratch across the key tiles; the dk / dv
+kernel here, with grid (batch row, head, key tile, query tile) and dk, dv, the per-key
+gradients and the parameter rows' partial sums in scratch across the query tiles. Each
+writes its outputs at the last step of the walked axis; steps whose pair has no allowed
+entry do nothing (``pl.when``). With grouped heads dk and dv come out per query head and are
+summed over each group outside, as on the GPU. With stick-breaking the dq kernel is
+:func:`copejax.ops.kernels.tpu_stick.stick_dq_kernel` and the dk / dv kernel walks the key
+tiles newest first with every query's carries in VMEM
+(:func:`~copejax.ops.kernels.tpu_stick.stick_pair`); with CoPE the dq kernel is
+:func:`copejax.ops.kernels.tpu_cope.cope_dq_kernel`; with Shaw's table both kernels add its
+term (:mod:`copejax.ops.kernels.tpu_relative`) and the dq kernel writes its gradient. Shape
+letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import Plan, scores_QK
+from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
+from copejax.ops.kernels.tpu_dq import dq_kernel, softmax_pair
 from copejax.ops.kernels.tpu_params import (
-    NT,
     by_query_heads,
     compiler_params,
     from_query_heads,
@@ -48,102 +51,43 @@ from copejax.ops.kernels.tpu_params import (
     tpu_queries,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_relative import (
+    ANY,
+    RelativeRefs,
+    TpuRelative,
+    relative_scratch,
+)
 from copejax.ops.kernels.tpu_rows import (
     add_row_at,
     carry_shape,
     carry_spec,
     from_query_rows,
-    load_row,
     load_row_at,
     query_rows,
     row_spec,
     rows_shape,
-    store_row,
 )
 from copejax.ops.kernels.tpu_stick import stick_dq_kernel, stick_pair
 
 
-def _pair(plan: Plan, refs: tuple, mask_args: tuple, terms: tuple) -> tuple:
-    """(P, dS, term inputs) of one step's pair, float32 (Q, K)."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref = refs
-    allowed_QK = plan.allowed_QK(*mask_args)
-    inputs = (*terms, qpos_ref[...], kpos_ref[...])
-    s_QK = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs)
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - load_row(lse_ref)), 0.0)
-    dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
-    return p_QK, p_QK * (dp_QK - load_row(delta_ref)), inputs
-
-
-def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    main = refs[:6]  # q, k, v, do, lse, delta
-    qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
-    p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    outs = refs[11 + num_term_refs :]
-    num_q = sum(h[1] for h in has)
-    dq_ref, dqv_refs = outs[0], outs[1 : 1 + num_q]
-    dq_acc, dqv_accs = outs[1 + num_q], outs[2 + num_q :]
-    qi, kj = pl.program_id(2), pl.program_id(3)
-    last = pl.num_programs(3) - 1
-    # With key chunks dq is written per chunk (its queries differ): reset at a chunk's first
-    # key tile, written at its last; the terms' per-query gradients sum over every chunk.
-    tiles = plan.count_k if plan.chunk is None else plan.chunk // plan.size_k
-    place = jax.lax.rem(kj, jnp.int32(tiles))  # kj >= 0: no sign op (see tiles._div)
-    chunk_first, chunk_last = place == 0, (place == tiles - 1) | (kj == last)
-
-    @pl.when(kj == 0)
-    def _init() -> None:
-        for acc in dqv_accs:
-            acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-    @pl.when(chunk_first)
-    def _init_chunk() -> None:
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
-
-    live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
-
-    @pl.when(live)
-    def _compute() -> None:
-        params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
-        _, ds_QK, inputs = _pair(
-            plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values)
-        )
-        k_KH = main[1][...]
-        scale = 1.0 / math.sqrt(k_KH.shape[-1])
-        dq_acc[...] += jax.lax.dot(
-            (ds_QK * scale).astype(k_KH.dtype), k_KH, preferred_element_type=jnp.float32
-        )
-        if dqv_accs:
-
-            def bias(qv: list) -> jax.Array:
-                return tile_bias_QK(plan.biases, (params, qv, k_values), *inputs[3:])
-
-            grads = jax.vjp(bias, q_values)[1](ds_QK)[0]
-            for acc, g in zip(dqv_accs, [g for g in grads if g is not None], strict=True):
-                acc[...] += g
-
-    @pl.when(chunk_last)
-    def _finish_chunk() -> None:
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
-
-    @pl.when(kj == last)
-    def _finish() -> None:
-        for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
-            store_row(ref, acc[...])
-
-
-def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+def _dkdv_kernel(
+    *refs, plan: Plan, has: tuple, num_term_refs: int, relative: TpuRelative | None = None
+) -> None:
     main = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     # CoPE's parameters, gate keys, count and its cotangent (and then the gate keys'
     # gradient after the terms'); stick-breaking's r and u for every query of the head, last
-    # in the scratch (key tiles walked newest first)
+    # in the scratch (key tiles walked newest first); Shaw's rev, its band and semaphore last
     cope, gate_keys = plan.cope is not None, plan.cope is not None and plan.cope.gate_keys
-    num_extra = plan.cope.num_params + gate_keys + 2 if cope else 0
+    num_extra = plan.cope.num_params + gate_keys + 2 if cope else int(relative is not None)
     extra = refs[11 + num_term_refs : 11 + num_term_refs + num_extra]
     outs = refs[11 + num_term_refs + num_extra :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has) + gate_keys
     grad_refs, all_accs = outs[:num_grads], outs[num_grads:]
+    rel = None
+    if relative is not None:
+        rel, all_accs = RelativeRefs(relative, extra[0], *all_accs[-2:]), all_accs[:-2]
     carries = all_accs[-2:] if plan.stick else ()
     all_accs = all_accs[:-2] if plan.stick else all_accs
     accs = all_accs[: len(all_accs) - gate_keys]
@@ -180,7 +124,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             for carry, column_Q1 in zip(carries, added, strict=True):
                 add_row_at(carry, qi, column_Q1)
         else:
-            p_QK, ds_QK, inputs = _pair(plan, pair_refs, mask_args, terms)
+            p_QK, ds_QK, inputs, _ = softmax_pair(plan, pair_refs, mask_args, terms, rel)
         q_QH, do_QW = main[0][...], main[3][...]
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         f32 = jnp.float32
@@ -220,10 +164,13 @@ def tpu_backward_calls(
     cope: tuple | None = None,
     gate_k_BSGH: jax.Array | None = None,
     cope_counts: jax.Array | None = None,
+    relative: tuple[TpuRelative, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both TPU backward kernels, with the arguments and results of
     :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
-    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, count_q, 1, Q)).
+    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, count_q, 1, Q));
+    with Shaw's ``relative`` (statics, reversed table) the last result is ``{"relative":
+    the reversed table's gradient (X, H)}``.
     """
     batch, (heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-2:]
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
@@ -270,7 +217,7 @@ def tpu_backward_calls(
     # CoPE's count entering the key tile (in) and its cotangent leaving it (out).
     carries_shape = carry_shape(plan, batch, heads)
     carry_out = carry_spec(plan, lambda i, j: (j, i))
-    dq_body, num_outs, extra_in, extra_specs = _dq_kernel, 0, [], []
+    dq_body, num_outs, extra_in, extra_specs = dq_kernel, 0, [], []
     if plan.stick:  # r and u in scratch
         dq_body = stick_dq_kernel
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
@@ -288,6 +235,16 @@ def tpu_backward_calls(
             )
             out_shape.append(jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32))
         scratch += [pltpu.VMEM((sq, 1), f32)] + [pltpu.VMEM(x.shape[1:], f32) for x in cope]
+    dq_params, aliases = compiler_params(), {}
+    if relative is not None:  # rev, and the slab (B, N, X, H) aliased to zeros, in HBM
+        dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
+        slab = jnp.zeros((batch, heads, *relative[1].shape), f32)
+        extra_in, extra_specs = [relative[1], slab], [ANY, ANY]
+        aliases = {len(operands) + len(term_in) + 1: len(out_shape)}
+        out_specs.append(ANY)
+        out_shape.append(jax.ShapeDtypeStruct(slab.shape, f32))
+        scratch += relative_scratch(relative[0], dim, slab=True)
+        dq_params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
     dq_BNTH, *dqv = call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q, plan.count_k),
@@ -295,11 +252,17 @@ def tpu_backward_calls(
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
+        compiler_params=dq_params,
+        input_output_aliases=aliases,
         name="copejax_attention_dq_tpu",
     )(*operands, *term_in, *extra_in)
     carries = dqv[len(dqv) - num_outs :]
     dqv = dqv[: len(dqv) - num_outs]
-    d_cope, extra_in, extra_specs = None, [], []
+    d_cope, extra_in, extra_specs, dkdv_body = None, [], [], _dkdv_kernel
+    if relative is not None:  # the table's gradient; the dk / dv kernel reads rev
+        d_cope, carries = {"relative": jnp.sum(carries[0], axis=(0, 1))}, []
+        extra_in, extra_specs = [relative[1]], [ANY]
+        dkdv_body = functools.partial(_dkdv_kernel, relative=relative[0])
     if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
         d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in carries[1:]), "gate_k": None}
         carries = [cope_counts, carries[0]]
@@ -341,12 +304,14 @@ def tpu_backward_calls(
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, length_k, dim), f32))
         scratch.append(scratch[0])
     params = compiler_params()
+    if relative is not None:
+        scratch += relative_scratch(relative[0], dim, slab=False)
     if plan.stick:  # r and u per query of the head, carried across the key steps
         scratch += [pltpu.VMEM((plan.count_q, sq), f32)] * 2
         params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
     carry_in = carry_spec(plan, lambda j, i: (j, q_tile(j, i)))
     dk_BNSH, dv_BNSW, *rest = call(
-        functools.partial(_dkdv_kernel, plan=plan, has=has, num_term_refs=len(term_in)),
+        functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k, plan.count_q),
         in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + [carry_in] * len(carries),
         out_specs=out_specs,

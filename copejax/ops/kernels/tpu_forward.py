@@ -45,6 +45,13 @@ from copejax.ops.kernels.tpu_params import (
     tpu_queries,
     tpu_terms,
 )
+from copejax.ops.kernels.tpu_relative import (
+    ANY,
+    RelativeRefs,
+    TpuRelative,
+    add_relative,
+    relative_scratch,
+)
 from copejax.ops.kernels.tpu_rows import (
     carry_shape,
     carry_spec,
@@ -57,14 +64,22 @@ from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softma
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
 
 
-def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
+def _forward_kernel(
+    *refs, plan: Plan, has: tuple, num_term_refs: int, relative: TpuRelative | None = None
+) -> None:
     """One grid step of the softmax forward; with CoPE (``plan.cope``) the key tiles are
     walked newest first, the count of the newer tiles' gates is carried in scratch and
     written as it enters each key tile, and the scores are CoPE's
-    (:func:`copejax.ops.kernels.cope.pair_scores`)."""
+    (:func:`copejax.ops.kernels.cope.pair_scores`); with Shaw's term (``relative``) the
+    scores add it (:mod:`copejax.ops.kernels.tpu_relative`: ``rev`` after the terms, its
+    band and semaphore last in the scratch)."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
     rest = list(refs[8 + num_term_refs :])
+    rel = None
+    if relative is not None:
+        rel = RelativeRefs(relative, rest[0], rest[-2], rest[-1])
+        rest = rest[1:-2]
     cope = plan.cope is not None
     cope_p_refs, gk_ref, rest = cope_refs(rest, plan.cope) if cope else ([], None, rest)
     o_ref, lse_ref = rest[:2]
@@ -102,6 +117,8 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             c_acc[...] += total_Q1
         else:
             s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
+        if rel is not None:
+            s_QK = add_relative(rel, s_QK, q_QH, inputs, allowed_QK)[0]
         softmax_step(s_QK, allowed_QK, v_ref[...], (max_ref, sum_ref, acc_ref))
 
     @pl.when(step == pl.num_programs(3) - 1)
@@ -119,9 +136,11 @@ def tpu_forward_call(
     terms: list[dict],
     cope: tuple | None = None,
     gate_k_BSGH: jax.Array | None = None,
+    relative: tuple[TpuRelative, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
     """Runs the TPU forward kernel on padded inputs, with the arguments and results of
-    :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside).
+    :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside);
+    ``relative``: Shaw's statics and reversed table (:mod:`~copejax.ops.kernels.tpu_relative`).
 
     Returns:
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
@@ -154,6 +173,8 @@ def tpu_forward_call(
     )
     body = stick_forward_kernel if plan.stick else _forward_kernel
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_in))
+    if relative is not None:
+        kernel = functools.partial(kernel, relative=relative[0])
     column = pltpu.VMEM((sq, 1), jnp.float32)
     stats = [column] * (1 if plan.stick else 2)  # r, or max and sum
     out_specs = [
@@ -174,6 +195,9 @@ def tpu_forward_call(
         out_specs.append(carry_spec(plan, lambda i, j: (key_step(plan, j, True), i)))
         out_shape.append(carry_shape(plan, batch, heads))
         scratch.append(column)
+    if relative is not None:  # rev in HBM after the terms; its band and semaphore
+        extra, term_specs = [relative[1]], [*term_specs, ANY]
+        scratch += relative_scratch(relative[0], dim, slab=False)
     o_BNTW, lse_BNC1Q, *carries = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),

@@ -4,8 +4,10 @@ Backend: :mod:`copejax.ops.kernels.tpu_forward` and :mod:`~copejax.ops.kernels.t
 are FlashAttention-2 (Dao 2023, arXiv 2307.08691) written for Mosaic TPU, the only Pallas
 backend a TPU has, with the terms' tile functions, stick-breaking
 (:mod:`~copejax.ops.kernels.tpu_stick`) in place of the softmax, CoPE's carried count
-(:mod:`~copejax.ops.kernels.tpu_cope`) and selective attention's penalties
-(:mod:`~copejax.ops.kernels.tpu_selective`); the GPU kernels
+(:mod:`~copejax.ops.kernels.tpu_cope`), selective attention's penalties
+(:mod:`~copejax.ops.kernels.tpu_selective`) and Shaw's tables
+(:mod:`~copejax.ops.kernels.tpu_relative`: the table in HBM, a band of it per step by DMA);
+the GPU kernels
 (:mod:`copejax.ops.kernels.forward`) are Triton-shaped and Mosaic refuses their blocks. What
 differs from the GPU kernels, and why:
 
@@ -34,14 +36,17 @@ float32, the dq kernel 1.3 / 1.5 MiB, the dk / dv kernel 1.5 / 1.8 MiB (each ter
 most 0.2 MiB; selective attention's kernels about 0.5 MiB more in the forward and 0.7 MiB in
 each backward kernel, counted the same way: the selecting head's q and k tiles, P or R, the
 selection and its three bfloat16 pieces, the (Q, Q) triangle and the selecting head's
-float32 gradients); at Q = K = 256 and H = 256 about 4.5 MiB in float32. Only stick-breaking's
+float32 gradients; Shaw's table adds its (R, H) float32 band, two in the dq kernel, and
+(Q, R) float32 temporaries: about 0.6 MiB at R = 256, H = 128); at Q = K = 256 and H = 256
+about 4.5 MiB in float32. Only stick-breaking's
 dk / dv kernel grows with T: it keeps r and u for the head's queries, 8 bytes per query (16
 with query tiles under the 128 lanes: 256 KiB at T = 16384, Q = 64), which the 16 MiB of
 v4 / v5e hold up to about T = 800K at Q = 64. Every other operand is tiled along T, so T is
 bounded by HBM (q, k, v, o and the (B, N, T)
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
-float32 dk, dv per query head), plus CoPE's per-key-tile carries, O(T^2 / K); the
+float32 dk, dv per query head), plus CoPE's per-key-tile carries, O(T^2 / K), and Shaw's
+table gradient, (P + 2R) x H float32 per batch row and head; the
 statistics and the carries as lane-dense rows,
 :mod:`~copejax.ops.kernels.tpu_rows`) and by int32 positions (below 2**30, the padding keys'
 rank), not by VMEM, within the 16 MiB default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).
@@ -80,19 +85,6 @@ def kernel_backend(backend: str | None = None) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"kernel: backend must be one of {BACKENDS} or None, got {backend!r}")
     return backend
-
-
-def check_tpu_call(backend: str, extras: dict[str, object]) -> None:
-    """Refuses, by name, what the TPU kernels do not run yet: the terms with kernels of their
-    own on the GPU and none on the TPU (``extras``: Shaw's relative term; a name maps to
-    the term, or None when not given)."""
-    missing = [f"{name!r} term" for name, value in extras.items() if value is not None]
-    if backend == "tpu" and missing:
-        raise ValueError(
-            f"kernel: the TPU kernels have no {' or '.join(missing)} yet (the softmax or "
-            "stick-breaking with the KernelTerm terms, CoPE and selective attention); use "
-            "backend='triton' or attention_impl='blockwise'"
-        )
 
 
 def compiler_params(

@@ -8,7 +8,7 @@ named TPU slice on a CPU (``experiments/kernel_tpu.py``). ``python3 dev.py test`
 libtpu that the pinned jax's ``[tpu]`` extra names into ``.libtpu``, outside ``.venv``; the
 compiles run in a child process that alone has it on its path. Here: one scheme per kernel
 family on v4 and v5e in bfloat16; slow: every covered scheme (the registry, so a new scheme is
-compiled too, or refused by ``tpu_kernel_refusal``) on v4, v5e, v5p and v6e in bfloat16 and
+compiled too, or refused by ``kernel_refusal``) on v4, v5e, v5p and v6e in bfloat16 and
 float32.
 """
 
@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[3]
 LIBTPU_DIR = ROOT / ".libtpu"
 # One scheme per kernel family: the softmax alone, per-query values with table parameters,
 # stick-breaking with parameters, CoPE's carried count, selective attention with per-query
-# values, PaTH's chunked queries, TAPE's value columns, XL's wider queries, FIRE's MLP.
+# values, PaTH's chunked queries, TAPE's value columns, XL's wider queries, FIRE's MLP, Shaw's
+# table (its bands by DMA, the lane rotations, the gradient slab).
 FAMILIES = (
     "nope",
     "fox+t5",
@@ -37,6 +38,7 @@ FAMILIES = (
     "tape",
     "transformer_xl",
     "fire",
+    "relative_capped",
 )
 
 

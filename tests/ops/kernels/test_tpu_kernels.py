@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from copejax.model import attention_paths, kernel_terms
-from copejax.model.kernel_terms import tpu_kernel_refusal
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels import attention as kernels_attention
 from copejax.ops.kernels.attention import fused_attention
@@ -284,6 +283,8 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
             "stickbreaking",
             "alibi+stickbreaking",
             "transformer_xl",
+            "relative",
+            "alibi+relative_capped",
         ]
     ],
 )
@@ -308,43 +309,8 @@ def test_model_on_tpu_kernels_equals_naive_bfloat16(position: str, monkeypatch) 
 
 
 @pytest.mark.parametrize(
-    ("position", "named"),
-    [
-        ("relative", "relative"),
-        ("alibi+relative_capped", "relative_capped"),
-    ],
-)
-def test_tpu_refuses_by_name(position: str, named: str) -> None:
-    """Schemes the GPU kernels run but the TPU kernels do not yet are refused by name (the
-    model's kernel path raises it on a TPU)."""
-    assert kernel_terms.kernel_refusal(registry.make_scheme(position)) is None
-    refusal = tpu_kernel_refusal(registry.make_scheme(position))
-    assert refusal is not None
-    assert f"on TPU has no kernel for scheme '{named}' yet" in refusal
-    covered = ["nope", "alibi", "t5", "kerple", "fire", "fox+t5", "stickbreaking", "cope+rope"]
-    assert all(tpu_kernel_refusal(registry.make_scheme(name)) is None for name in covered)
-
-
-def test_every_scheme_runs_on_tpu_kernels_or_is_refused_by_name() -> None:
-    """Registry-wide: a scheme the kernels refuse keeps that refusal on TPU; one they run
-    either runs on the TPU kernels too or is refused there naming one of its parts."""
-    on_tpu = []
-    for name in registry.names():
-        scheme = registry.make_scheme(name)
-        refusal, tpu_refusal = kernel_terms.kernel_refusal(scheme), tpu_kernel_refusal(scheme)
-        if refusal is not None:
-            assert tpu_refusal == refusal
-        elif tpu_refusal is None:
-            on_tpu.append(name)
-        else:
-            assert f"on TPU has no kernel for scheme '{name}' yet" in tpu_refusal
-    assert {"alibi", "t5", "kerple", "fire", "fox", "cope", "stickbreaking", "nope"} <= set(on_tpu)
-
-
-@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"relative": object()}, "no 'relative' term yet"),
         ({"backend": "mosaic"}, "backend must be one of"),
     ],
 )

@@ -83,8 +83,8 @@ def test_auto_takes_a_measured_kernel_where_it_can_run(table) -> None:
 
 
 def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
-    """cuDNN's kernel cannot express FoX's bias; the kernels refuse DAPE; Shaw's relative
-    kernels run on GPUs only, FoX's on TPUs too."""
+    """cuDNN's kernel cannot express FoX's bias; the kernels refuse DAPE; the TPU kernels run
+    FoX and Shaw's tables, so their TPU measurements are followed."""
     table(
         _entry("fox", 16, "dot_product_attention"),
         _entry("dape", 16, "kernel"),
@@ -95,7 +95,7 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
         cfg = tiny_config(name, dtype="bfloat16", max_len=64)
         assert choose_impl(cfg, 64, False, "gpu", 64**2) == rule_impl(cfg, 64, "gpu", 64**2)
     relative = tiny_config("relative", dtype="bfloat16", max_len=64)
-    assert choose_impl(relative, 64, False, "tpu") == rule_impl(relative, 64, "tpu")
+    assert choose_impl(relative, 64, False, "tpu") == "kernel" != rule_impl(relative, 64, "tpu")
     fox = tiny_config("fox", dtype="bfloat16", max_len=64)
     assert choose_impl(fox, 64, False, "tpu") == "kernel"
 
@@ -103,39 +103,39 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
 def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_cap(
     table,
 ) -> None:
-    """On a TPU, CoPE's and selective attention's kernels keep O(T^2 / 64) carries: auto
-    follows their measurement only while those fit KERNEL_CARRY_MAX_BYTES. FoX's kernels keep
-    O(T), stick-breaking's TPU kernels keep theirs in VMEM, and the three's GPU kernels O(T H)
-    (carry groups; selective attention's backward keeps nothing per tile): auto follows those
-    at any length."""
+    """On a TPU, selective attention's kernels keep O(T^2 / 64) carries: auto follows its
+    measurement only while those fit KERNEL_CARRY_MAX_BYTES. FoX's kernels keep O(T),
+    stick-breaking's and CoPE's TPU kernels keep theirs in VMEM, and the three's GPU kernels
+    O(T H) (carry groups; selective attention's backward keeps nothing per tile): auto follows
+    those at any length."""
     table(
         _entry("selective", 4096, "kernel"),
         _entry("fox", 4096, "kernel"),
         _entry("stickbreaking", 4096, "kernel"),
         _entry("cope", 4096, "kernel"),
-        _entry("cope", 4096, "kernel", backend="tpu"),
+        _entry("selective", 4096, "kernel", backend="tpu"),
     )
     names = ("selective", "stickbreaking", "cope", "fox")
     linear = [tiny_config(s, dtype="bfloat16", max_len=65536) for s in names]
-    cope = linear[2]
+    selective, cope, fox = linear[0], linear[2], linear[3]
     for length, batch_heads in ((16384, 96), (32768, 96), (65536, 8)):
         pairs = batch_heads * length * length
         for cfg in linear:
             assert choose_impl(cfg, length, False, "gpu", pairs) == "kernel"
         fits = CARRY_BYTES_PER_PAIR * pairs <= KERNEL_CARRY_MAX_BYTES
-        want = "kernel" if fits else rule_impl(cope, length, "tpu", pairs)
-        assert choose_impl(cope, length, False, "tpu", pairs) == want
-    assert choose_impl(cope, 16384, False, "tpu", 96 * 16384**2) == "kernel"
-    assert choose_impl(cope, 32768, False, "tpu", 96 * 32768**2) == "blockwise"
+        want = "kernel" if fits else rule_impl(selective, length, "tpu", pairs)
+        assert choose_impl(selective, length, False, "tpu", pairs) == want
+    assert choose_impl(selective, 16384, False, "tpu", 96 * 16384**2) == "kernel"
+    assert choose_impl(selective, 32768, False, "tpu", 96 * 32768**2) == "blockwise"
     composite = tiny_config("alibi+stickbreaking", dtype="bfloat16", max_len=65536)
     assert not carries_across_tiles(composite.scheme, "tpu")
     assert not carries_across_tiles(composite.scheme, "gpu")
-    assert carries_across_tiles(cope.scheme, "tpu") and not carries_across_tiles(cope.scheme, "gpu")
-    selective, fox = linear[0], linear[3]
+    for cfg in (cope, fox):  # CoPE's TPU kernels keep O(T) floats per head too
+        assert not carries_across_tiles(cfg.scheme, "tpu")
+        assert not carries_across_tiles(cfg.scheme, "gpu")
     assert carries_across_tiles(selective.scheme, "tpu") and not carries_across_tiles(
         selective.scheme, "gpu"
     )
-    assert not carries_across_tiles(fox.scheme, "tpu")
 
 
 def test_the_committed_measurements_name_real_schemes_paths_and_pages() -> None:

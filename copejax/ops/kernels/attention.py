@@ -251,8 +251,8 @@ def attend(
                 terms=arrays["terms"],
                 table_PH=arrays["relative"],
             )
-            return _with_sink(arrays, o_BTNW, lse_BNT, ints, [])
-        o_BTNW, lse_BNT, carries = forward_kernel(
+            return _with_sink(arrays, o_BTNW, lse_BNT, ints)
+        o_BTNW, lse_BNT = forward_kernel(
             plan,
             arrays["q"],
             arrays["k"],
@@ -263,10 +263,10 @@ def attend(
             gate_k_BSGH=arrays.get("gate_k"),
             **({} if rel is None else {"relative": (rel, arrays["relative"])}),
         )
-        return _with_sink(arrays, o_BTNW, lse_BNT, ints, carries)
+        return _with_sink(arrays, o_BTNW, lse_BNT, ints)
 
     def backward(residuals: tuple, cotangents: tuple) -> tuple[dict, None]:
-        arrays, ints, o_BTNW, lse_BNT, carries = residuals
+        arrays, ints, o_BTNW, lse_BNT = residuals
         q_BTNH, k_BTGH, v_BTGW = arrays["q"], arrays["k"], arrays["v"]
         # The matmuls take the inputs' dtype; D from the same rounded cotangent, so that
         # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
@@ -296,7 +296,6 @@ def attend(
                 terms=arrays["terms"],
                 cope=arrays["cope"],
                 gate_k_BSGH=arrays.get("gate_k"),
-                cope_counts=carries[0] if carries else None,
                 **({} if rel is None else {"relative": (rel, arrays["relative"])}),
             )
             if rel is not None:  # the reversed table's gradient
@@ -336,8 +335,8 @@ def attend(
     return differentiable(arrays, ints)
 
 
-def _with_sink(arrays: dict, o_BTNW: jax.Array, lse_BNT: jax.Array, ints: dict, carries: list):
+def _with_sink(arrays: dict, o_BTNW: jax.Array, lse_BNT: jax.Array, ints: dict):
     """The forward's output and residuals, the sink (if any) folded into both."""
     if arrays["sink"] is not None:
         o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, arrays["sink"])
-    return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT, carries)
+    return (o_BTNW, lse_BNT), (arrays, ints, o_BTNW, lse_BNT)

@@ -144,10 +144,8 @@ def backward_calls(
     terms: list[dict],
     cope: tuple | None = None,
     gate_k_BSGH: jax.Array | None = None,
-    cope_counts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
-    """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments;
-    ``cope_counts``: unused, the GPU forward keeps no count; the TPU's reads them).
+    """Runs both backward kernels on padded inputs (see :func:`forward_call`'s arguments).
 
     Returns:
       (dq_BTNH in q's dtype, dk_BSNH and dv_BSNW per query head (float32 with grouped heads,

@@ -21,8 +21,8 @@ parameters, c, and the gate keys), the composition of the positions' stage
 (:func:`cope_positions_QK`) and the term's (:func:`cope_term_QK`); the kernels differentiate it
 with ``jax.vjp``. The forward keeps no count: the backward kernels
 (:mod:`copejax.ops.kernels.cope_backward`) keep O(groups x T) floats per head, not one carry
-per key tile. (The TPU kernels, :mod:`copejax.ops.kernels.tpu_cope`, keep the count entering
-each key tile and its cotangent leaving it: O(T^2 / K).) Supported: every gate ("keys",
+per key tile (the TPU kernels, :mod:`copejax.ops.kernels.tpu_cope`, the same bookkeeping with
+the carries of the head's queries in VMEM). Supported: every gate ("keys",
 "sep_keys", "values") and position term ("interpolate" with a table shared by the heads or one
 per head, "alibi", "mlp"), ``scale_position_term`` and ``force_unit_gates``. The term's
 parameters' gradients are summed per query tile in the dq kernel and added up outside. Shape

@@ -144,7 +144,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         ref[...] = value
 
 
-def _capped_weight(uncapped_QK: jax.Array, cap: float) -> jax.Array:
+def capped_weight(uncapped_QK: jax.Array, cap: float) -> jax.Array:
     """d p / d c of ``p = min(uncapped, cap)``: 1 below the cap, 0 above, 1/2 at it (as
     ``jnp.minimum``'s derivative, which the dq kernel's ``d_c`` takes)."""
     return jnp.where(uncapped_QK < cap, 1.0, jnp.where(uncapped_QK == cap, 0.5, 0.0))
@@ -242,7 +242,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
                     d_logits, d_pos_QK, d_cp, d_p, d_kv = pull_scores(ds_QK)
                     cap = static.p_max - 1.0
-                    d_c_Q = jnp.sum(d_pos_QK * _capped_weight(uncapped_QK, cap), axis=1)
+                    d_c_Q = jnp.sum(d_pos_QK * capped_weight(uncapped_QK, cap), axis=1)
                     s_Q = s_ref[queries]
                     x_Q = total_ref[queries] - s_Q - d_c_Q  # X: the older tiles' d_c
                     d_logits_gates, d_gk = pull_positions((d_pos_QK, x_Q))

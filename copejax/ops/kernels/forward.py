@@ -97,8 +97,8 @@ def forward_call(
       gate_k_BSGH: CoPE's gate keys (sep-keys, val-gates) with ``plan.cope.gate_keys``.
 
     Returns:
-      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), [] (no
-      carry: the backward's dq kernels replay them)). The output stays
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder); no
+      carry: the backward's dq kernels replay them). The output stays
       float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's gradient subtracts
       from D, where a bfloat16 output's rounding would show).
     """
@@ -137,7 +137,7 @@ def forward_call(
             extra.append(gate_k_BSGH)
             term_specs.append(in_specs[1])
     kernel = functools.partial(body, plan=plan, has=has, num_term_refs=len(term_inputs))
-    o_BTNW, lse_BNT, *carries = pl.pallas_call(
+    o_BTNW, lse_BNT = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=in_specs + term_specs,
@@ -147,4 +147,4 @@ def forward_call(
         compiler_params=compiler_params(dim),
         name="copejax_attention_forward",
     )(*inputs, *term_inputs, *extra)
-    return o_BTNW, lse_BNT, carries
+    return o_BTNW, lse_BNT

@@ -59,8 +59,6 @@ from copejax.ops.kernels.tpu_relative import (
 )
 from copejax.ops.kernels.tpu_rows import (
     add_row_at,
-    carry_shape,
-    carry_spec,
     from_query_rows,
     load_row_at,
     query_rows,
@@ -77,10 +75,11 @@ def _dkdv_kernel(
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     # CoPE's parameters, gate keys, count and its cotangent (and then the gate keys'
-    # gradient after the terms'); stick-breaking's r and u for every query of the head, last
-    # in the scratch (key tiles walked newest first); Shaw's rev, its band and semaphore last
+    # gradient after the terms'); CoPE's count and S or stick-breaking's r and u for every
+    # query of the head, last in the scratch (key tiles walked newest first); Shaw's rev, its
+    # band and semaphore last
     cope, gate_keys = plan.cope is not None, plan.cope is not None and plan.cope.gate_keys
-    num_extra = plan.cope.num_params + gate_keys + 2 if cope else int(relative is not None)
+    num_extra = plan.cope.num_params + gate_keys + 1 if cope else int(relative is not None)
     extra = refs[11 + num_term_refs : 11 + num_term_refs + num_extra]
     outs = refs[11 + num_term_refs + num_extra :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has) + gate_keys
@@ -88,12 +87,13 @@ def _dkdv_kernel(
     rel = None
     if relative is not None:
         rel, all_accs = RelativeRefs(relative, extra[0], *all_accs[-2:]), all_accs[:-2]
-    carries = all_accs[-2:] if plan.stick else ()
-    all_accs = all_accs[:-2] if plan.stick else all_accs
+    newest_first = plan.stick or cope  # the carries sum over newer key tiles
+    carries = all_accs[-2:] if newest_first else ()
+    all_accs = all_accs[:-2] if newest_first else all_accs
     accs = all_accs[: len(all_accs) - gate_keys]
     dgk_acc = all_accs[-1] if gate_keys else None
     step, qi = pl.program_id(2), pl.program_id(3)
-    kj = key_step(plan, step, newest_first=plan.stick)
+    kj = key_step(plan, step, newest_first=newest_first)
 
     @pl.when(qi == 0)
     def _init() -> None:
@@ -114,17 +114,19 @@ def _dkdv_kernel(
         params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         terms, term_grads = (params, q_values, k_values), None
         pair_refs = (*main, qpos_ref, kpos_ref)
+        entering = tuple(load_row_at(carry, qi) for carry in carries)
         if cope:  # dS here is the content logits' cotangent
-            p_QK, ds_QK, term_grads, d_gk = cope_pair(plan, pair_refs, mask_args, terms, extra)
+            p_QK, ds_QK, term_grads, d_gk, added = cope_pair(
+                plan, pair_refs, mask_args, terms, extra, entering=entering
+            )
             if dgk_acc is not None:
                 dgk_acc[...] += d_gk
         elif plan.stick:
-            entering = tuple(load_row_at(carry, qi) for carry in carries)
             p_QK, ds_QK, inputs, added = stick_pair(plan, pair_refs, mask_args, terms, entering)
-            for carry, column_Q1 in zip(carries, added, strict=True):
-                add_row_at(carry, qi, column_Q1)
         else:
             p_QK, ds_QK, inputs, _ = softmax_pair(plan, pair_refs, mask_args, terms, rel)
+        for carry, column_Q1 in zip(carries, added if carries else (), strict=True):
+            add_row_at(carry, qi, column_Q1)
         q_QH, do_QW = main[0][...], main[3][...]
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         f32 = jnp.float32
@@ -163,12 +165,10 @@ def tpu_backward_calls(
     terms: list[dict],
     cope: tuple | None = None,
     gate_k_BSGH: jax.Array | None = None,
-    cope_counts: jax.Array | None = None,
     relative: tuple[TpuRelative, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], dict | None]:
     """Runs both TPU backward kernels, with the arguments and results of
-    :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside; CoPE's
-    counts ``cope_counts`` as the TPU forward wrote them, (B, N, count_k, count_q, 1, Q));
+    :func:`copejax.ops.kernels.backward.backward_calls` (the layouts change inside);
     with Shaw's ``relative`` (statics, reversed table) the last result is ``{"relative":
     the reversed table's gradient (X, H)}``.
     """
@@ -202,7 +202,8 @@ def tpu_backward_calls(
 
     # dq: grid (b, n, query tile i, key tile j), key tiles clamped to those i may see.
     q_tile = lambda i, j: i
-    k_tile = lambda i, j: tile_index(plan, i, j, keys=True, newest_first=plan.stick)
+    newest_first = plan.stick or plan.cope is not None  # the carries sum over newer tiles
+    k_tile = lambda i, j: tile_index(plan, i, j, keys=True, newest_first=newest_first)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     q_spec, q_shape = row_spec(plan, lambda i, j: i), rows_shape(plan, batch, heads)
@@ -213,28 +214,24 @@ def tpu_backward_calls(
     out_shape = [jax.ShapeDtypeStruct(tpu_queries(plan, q_BTNH).shape, q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
-    # Per (key tile, query), (B, N, count_k, count_q, 1, Q) (copejax.ops.kernels.tpu_rows):
-    # CoPE's count entering the key tile (in) and its cotangent leaving it (out).
-    carries_shape = carry_shape(plan, batch, heads)
-    carry_out = carry_spec(plan, lambda i, j: (j, i))
     dq_body, num_outs, extra_in, extra_specs = dq_kernel, 0, [], []
     if plan.stick:  # r and u in scratch
         dq_body = stick_dq_kernel
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
     gate_k = [] if gate_k_BSGH is None else [by_query_heads(gate_k_BSGH)]
-    if plan.cope is not None:  # also its parameters' gradients per query tile (B, N, count_q, ..)
+    if plan.cope is not None:  # rows' D; parameters' gradients per query tile (B, N, count_q, ..)
         dq_body, num_outs = cope_dq_kernel, 1 + len(cope)
-        extra_in = [*cope, *gate_k, cope_counts]
+        extra_in = [*cope, *gate_k]
         extra_specs = [*tpu_per_head_specs(cope), *specs(q_tile, k_tile)[1:2] * len(gate_k)]
-        extra_specs.append(carry_spec(plan, lambda i, j: (k_tile(i, j), i)))
-        out_specs.append(carry_out)
-        out_shape.append(carries_shape)
+        out_specs.append(q_spec)
+        out_shape.append(q_shape)
         for x in cope:
             out_specs.append(
                 pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i, j: (b, n, i, 0, 0))
             )
             out_shape.append(jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32))
-        scratch += [pltpu.VMEM((sq, 1), f32)] + [pltpu.VMEM(x.shape[1:], f32) for x in cope]
+        scratch += [pltpu.VMEM((sq, 1), f32)] * 2 + [pltpu.VMEM((sq, dim), f32)]  # c, S, SM
+        scratch += [pltpu.VMEM(x.shape[1:], f32) for x in cope]
     dq_params, aliases = compiler_params(), {}
     if relative is not None:  # rev, and the slab (B, N, X, H) aliased to zeros, in HBM
         dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
@@ -256,22 +253,23 @@ def tpu_backward_calls(
         input_output_aliases=aliases,
         name="copejax_attention_dq_tpu",
     )(*operands, *term_in, *extra_in)
-    carries = dqv[len(dqv) - num_outs :]
+    outs = dqv[len(dqv) - num_outs :]
     dqv = dqv[: len(dqv) - num_outs]
-    d_cope, extra_in, extra_specs, dkdv_body = None, [], [], _dkdv_kernel
+    d_cope, extra_in, extra_specs, dkdv_body, rows_in = None, [], [], _dkdv_kernel, []
     if relative is not None:  # the table's gradient; the dk / dv kernel reads rev
-        d_cope, carries = {"relative": jnp.sum(carries[0], axis=(0, 1))}, []
+        d_cope = {"relative": jnp.sum(outs[0], axis=(0, 1))}
         extra_in, extra_specs = [relative[1]], [ANY]
         dkdv_body = functools.partial(_dkdv_kernel, relative=relative[0])
-    if plan.cope is not None:  # the dk / dv kernel reads the counts and their cotangents
-        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in carries[1:]), "gate_k": None}
-        carries = [cope_counts, carries[0]]
+    if plan.cope is not None:  # the dk / dv kernel reads the rows' D (after the gate keys)
+        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in outs[1:]), "gate_k": None}
+        rows_in = [outs[0]]
         extra_in = [*cope, *gate_k]
         extra_specs = tpu_per_head_specs(cope)
 
     # dk, dv: grid (b, n, key step j, query tile i), query tiles clamped to those seeing the
-    # step's key tile (stick-breaking: the key tiles newest first, its carries in scratch).
-    k_tile = lambda j, i: key_step(plan, j, newest_first=plan.stick)
+    # step's key tile (stick-breaking and CoPE: the key tiles newest first, their carries for
+    # every query of the head in scratch).
+    k_tile = lambda j, i: key_step(plan, j, newest_first=newest_first)
     q_tile = lambda j, i: tile_index(plan, k_tile(j, i), i, keys=False)
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     k_terms = [i for i, t in enumerate(terms) if t["k"] is not None]
@@ -306,20 +304,20 @@ def tpu_backward_calls(
     params = compiler_params()
     if relative is not None:
         scratch += relative_scratch(relative[0], dim, slab=False)
-    if plan.stick:  # r and u per query of the head, carried across the key steps
+    if newest_first:  # two carries per query of the head, across the key steps
         scratch += [pltpu.VMEM((plan.count_q, sq), f32)] * 2
         params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
-    carry_in = carry_spec(plan, lambda j, i: (j, q_tile(j, i)))
+    rows_specs = [row_spec(plan, q_tile)] * len(rows_in)
     dk_BNSH, dv_BNSW, *rest = call(
         functools.partial(dkdv_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_k, plan.count_q),
-        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + [carry_in] * len(carries),
+        in_specs=specs(q_tile, k_tile) + term_specs + extra_specs + rows_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
         compiler_params=params,
         name="copejax_attention_dkdv_tpu",
-    )(*operands, *term_in, *extra_in, *carries)
+    )(*operands, *term_in, *extra_in, *rows_in)
     if gate_k:
         d_cope["gate_k"] = from_query_heads(rest.pop())
     dkv, dparams = rest[: len(k_terms)], rest[len(k_terms) :]

@@ -53,12 +53,9 @@ from copejax.ops.kernels.tpu_relative import (
     relative_scratch,
 )
 from copejax.ops.kernels.tpu_rows import (
-    carry_shape,
-    carry_spec,
     from_query_rows,
     row_spec,
     rows_shape,
-    store_row,
 )
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 from copejax.ops.kernels.tpu_stick import stick_forward_kernel
@@ -68,9 +65,9 @@ def _forward_kernel(
     *refs, plan: Plan, has: tuple, num_term_refs: int, relative: TpuRelative | None = None
 ) -> None:
     """One grid step of the softmax forward; with CoPE (``plan.cope``) the key tiles are
-    walked newest first, the count of the newer tiles' gates is carried in scratch and
-    written as it enters each key tile, and the scores are CoPE's
-    (:func:`copejax.ops.kernels.cope.pair_scores`); with Shaw's term (``relative``) the
+    walked newest first, the count of the newer tiles' gates is carried in scratch (and not
+    kept: the backward replays it, :mod:`copejax.ops.kernels.tpu_cope`), and the scores are
+    CoPE's (:func:`copejax.ops.kernels.cope.pair_scores`); with Shaw's term (``relative``) the
     scores add it (:mod:`copejax.ops.kernels.tpu_relative`: ``rev`` after the terms, its
     band and semaphore last in the scratch)."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
@@ -82,8 +79,8 @@ def _forward_kernel(
         rest = rest[1:-2]
     cope = plan.cope is not None
     cope_p_refs, gk_ref, rest = cope_refs(rest, plan.cope) if cope else ([], None, rest)
-    o_ref, lse_ref = rest[:2]
-    c_out, max_ref, sum_ref, acc_ref, c_acc = rest[2:] if cope else (None, *rest[2:], None)
+    o_ref, lse_ref, max_ref, sum_ref, acc_ref, *c_acc = rest
+    c_acc = c_acc[0] if cope else None
     qi, step = pl.program_id(2), pl.program_id(3)
     kj = key_step(plan, step, newest_first=cope)
 
@@ -93,8 +90,6 @@ def _forward_kernel(
         if cope:
             c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
 
-    if cope:  # every step writes its key tile's count (a skipped tile's is never read)
-        store_row(c_out, c_acc[...])
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
     @pl.when(live)
@@ -137,14 +132,13 @@ def tpu_forward_call(
     cope: tuple | None = None,
     gate_k_BSGH: jax.Array | None = None,
     relative: tuple[TpuRelative, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+) -> tuple[jax.Array, jax.Array]:
     """Runs the TPU forward kernel on padded inputs, with the arguments and results of
     :func:`copejax.ops.kernels.forward.forward_call` (the layouts change inside);
     ``relative``: Shaw's statics and reversed table (:mod:`~copejax.ops.kernels.tpu_relative`).
 
     Returns:
-      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder), and
-      with CoPE [the count entering each key tile, (B, N, count_k, count_q, 1, Q)]).
+      (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder)).
     """
     batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
     width, groups = v_BSGW.shape[-1], plan.groups
@@ -186,19 +180,17 @@ def tpu_forward_call(
         rows_shape(plan, batch, heads),
     ]
     scratch, extra = [*stats, pltpu.VMEM((sq, width), jnp.float32)], []
-    if plan.cope is not None:  # parameters, gate keys (like k); the count entering each tile
+    if plan.cope is not None:  # parameters, gate keys (like k); the count in scratch
         extra = list(cope)
         term_specs = [*term_specs, *tpu_per_head_specs(cope)]
         if plan.cope.gate_keys:
             extra.append(by_query_heads(gate_k_BSGH))
             term_specs.append(specs[1])
-        out_specs.append(carry_spec(plan, lambda i, j: (key_step(plan, j, True), i)))
-        out_shape.append(carry_shape(plan, batch, heads))
         scratch.append(column)
     if relative is not None:  # rev in HBM after the terms; its band and semaphore
         extra, term_specs = [relative[1]], [*term_specs, ANY]
         scratch += relative_scratch(relative[0], dim, slab=False)
-    o_BNTW, lse_BNC1Q, *carries = pl.pallas_call(
+    o_BNTW, lse_BNC1Q = pl.pallas_call(
         kernel,
         grid=(batch, heads, plan.count_q, plan.count_k),
         in_specs=specs + term_specs,
@@ -220,4 +212,4 @@ def tpu_forward_call(
         *term_in,
         *extra,
     )
-    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q), carries
+    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q)

@@ -38,15 +38,15 @@ each backward kernel, counted the same way: the selecting head's q and k tiles, 
 selection and its three bfloat16 pieces, the (Q, Q) triangle and the selecting head's
 float32 gradients; Shaw's table adds its (R, H) float32 band, two in the dq kernel, and
 (Q, R) float32 temporaries: about 0.6 MiB at R = 256, H = 128); at Q = K = 256 and H = 256
-about 4.5 MiB in float32. Only stick-breaking's
-dk / dv kernel grows with T: it keeps r and u for the head's queries, 8 bytes per query (16
-with query tiles under the 128 lanes: 256 KiB at T = 16384, Q = 64), which the 16 MiB of
-v4 / v5e hold up to about T = 800K at Q = 64. Every other operand is tiled along T, so T is
-bounded by HBM (q, k, v, o and the (B, N, T)
+about 4.5 MiB in float32. Only stick-breaking's and CoPE's
+dk / dv kernels grow with T: they keep two carries for the head's queries (r and u; the
+count and S), 8 bytes per query (16 with query tiles under the 128 lanes: 256 KiB at T =
+16384, Q = 64), which the 16 MiB of v4 / v5e hold up to about T = 800K at Q = 64. Every
+other operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N, T)
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
-float32 dk, dv per query head), plus CoPE's per-key-tile carries, O(T^2 / K), and Shaw's
-table gradient, (P + 2R) x H float32 per batch row and head; the
+float32 dk, dv per query head), plus selective attention's per-query-tile carries,
+O(T^2 / Q) per head, and Shaw's table gradient, (P + 2R) x H float32 per batch row and head; the
 statistics and the carries as lane-dense rows,
 :mod:`~copejax.ops.kernels.tpu_rows`) and by int32 positions (below 2**30, the padding keys'
 rank), not by VMEM, within the 16 MiB default scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).

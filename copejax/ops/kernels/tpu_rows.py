@@ -1,22 +1,21 @@
 """Per-query float32 values of the TPU kernels stored as lane-dense rows (issue 45): the
 log-sum-exp and D = rowsum(dO o O), the terms' per-query values (FoX's prefix sums) and their
-gradients, CoPE's carries per (key tile, query), and stick-breaking's carries for the head's
-queries in VMEM.
+gradients, CoPE's row totals, and stick-breaking's and CoPE's carries for the head's queries in
+VMEM.
 
 In a kernel such a value is a (Q, 1) column, one float32 per query row. Stored as a (.., T, 1)
 array, TPU's HBM tiles the last two axes by (8, 128): each float32 takes a 128-lane row, 512
 bytes. For the log-sum-exp and D, (B, N, T, 1) each, that was 1 GiB of the nope kernel's
-3.6 GiB of temporaries at (B, N, H) = (4, 16, 128), T = 16384; for stick-breaking's r and u
-and CoPE's count and its cotangent, one per key tile, (B, N, count_k, T, 1), 16 GiB at
-(2, 4, 64), more than a v5e's HBM (``experiments/results/kernel_tpu.md``). Here they are
-(B, N, count_q, 1, Q) and (B, N, count_k, count_q, 1, Q): each query tile's values one row,
-its queries along the lanes (4 bytes each from Q = 128 up; a query tile under the lane width
-pads its row to 128 lanes), read and written as whole (1, Q) blocks, which Mosaic takes at any
-Q (a (1, Q) block of a (.., 1, T) array would need Q % 128 == 0); in VMEM, (count_q, Q) with
-a dynamic row. The kernels turn a row into a column and back through a (Q, Q) diagonal mask
-and a sum, once per grid step and value: Mosaic's reshape between them is a sublane gather,
-which v4 does not have (``experiments.kernel_tpu`` compiles both on v4, v5e, v5p and v6e).
-Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
+3.6 GiB of temporaries at (B, N, H) = (4, 16, 128), T = 16384; stick-breaking's carries per key
+tile, (B, N, count_k, T, 1), took 16 GiB at (2, 4, 64), more than a v5e's HBM
+(``experiments/results/kernel_tpu.md``). Here they are (B, N, count_q, 1, Q): each query
+tile's values one row, its queries along the lanes (4 bytes each from Q = 128 up; a query
+tile under the lane width pads its row to 128 lanes), read and written as whole (1, Q)
+blocks, which Mosaic takes at any Q (a (1, Q) block of a (.., 1, T) array would need Q % 128
+== 0); in VMEM, (count_q, Q) with a dynamic row. The kernels turn a row into a column and back
+through a (Q, Q) diagonal mask and a sum, once per grid step and value: Mosaic's reshape
+between them is a sublane gather, which v4 does not have (``experiments.kernel_tpu`` compiles
+both on v4, v5e, v5p and v6e). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -53,23 +52,6 @@ def row_spec(plan: Plan, q_tile: Callable) -> pl.BlockSpec:
     return pl.BlockSpec(
         (None, None, None, 1, plan.size_q), lambda b, n, i, j: (b, n, q_tile(i, j), 0, 0)
     )
-
-
-def carry_shape(plan: Plan, batch: int, heads: int) -> jax.ShapeDtypeStruct:
-    """One float32 carry per (key tile, query) of each head: (B, N, count_k, count_q, 1, Q)."""
-    shape = (batch, heads, plan.count_k, plan.count_q, 1, plan.size_q)
-    return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
-def carry_spec(plan: Plan, tiles: Callable) -> pl.BlockSpec:
-    """The (1, Q) block of a grid step (b, n, outer, walked) of the carries:
-    ``tiles(outer, walked)`` gives its (key tile, query tile)."""
-
-    def index(b: jax.Array, n: jax.Array, outer: jax.Array, walked: jax.Array) -> tuple:
-        key_tile, query_tile = tiles(outer, walked)
-        return (b, n, key_tile, query_tile, 0, 0)
-
-    return pl.BlockSpec((None, None, None, None, 1, plan.size_q), index)
 
 
 def store_row(ref: object, column_Q1: jax.Array) -> None:

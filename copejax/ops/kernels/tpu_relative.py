@@ -35,7 +35,13 @@ default, does not fit VMEM twice (8 MiB at T = 16384, H = 128). Here:
   HBM, the dq kernel's output aliased to zeros, each pair's band read, added to and written
   back by DMA. The dq kernel walks a (batch row, head)'s query and key tiles in sequence
   (both grid axes "arbitrary"), so no two steps write one slab at once; summed outside:
-  O(B N (P + 2R) H), against the GPU's slab per query tile, O(B N T / Q x P x H).
+  O(B N (P + 2R) H), against the GPU's slab per query tile, O(B N T / Q x P x H). (A slab
+  per head would need the head axis first in the grid: Mosaic's parallel axes form a prefix.)
+
+Speed is unmeasured (no TPU). Each step waits for its band's DMA, 128 KiB at R = 256, H =
+128, instead of prefetching the next step's: the next band's start depends on the next
+pair's positions, which a scalar-prefetched table of band starts per tile pair could give
+the block pipeline.
 
 Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`; P table rows, R the band's rows,
 X = P + 2R the reversed table's rows.

@@ -35,6 +35,7 @@ from copejax.ops.kernels.tpu_relative import (
 )
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.test_fused_attention import _decay
+from tests.ops.kernels.test_relative_kernel import _bias
 from tests.ops.kernels.test_tpu_kernels import (
     POSITIONS_BT,
     RANK_BT,
@@ -88,18 +89,8 @@ def _kernel(x: dict, *, capped: bool, window: int | None, sinks: int, positions)
 
 def _dense(x: dict, capped: bool, positions: np.ndarray, allowed: np.ndarray, xp=jnp):
     """Eq. 1 with e looked up per pair, plus the decay term; NumPy or jnp."""
-    rows = x["table"].shape[0]
-    distance_BTS = np.maximum(positions[:, :, None] - positions[:, None, :], 0)
-    e_BTSH = xp.asarray(x["table"])[np.minimum(distance_BTS, rows - 1)]
-    q, k, v = (xp.asarray(x[key]) for key in "qkv")
-    k, v = (xp.repeat(a, N // G, axis=2) for a in (k, v))
-    term = xp.einsum("btnh,btsh->bnts", q, e_BTSH) / np.sqrt(H)
-    if not capped:
-        term = xp.where((distance_BTS < rows)[:, None], term, 0.0)
-    c = xp.moveaxis(xp.asarray(x["c"]), 2, 1)
-    bias = term + c[:, :, :, None] - c[:, :, None, :]
     reference = attention_numpy if xp is np else attention_jnp
-    return reference(q, k, v, bias, allowed)
+    return reference(x["q"], x["k"], x["v"], _bias(x, capped, positions, xp), allowed)
 
 
 def _values(capped: bool, window: int | None, sinks: int, positions: np.ndarray) -> None:

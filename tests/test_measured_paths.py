@@ -17,13 +17,10 @@ import pytest
 
 from copejax.model import decode, measured_paths
 from copejax.model.attention_paths import (
-    CARRY_BYTES_PER_PAIR,
-    KERNEL_CARRY_MAX_BYTES,
     choose_impl,
     rule_impl,
 )
 from copejax.model.config import ATTENTION_IMPLS
-from copejax.model.kernel_terms import carries_across_tiles
 from copejax.model.measured_paths import MEASURED, Measurement, measured_impl
 from copejax.model.transformer import Transformer
 from copejax.positions import registry
@@ -100,42 +97,18 @@ def test_a_measured_path_the_scheme_cannot_take_is_ignored(table) -> None:
     assert choose_impl(fox, 64, False, "tpu") == "kernel"
 
 
-def test_kernels_with_per_tile_carries_stop_where_their_carries_would_pass_the_cap(
-    table,
-) -> None:
-    """On a TPU, selective attention's kernels keep O(T^2 / 64) carries: auto follows its
-    measurement only while those fit KERNEL_CARRY_MAX_BYTES. FoX's kernels keep O(T),
-    stick-breaking's and CoPE's TPU kernels keep theirs in VMEM, and the three's GPU kernels
-    O(T H) (carry groups; selective attention's backward keeps nothing per tile): auto follows
-    those at any length."""
-    table(
-        _entry("selective", 4096, "kernel"),
-        _entry("fox", 4096, "kernel"),
-        _entry("stickbreaking", 4096, "kernel"),
-        _entry("cope", 4096, "kernel"),
-        _entry("selective", 4096, "kernel", backend="tpu"),
-    )
+def test_measured_kernels_are_taken_at_any_length(table) -> None:
+    """Every kernel keeps O(T) memory on both backends (stick-breaking's, CoPE's and
+    selective attention's carries per carry group on a GPU, in VMEM or not at all on a TPU):
+    auto follows a measured kernel at any length, whatever the call's B N T S."""
     names = ("selective", "stickbreaking", "cope", "fox")
-    linear = [tiny_config(s, dtype="bfloat16", max_len=65536) for s in names]
-    selective, cope, fox = linear[0], linear[2], linear[3]
-    for length, batch_heads in ((16384, 96), (32768, 96), (65536, 8)):
-        pairs = batch_heads * length * length
-        for cfg in linear:
-            assert choose_impl(cfg, length, False, "gpu", pairs) == "kernel"
-        fits = CARRY_BYTES_PER_PAIR * pairs <= KERNEL_CARRY_MAX_BYTES
-        want = "kernel" if fits else rule_impl(selective, length, "tpu", pairs)
-        assert choose_impl(selective, length, False, "tpu", pairs) == want
-    assert choose_impl(selective, 16384, False, "tpu", 96 * 16384**2) == "kernel"
-    assert choose_impl(selective, 32768, False, "tpu", 96 * 32768**2) == "blockwise"
-    composite = tiny_config("alibi+stickbreaking", dtype="bfloat16", max_len=65536)
-    assert not carries_across_tiles(composite.scheme, "tpu")
-    assert not carries_across_tiles(composite.scheme, "gpu")
-    for cfg in (cope, fox):  # CoPE's TPU kernels keep O(T) floats per head too
-        assert not carries_across_tiles(cfg.scheme, "tpu")
-        assert not carries_across_tiles(cfg.scheme, "gpu")
-    assert carries_across_tiles(selective.scheme, "tpu") and not carries_across_tiles(
-        selective.scheme, "gpu"
-    )
+    table(*(_entry(n, 4096, "kernel", backend=b) for n in names for b in ("gpu", "tpu")))
+    for name in names:
+        cfg = tiny_config(name, dtype="bfloat16", max_len=65536)
+        for length, batch_heads in ((16384, 96), (65536, 96)):
+            pairs = batch_heads * length * length
+            for backend in ("gpu", "tpu"):
+                assert choose_impl(cfg, length, False, backend, pairs) == "kernel"
 
 
 def test_the_committed_measurements_name_real_schemes_paths_and_pages() -> None:

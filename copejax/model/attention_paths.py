@@ -19,7 +19,6 @@ from copejax.model.checks import kernel_config_refusal
 from copejax.model.config import ModelConfig
 from copejax.model.kernel_path import PATH, path_attention
 from copejax.model.kernel_terms import (
-    carries_across_tiles,
     kernel_terms,
     part_term,
     relative_term,
@@ -47,13 +46,6 @@ AUTO_BLOCKWISE_FROM = 512
 GPU_NAIVE_MAX_BYTES = 2**30
 # The fused kernels' tile length (queries and keys) when model.attention_block is None.
 KERNEL_BLOCK = 64
-# "auto" follows a measured kernel path for a scheme whose kernels keep per-tile carries
-# (kernel_terms.CARRIED: about 2 float32 per (key tile, query), B N T S / 8 bytes) only
-# while those take at most this: at B = 8, N = 12 that is T = 16384 (3 GiB) but not 32768
-# (12 GiB, a seventh of an H100's memory per layer's backward). Beyond, the engine's O(T)
-# walk; attention_impl="kernel" still forces the kernels.
-KERNEL_CARRY_MAX_BYTES = 8 * 2**30
-CARRY_BYTES_PER_PAIR = 2 * 4 / KERNEL_BLOCK
 
 
 def choose_impl(
@@ -80,24 +72,19 @@ def choose_impl(
         return "naive"
     backend = jax.default_backend() if backend is None else backend
     found = measured_impl(backend, cfg.dtype, cfg.position, length_k)
-    if found is not None and _can_take(cfg, found.impl, backend, decoding, pairs):
+    if found is not None and _can_take(cfg, found.impl, backend, decoding):
         return found.impl
     return rule_impl(cfg, length_k, backend, pairs)
 
 
-def _can_take(
-    cfg: ModelConfig, impl: str, backend: str, decoding: bool, pairs: int | None = None
-) -> bool:
-    """Whether a measured path can run this call of ``cfg``'s layer (``pairs``: its B N T S,
-    for the kernels' carries, :data:`KERNEL_CARRY_MAX_BYTES`)."""
+def _can_take(cfg: ModelConfig, impl: str, backend: str, decoding: bool) -> bool:
+    """Whether a measured path can run this call of ``cfg``'s layer (the kernels keep O(T)
+    memory for every scheme they run, so the call's length does not matter)."""
     if impl == "dot_product_attention":
         return cfg.dot_product_attention_allowed()
     if impl != "kernel":
         return True
     if decoding or kernel_config_refusal(cfg) is not None:
-        return False
-    carry_bytes = CARRY_BYTES_PER_PAIR * (pairs or 0)
-    if carries_across_tiles(cfg.scheme, backend) and carry_bytes > KERNEL_CARRY_MAX_BYTES:
         return False
     head_dim = cfg.resolved_head_dim
     return backend != "gpu" or (head_dim >= MIN_BLOCK and not head_dim & (head_dim - 1))

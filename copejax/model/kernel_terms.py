@@ -84,18 +84,6 @@ NORMALIZERS = frozenset({"stickbreaking"})
 
 # Shaw's schemes, run by copejax.ops.kernels.relative (a band of its table per tile pair).
 RELATIVE = ("relative", "relative_capped")
-# Schemes whose kernels carry state across key tiles for their dk / dv kernel: selective
-# attention's penalty prefixes, stick-breaking's remainders and CoPE's counts and their
-# cotangents. Kept per (key tile, query) in HBM that is O(T^2 / K) memory, where the engine
-# keeps O(T). Their GPU kernels keep O(T H): stick-breaking's and CoPE's carries per carry
-# group (copejax.ops.kernels.carry_groups), selective attention's backward nothing per tile
-# (copejax.ops.kernels.selective_backward; experiments/results/kernel_memory.md). On a TPU,
-# stick-breaking's and CoPE's dk / dv kernels keep their carries for the head's queries in
-# VMEM (copejax.ops.kernels.tpu_stick, tpu_cope); selective attention's go to HBM per query
-# tile as lane-dense rows (copejax.ops.kernels.tpu_rows).
-CARRIED = frozenset({"cope", "selective", *NORMALIZERS})
-LINEAR_ON_GPU = frozenset({"cope", "selective", *NORMALIZERS})
-LINEAR_ON_TPU = frozenset({"cope", *NORMALIZERS})
 # Composites that the registry-wide kernel checks run beside the registered names (their parts'
 # terms are summed in the kernels as the naive path sums biases): tests/ops/kernels/
 # test_kernel_registry.py and experiments/kernel_tpu.py.
@@ -108,14 +96,6 @@ CHECKED_COMPOSITES = (
     "selective+fox",
     "path+fox",
 )
-
-
-def carries_across_tiles(scheme: PositionScheme, backend: str = "gpu") -> bool:
-    """Whether a part of ``scheme`` is one of :data:`CARRIED` on ``backend`` ("gpu" or
-    "tpu"), not of :data:`LINEAR_ON_GPU` or :data:`LINEAR_ON_TPU` there."""
-    linear = {"gpu": LINEAR_ON_GPU, "tpu": LINEAR_ON_TPU}.get(backend, frozenset())
-    carried = CARRIED - linear
-    return any(part.name in carried for part in parts(scheme))
 
 
 # Why a scheme with other sites has no kernel term yet (the error message names it).

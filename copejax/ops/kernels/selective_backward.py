@@ -44,8 +44,9 @@ The selecting head's q and k are read from q and k by the block specs, not copie
 grouped heads dk and dv come out in the keys' and values' dtypes; the selecting head's dk is
 summed in float32 with the selection's and rounded once.
 
-The TPU's kernels (:mod:`copejax.ops.kernels.tpu_selective_backward`) share
-:func:`pair_gradients` and keep R per query tile. Shape letters as in
+The TPU's kernel (:mod:`copejax.ops.kernels.tpu_selective_backward`) shares
+:func:`pair_gradients`, keeps R in VMEM and reads the forward's per-tile prefix (kept for it,
+O(T^2 / Q) per batch row). Shape letters as in
 :mod:`copejax.ops.kernels.forward`.
 """
 

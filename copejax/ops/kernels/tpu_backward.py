@@ -34,6 +34,7 @@ from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
 from copejax.ops.kernels.tpu_dq import dq_kernel, softmax_pair
 from copejax.ops.kernels.tpu_params import (
+    ANY,
     by_query_heads,
     compiler_params,
     from_query_heads,
@@ -52,7 +53,6 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_relative import (
-    ANY,
     RelativeRefs,
     TpuRelative,
     relative_scratch,

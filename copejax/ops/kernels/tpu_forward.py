@@ -28,6 +28,7 @@ from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
+    ANY,
     by_query_heads,
     compiler_params,
     from_query_heads,
@@ -46,7 +47,6 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_relative import (
-    ANY,
     RelativeRefs,
     TpuRelative,
     add_relative,

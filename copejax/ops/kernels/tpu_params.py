@@ -74,6 +74,7 @@ from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_rows import query_rows, read_rows, row_spec
 
 LANES = 128  # a (1, K) block's K must be a multiple of this (or the whole axis)
+ANY = pl.BlockSpec(memory_space=pl.ANY)  # an operand left in HBM, read and written by DMA
 BACKENDS = ("triton", "tpu")
 
 

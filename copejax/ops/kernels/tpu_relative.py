@@ -114,9 +114,6 @@ class RelativeRefs(NamedTuple):
     slab_band: Ref | None = None
 
 
-ANY = pl.BlockSpec(memory_space=pl.ANY)  # an operand left in HBM, read by DMA
-
-
 def relative_scratch(static: TpuRelative, dim: int, *, slab: bool) -> list:
     """The kernels' scratch for the term: the (R, H) band (two in the dq kernel: the
     table's and the slab's) and a DMA semaphore."""

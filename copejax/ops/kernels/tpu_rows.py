@@ -59,6 +59,11 @@ def store_row(ref: object, column_Q1: jax.Array) -> None:
     ref[...] = _row(column_Q1)
 
 
+def as_row(column_Q1: jax.Array) -> jax.Array:
+    """A (Q, 1) column as a (1, Q) row (for a write by DMA)."""
+    return _row(column_Q1)
+
+
 def load_row(ref: object) -> jax.Array:
     """The (Q, 1) column of a (1, Q) block."""
     return _column(ref[...])

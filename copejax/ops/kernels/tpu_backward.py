@@ -233,15 +233,15 @@ def tpu_backward_calls(
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2 + [pltpu.VMEM((sq, dim), f32)]  # c, S, SM
         scratch += [pltpu.VMEM(x.shape[1:], f32) for x in cope]
     dq_params, aliases = compiler_params(), {}
-    if relative is not None:  # rev, and the slab (B, N, X, H) aliased to zeros, in HBM
+    if relative is not None:  # rev, and the slab (B, X, H) aliased to zeros, in HBM
         dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
-        slab = jnp.zeros((batch, heads, *relative[1].shape), f32)
+        slab = jnp.zeros((batch, *relative[1].shape), f32)
         extra_in, extra_specs = [relative[1], slab], [ANY, ANY]
         aliases = {len(operands) + len(term_in) + 1: len(out_shape)}
         out_specs.append(ANY)
         out_shape.append(jax.ShapeDtypeStruct(slab.shape, f32))
         scratch += relative_scratch(relative[0], dim, slab=True)
-        dq_params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
+        dq_params = compiler_params(("parallel", "arbitrary", "arbitrary", "arbitrary"))
     dq_BNTH, *dqv = call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q, plan.count_k),
@@ -257,7 +257,7 @@ def tpu_backward_calls(
     dqv = dqv[: len(dqv) - num_outs]
     d_cope, extra_in, extra_specs, dkdv_body, rows_in = None, [], [], _dkdv_kernel, []
     if relative is not None:  # the table's gradient; the dk / dv kernel reads rev
-        d_cope = {"relative": jnp.sum(outs[0], axis=(0, 1))}
+        d_cope = {"relative": jnp.sum(outs[0], axis=0)}
         extra_in, extra_specs = [relative[1]], [ANY]
         dkdv_body = functools.partial(_dkdv_kernel, relative=relative[0])
     if plan.cope is not None:  # the dk / dv kernel reads the rows' D (after the gate keys)

@@ -4,8 +4,8 @@ and the pair it shares with the dk / dv kernel (:mod:`copejax.ops.kernels.tpu_ba
 Grid (batch row, head, query tile, key tile): dq and the terms' per-query gradients in VMEM
 scratch across the key tiles, written at the last (with key chunks, dq per chunk). With
 Shaw's term (:mod:`copejax.ops.kernels.tpu_relative`) the pair's scores add it, and the dq
-kernel adds its part of dq and writes the table's gradient to its (batch row, head)'s slab,
-so its query and key tile axes both walk in order. Shape letters as in
+kernel adds its part of dq and writes the table's gradient to its batch row's slab, so only
+its batch axis runs in parallel. Shape letters as in
 :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
@@ -64,7 +64,7 @@ def dq_kernel(
         outs = outs[2 : 3 + num_q] + outs[4 + num_q : -3]
     dq_ref, dqv_refs = outs[0], outs[1 : 1 + num_q]
     dq_acc, dqv_accs = outs[1 + num_q], outs[2 + num_q :]
-    head, qi, kj = (pl.program_id(0), pl.program_id(1)), pl.program_id(2), pl.program_id(3)
+    row, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     last = pl.num_programs(3) - 1
     # With key chunks dq is written per chunk (its queries differ): reset at a chunk's first
     # key tile, written at its last; the terms' per-query gradients sum over every chunk.
@@ -95,7 +95,7 @@ def dq_kernel(
             (ds_QK * scale).astype(k_KH.dtype), k_KH, preferred_element_type=jnp.float32
         )
         if rel is not None:
-            dq_acc[...] += relative_grads(rel, geo, main[0][...], ds_QK, head)
+            dq_acc[...] += relative_grads(rel, geo, main[0][...], ds_QK, row)
         if dqv_accs:
 
             def bias(qv: list) -> jax.Array:

@@ -31,12 +31,12 @@ default, does not fit VMEM twice (8 MiB at T = 16384, H = 128). Here:
   down, each pair placed by a loop over the band's R columns (a compare, a masked lane sum
   and a select each): R vector passes per band, taken only by a tile pair whose positions
   jump.
-- The table's gradient: ``d rev`` in one (P + 2R, H) float32 slab per (batch row, head) in
-  HBM, the dq kernel's output aliased to zeros, each pair's band read, added to and written
-  back by DMA. The dq kernel walks a (batch row, head)'s query and key tiles in sequence
-  (both grid axes "arbitrary"), so no two steps write one slab at once; summed outside:
-  O(B N (P + 2R) H), against the GPU's slab per query tile, O(B N T / Q x P x H). (A slab
-  per head would need the head axis first in the grid: Mosaic's parallel axes form a prefix.)
+- The table's gradient: ``d rev`` in one (P + 2R, H) float32 slab per batch row in HBM, the
+  dq kernel's output aliased to zeros, each pair's band read, added to and written back by
+  DMA. The dq kernel walks a batch row's heads, query tiles and key tiles in sequence (all
+  but the batch axis "arbitrary"), so no two steps write one slab at once; summed outside:
+  O(B (P + 2R) H), against the GPU's slab per query tile, O(B N T / Q x P x H). (A slab per
+  head would need the head axis first in the grid: Mosaic's parallel axes form a prefix.)
 
 Speed is unmeasured (no TPU). Each step waits for its band's DMA, 128 KiB at R = 256, H =
 128, instead of prefetching the next step's: the next band's start depends on the next
@@ -103,7 +103,7 @@ def reversed_table(static: TpuRelative, table_PH: jax.Array) -> jax.Array:
 
 class RelativeRefs(NamedTuple):
     """A kernel's refs for the term: the statics, ``rev`` in HBM, a (R, H) VMEM band, a DMA
-    semaphore and, in the dq kernel, the (B, N, X, H) gradient slab in HBM with a second
+    semaphore and, in the dq kernel, the (B, X, H) gradient slab in HBM with a second
     (R, H) VMEM band for its read-modify-write."""
 
     static: TpuRelative
@@ -229,18 +229,17 @@ def relative_term_QK(refs: RelativeRefs, geo: PairGeometry, q_QH: jax.Array) -> 
 
 
 def relative_grads(
-    refs: RelativeRefs, geo: PairGeometry, q_QH: jax.Array, ds_QK: jax.Array, head: tuple
+    refs: RelativeRefs, geo: PairGeometry, q_QH: jax.Array, ds_QK: jax.Array, row: jax.Array
 ) -> jax.Array:
     """The term's part of dq, (Q, H) float32, for the pair's ``ds_QK`` (0 off the allowed
-    pairs); adds ``d rev`` of the bands the pair read to the slab of ``head`` (batch row,
-    head)."""
+    pairs); adds ``d rev`` of the bands the pair read to batch row ``row``'s slab."""
     static = refs.static
     size_q, size_k = ds_QK.shape
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
 
     def band_grads(top: jax.Array, dz_QR: jax.Array) -> jax.Array:
         dz_QR = dz_QR.astype(q_QH.dtype)
-        rows = refs.slab.at[head[0], head[1], pl.ds(static.edge - top, static.band), :]
+        rows = refs.slab.at[row, pl.ds(static.edge - top, static.band), :]
         d_band_RH = jax.lax.dot(dz_QR.T, q_QH, preferred_element_type=F32)
         _copy(rows, refs.slab_band, refs.sem)
         refs.slab_band[...] += d_band_RH

@@ -242,6 +242,21 @@ def term_operands(
     return tuple(has), operands, specs
 
 
+def dma_copy(src: object, dst: object, sem: object) -> None:
+    """A DMA between HBM and VMEM refs, waited for (the next step's may overlap it)."""
+    copy = pltpu.make_async_copy(src, dst, sem)
+    copy.start()
+    copy.wait()
+
+
+def dma_add(rows: object, buffer: object, sem: object, value: jax.Array) -> None:
+    """``rows`` (an HBM slice) += ``value``, through the VMEM ``buffer`` of its shape (the
+    kernels that add to float32 sums in HBM walk those rows' steps in order)."""
+    dma_copy(rows, buffer, sem)
+    buffer[...] += value
+    dma_copy(buffer, rows, sem)
+
+
 def tpu_per_head_specs(arrays: tuple) -> list[pl.BlockSpec]:
     """Block specs of (N, R, C) arrays (CoPE's parameters) read whole by head, for a grid
     (b, n, outer, walked)."""

@@ -60,7 +60,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.padding import power_of_two
 from copejax.ops.kernels.relative import band_dot
-from copejax.ops.kernels.tpu_params import LANES
+from copejax.ops.kernels.tpu_params import LANES, dma_add, dma_copy
 
 Ref = Any  # a Pallas ref
 F32 = jnp.float32
@@ -121,17 +121,10 @@ def relative_scratch(static: TpuRelative, dim: int, *, slab: bool) -> list:
     return [band] * (2 if slab else 1) + [pltpu.SemaphoreType.DMA(())]
 
 
-def _copy(src: Ref, dst: Ref, sem: Ref) -> None:
-    """A DMA, waited for (the next step's band may overlap this one's)."""
-    copy = pltpu.make_async_copy(src, dst, sem)
-    copy.start()
-    copy.wait()
-
-
 def _load_band(refs: RelativeRefs, top: jax.Array) -> jax.Array:
     """The band of distances ``top`` down to ``top - R + 1``, (R, H) float32."""
     static = refs.static
-    _copy(refs.table.at[pl.ds(static.edge - top, static.band), :], refs.band, refs.sem)
+    dma_copy(refs.table.at[pl.ds(static.edge - top, static.band), :], refs.band, refs.sem)
     return refs.band[...]
 
 
@@ -241,9 +234,7 @@ def relative_grads(
         dz_QR = dz_QR.astype(q_QH.dtype)
         rows = refs.slab.at[row, pl.ds(static.edge - top, static.band), :]
         d_band_RH = jax.lax.dot(dz_QR.T, q_QH, preferred_element_type=F32)
-        _copy(rows, refs.slab_band, refs.sem)
-        refs.slab_band[...] += d_band_RH
-        _copy(refs.slab_band, rows, refs.sem)
+        dma_add(rows, refs.slab_band, refs.sem, d_band_RH)
         return band_dot(dz_QR, _load_band(refs, top), (1, 0))
 
     def fast(_: None) -> jax.Array:

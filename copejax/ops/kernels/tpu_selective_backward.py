@@ -37,6 +37,7 @@ from copejax.ops.kernels.tpu_params import (
     ANY,
     by_query_heads,
     compiler_params,
+    dma_add,
     from_query_heads,
     interpret_mode,
     read_terms,
@@ -50,20 +51,6 @@ from copejax.ops.kernels.tpu_rows import as_row, from_query_rows, load_row, quer
 from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
 
 F32 = jnp.float32
-
-
-def _copy(src: object, dst: object, sem: object) -> None:
-    """A DMA, waited for."""
-    copy = pltpu.make_async_copy(src, dst, sem)
-    copy.start()
-    copy.wait()
-
-
-def _add_to_hbm(rows: object, buffer: object, sem: object, value: jax.Array) -> None:
-    """``rows`` (an HBM slice) += ``value``, through the VMEM ``buffer`` of its shape."""
-    _copy(rows, buffer, sem)
-    buffer[...] += value
-    _copy(buffer, rows, sem)
 
 
 def _backward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
@@ -116,16 +103,16 @@ def _backward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_
         accs[2][...] += dot_f32(dl_QK.T.astype(q_sel_QH.dtype), q_sel_QH, (1, 0))
         queries = pl.ds(pl.multiple_of(qi * plan.size_q, plan.size_q), plan.size_q)
         dq_QH = dot_f32(ds_QK_scaled.astype(k_KH.dtype), k_KH, (1, 0))
-        _add_to_hbm(dq_hbm.at[b, n, queries, :], q_buffer, sem, dq_QH)
+        dma_add(dq_hbm.at[b, n, queries, :], q_buffer, sem, dq_QH)
         dq_sel_QH = dot_f32(dl_QK.astype(k_sel_KH.dtype), k_sel_KH, (1, 0))
-        _add_to_hbm(dqsel_hbm.at[b, queries, :], q_buffer, sem, dq_sel_QH)  # summed over heads
+        dma_add(dqsel_hbm.at[b, queries, :], q_buffer, sem, dq_sel_QH)  # summed over heads
         if plan.biases:
             g_params, g_qv, g_kv = pull(ds_QK)
             grads = [g for g in g_kv if g is not None] + [g for g in g_params if g is not None]
             for acc, g in zip(accs[3:], grads, strict=True):
                 acc[...] += g
             for hbm, g in zip(dqv_hbm, [g for g in g_qv if g is not None], strict=True):
-                _add_to_hbm(hbm.at[b, n, qi], row_buffer, sem, as_row(g))
+                dma_add(hbm.at[b, n, qi], row_buffer, sem, as_row(g))
         r_acc[...] -= jnp.sum(ds_QK, axis=0, keepdims=True)  # dF = -dS
 
     @pl.when(step == pl.num_programs(3) - 1)
@@ -133,7 +120,7 @@ def _backward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_
         for ref, acc in zip(grad_refs, [accs[0], accs[1], *accs[3:]], strict=True):
             ref[...] = acc[...].astype(ref.dtype)
         keys = pl.ds(pl.multiple_of(kj * plan.size_k, plan.size_k), plan.size_k)
-        _add_to_hbm(dksel_hbm.at[b, keys, :], k_buffer, sem, accs[2][...])  # over heads
+        dma_add(dksel_hbm.at[b, keys, :], k_buffer, sem, accs[2][...])  # over heads
 
 
 def tpu_selective_backward_calls(

@@ -54,21 +54,31 @@ def _with_table(x: dict, rows: int = ROWS, seed: int = 3) -> dict:
     return {**x, "table": jnp.asarray(table, jnp.float32)}
 
 
-def _kernel(x: dict, *, capped: bool, window: int | None, sinks: int, positions=POSITIONS_BT):
+def _kernel(
+    x: dict,
+    *,
+    capped: bool,
+    window: int | None,
+    sinks: int,
+    positions=POSITIONS_BT,
+    layout: tuple = (SEGMENTS_BT, RANK_BT),
+    **options: object,
+):
+    """Shaw's term beside a decay term on the kernels; ``layout``: (segment ids, ranks);
+    ``options`` for fused_attention (default tiles: 32 queries, 16 keys)."""
     return fused_attention(
         x["q"],
         x["k"],
         x["v"],
         q_positions_BT=jnp.asarray(positions),
         k_positions_BT=jnp.asarray(positions),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        segment_ids_BT=jnp.asarray(layout[0]),
         terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
         window=window,
         sink_tokens=sinks,
-        k_rank_BT=jnp.asarray(RANK_BT),
-        block_q=32,
-        block_k=16,
+        k_rank_BT=jnp.asarray(layout[1]),
         relative=RelativeTerm(x["table"], capped),
+        **{"block_q": 32, "block_k": 16, **options},
     )
 
 

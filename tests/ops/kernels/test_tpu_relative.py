@@ -24,9 +24,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.relative import RelativeTerm
-from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tpu_relative import (
     PairGeometry,
     reversed_table,
@@ -34,8 +32,8 @@ from copejax.ops.kernels.tpu_relative import (
     tpu_relative,
 )
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
-from tests.ops.kernels.test_fused_attention import _decay
 from tests.ops.kernels.test_relative_kernel import _bias
+from tests.ops.kernels.test_relative_kernel import _kernel as relative_kernel
 from tests.ops.kernels.test_tpu_kernels import (
     POSITIONS_BT,
     RANK_BT,
@@ -69,21 +67,17 @@ def _inputs(dtype, rows: int = ROWS) -> dict:
 
 
 def _kernel(x: dict, *, capped: bool, window: int | None, sinks: int, positions) -> jax.Array:
-    return fused_attention(
-        x["q"],
-        x["k"],
-        x["v"],
-        q_positions_BT=jnp.asarray(positions),
-        k_positions_BT=jnp.asarray(positions),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
-        terms=[KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"])],
+    """test_relative_kernel's call on the TPU kernels: 4 query tiles of 64, 2 key tiles."""
+    return relative_kernel(
+        x,
+        capped=capped,
         window=window,
-        sink_tokens=sinks,
-        k_rank_BT=jnp.asarray(RANK_BT),
+        sinks=sinks,
+        positions=positions,
+        layout=(SEGMENTS_BT, RANK_BT),
         block_q=64,
         block_k=128,
         backend="tpu",
-        relative=RelativeTerm(x["table"], capped),
     )
 
 

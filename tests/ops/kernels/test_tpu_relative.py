@@ -41,12 +41,12 @@ from tests.ops.kernels.test_tpu_kernels import (
     SINKS,
     WINDOW,
     B,
-    G,
     H,
     N,
     T,
     exported_to_tpu,
 )
+from tests.ops.kernels.test_tpu_kernels import _inputs as tpu_inputs
 from tests.ops.kernels.tolerances import assert_close
 
 ROWS = 12  # far below the longest segment (200 keys): capping and vanishing both happen
@@ -55,15 +55,10 @@ SLOW = pytest.mark.slow
 
 
 def _inputs(dtype, rows: int = ROWS) -> dict:
-    rng = np.random.default_rng(0)
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-    return {
-        "q": normal(B, T, N, H),
-        "k": normal(B, T, G, H),
-        "v": normal(B, T, G, H),
-        "table": jnp.asarray(rng.normal(size=(rows, H)), jnp.float32),
-        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.05, (B, T, N)), axis=1), jnp.float32),
-    }
+    """test_tpu_kernels' q, k, v and per-token values, with Shaw's table (P, H)."""
+    x = {key: value for key, value in tpu_inputs(dtype).items() if key in ("q", "k", "v", "c")}
+    table = np.random.default_rng(3).normal(size=(rows, H))
+    return {**x, "table": jnp.asarray(table, jnp.float32)}
 
 
 def _kernel(x: dict, *, capped: bool, window: int | None, sinks: int, positions) -> jax.Array:

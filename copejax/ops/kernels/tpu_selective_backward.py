@@ -15,7 +15,9 @@ selecting head's dq and dk sum over the heads in place, (B, T, H) each
 head's dk). R never leaves VMEM (the two-kernel form wrote it per (query tile, key), O(T^2 /
 Q) per head, for a dq kernel), and each pair's gradients are computed once. The GPU's one
 backward kernel sums P again as it walks, takes R by linearity and adds dq with atomics
-(:mod:`copejax.ops.kernels.selective_backward`). Shape letters as in
+(:mod:`copejax.ops.kernels.selective_backward`). Speed is unmeasured (no TPU): each live
+step waits for four DMAs of a (Q, H) float32 block (dq's and dq_sel's read and write), where
+the two-kernel form computed every pair twice but waited for none. Shape letters as in
 :mod:`copejax.ops.kernels.tpu_forward`.
 """
 

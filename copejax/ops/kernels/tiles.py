@@ -233,9 +233,11 @@ def softmax_ds(
     s_QK: jax.Array, allowed_QK: jax.Array, lse_Q: jax.Array, dp_QK: jax.Array, delta_Q: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a pair from its scores, FlashAttention-2's backward: ``P = exp(s - L)`` on
-    allowed pairs, ``dS = P (dP - D)``; float32 (Q, K), the per-query L and D as (Q,)."""
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q[:, None]), 0.0)
-    return p_QK, p_QK * (dp_QK - delta_Q[:, None])
+    allowed pairs, ``dS = P (dP - D)``; float32 (Q, K), the per-query L and D as (Q,) (the
+    GPU kernels) or (Q, 1) columns (the TPU's)."""
+    lse_Q1, delta_Q1 = (x if x.ndim == 2 else x[:, None] for x in (lse_Q, delta_Q))
+    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
+    return p_QK, p_QK * (dp_QK - delta_Q1)
 
 
 def dot_f32(a: jax.Array, b: jax.Array, contract: tuple[int, int]) -> jax.Array:

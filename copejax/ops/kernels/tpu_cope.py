@@ -43,16 +43,11 @@ from copejax.ops.kernels.cope import (
 from copejax.ops.kernels.cope_backward import capped_weight, gate_pull_QH
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, softmax_ds
 from copejax.ops.kernels.tpu_params import NT, key_step, read_refs, read_terms, step_live
 from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 F32 = jnp.float32
-
-
-def _softmax_ds(s_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1) -> tuple[jax.Array, jax.Array]:
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
-    return p_QK, p_QK * (dp_QK - delta_Q1)
 
 
 def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -106,7 +101,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         primals = (logits_QK, q_QH, read_refs(cope_p_refs), c_acc[...], q_values)
         (s_QK, total_Q1), pull = jax.vjp(scores, *primals)
         dp_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
-        _, ds_QK = _softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
+        _, ds_QK = softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
         # the gate total's cotangent X enters by SM (cope_backward's docstring)
         d_logits, d_q, d_params, d_c, d_qv = pull((ds_QK, jnp.zeros_like(total_Q1)))
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
@@ -178,11 +173,11 @@ def cope_pair(
     lse_Q1, delta_Q1 = load_row(lse_ref), load_row(delta_ref)
     if static.unit_gates:  # constant positions: no d_c, no gates to pull back
         s_QK, pull = jax.vjp(lambda lg, p, kv: scores(lg, p_QK, p, kv), logits_QK, params, k_values)
-        probs_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1)
+        probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1)
         d_logits, d_p, d_kv = pull(ds_QK)
         return probs_QK, d_logits, (d_p, d_kv), None, (total_Q1, jnp.zeros_like(total_Q1))
     s_QK, pull = jax.vjp(scores, logits_QK, p_QK, params, k_values)
-    probs_QK, ds_QK = _softmax_ds(s_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1)
+    probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1)
     d_logits, d_pos_QK, d_p, d_kv = pull(ds_QK)
     weight_QK = capped_weight(uncapped_QK, static.p_max - 1.0)
     d_c_Q1 = jnp.sum(d_pos_QK * weight_QK, axis=1, keepdims=True)

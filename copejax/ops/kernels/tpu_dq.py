@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import Plan, scores_QK
+from copejax.ops.kernels.tiles import Plan, scores_QK, softmax_ds
 from copejax.ops.kernels.tpu_params import NT, read_terms, step_live
 from copejax.ops.kernels.tpu_relative import (
     PairGeometry,
@@ -42,9 +42,9 @@ def softmax_pair(
     s_QK, geo = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs), None
     if rel is not None:
         s_QK, geo = add_relative(rel, s_QK, q_ref[...], inputs, allowed_QK)
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - load_row(lse_ref)), 0.0)
     dp_QK = jax.lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
-    return p_QK, p_QK * (dp_QK - load_row(delta_ref)), inputs, geo
+    p_QK, ds_QK = softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
+    return p_QK, ds_QK, inputs, geo
 
 
 def dq_kernel(

@@ -225,22 +225,25 @@ def relative_grads(
     refs: RelativeRefs, geo: PairGeometry, q_QH: jax.Array, ds_QK: jax.Array, row: jax.Array
 ) -> jax.Array:
     """The term's part of dq, (Q, H) float32, for the pair's ``ds_QK`` (0 off the allowed
-    pairs); adds ``d rev`` of the bands the pair read to batch row ``row``'s slab."""
+    pairs); adds ``d rev`` of the bands the pair read to batch row ``row``'s slab. Called
+    after :func:`add_relative` for the same pair: on the fast path its band is still in
+    ``refs.band``."""
     static = refs.static
     size_q, size_k = ds_QK.shape
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
 
-    def band_grads(top: jax.Array, dz_QR: jax.Array) -> jax.Array:
+    def band_grads(top: jax.Array, dz_QR: jax.Array, band_RH: jax.Array) -> jax.Array:
         dz_QR = dz_QR.astype(q_QH.dtype)
         rows = refs.slab.at[row, pl.ds(static.edge - top, static.band), :]
         d_band_RH = jax.lax.dot(dz_QR.T, q_QH, preferred_element_type=F32)
         dma_add(rows, refs.slab_band, refs.sem, d_band_RH)
-        return band_dot(dz_QR, _load_band(refs, top), (1, 0))
+        return band_dot(dz_QR, band_RH, (1, 0))
 
     def fast(_: None) -> jax.Array:
         padded_QR = jnp.concatenate([ds_QK, jnp.zeros((size_q, static.band - size_k), F32)], axis=1)
         limit = static.band - size_k
-        return band_grads(geo.top, rotate(padded_QR, geo.shift_Q1, left=False, limit=limit) * scale)
+        dz_QR = rotate(padded_QR, geo.shift_Q1, left=False, limit=limit) * scale
+        return band_grads(geo.top, dz_QR, refs.band[...])  # add_relative's band
 
     def walk(_: None) -> jax.Array:
         index_QR = jax.lax.broadcasted_iota(jnp.int32, (size_q, static.band), 1)
@@ -255,7 +258,7 @@ def relative_grads(
                 return dz_QR + jnp.where(index_QR == r, dz_Q1, 0.0)
 
             dz_QR = jax.lax.fori_loop(0, static.band, gather, jnp.zeros(index_QR.shape, F32))
-            return dq_QH + band_grads(top, dz_QR * scale)
+            return dq_QH + band_grads(top, dz_QR * scale, _load_band(refs, top))
 
         return jax.lax.fori_loop(0, geo.bands, band, jnp.zeros(q_QH.shape, F32))
 

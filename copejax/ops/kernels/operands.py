@@ -1,11 +1,14 @@
 """The terms' arrays as kernel operands: block specs and how a kernel body reads them back
 (:mod:`copejax.ops.kernels.forward`, :mod:`~copejax.ops.kernels.backward`,
-:mod:`~copejax.ops.kernels.stick`)."""
+:mod:`~copejax.ops.kernels.stick`), and the zeros that outputs added to with atomics start
+from."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.tiles import Plan
@@ -69,3 +72,13 @@ def per_head_specs(arrays: tuple) -> list[pl.BlockSpec]:
     """Block specs of (N, R, C) arrays (CoPE's parameters) read whole by head, for a grid
     (b, n, tile)."""
     return [pl.BlockSpec((None, *x.shape[1:]), lambda b, n, i: (n, 0, 0)) for x in arrays]
+
+
+def zeros_after(zero: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """float32 zeros of ``shape`` broadcast from ``zero``, a float32 scalar computed in the
+    backward (``D * 0``, which XLA does not fold: D could be inf or NaN), for an output that
+    a kernel adds to with atomics, aliased to it. A broadcast of a constant has no operand,
+    and XLA's scheduler placed those of selective attention's atomic outputs early in the
+    forward, where they raised the layer's peak by their size (40 MiB at T = 16384,
+    (B, N, H) = (2, 4, 64), on the H100 target)."""
+    return jnp.broadcast_to(zero, shape)

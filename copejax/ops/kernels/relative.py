@@ -26,13 +26,13 @@ instead; pairs all beyond an uncapped table add nothing and cost nothing.
 
 Backward: with ``dS`` of the pair, ``dz[i, r] = sum_{j: d_ij = start + r} dS_ij / sqrt(H)``
 (the same loop, transposed), then, with dz rounded to the inputs' dtype as the content
-gradients round dS, ``dq += dz . band`` and ``d band = dz^T . q`` (matmuls). The table's
-gradient is accumulated by the dq kernel in one (P', H) float32 slab per (batch row, head,
-query tile) program (P' the table padded by a band), read-modify-written band by band (on a
-GPU with a barrier after each write: the next pair's band overlaps it) and summed outside:
-O(T/Q x P x H) per batch row and head, O(T^2 H / Q) for the default P = T (as CoPE's
-per-program table gradients; an atomic add into one (P', H) buffer would make it O(T), at
-the price of a sum in no fixed order). Every other buffer is O(T).
+gradients round dS, ``dq += dz . band`` and ``d band = dz^T . q`` (matmuls). The dq kernel
+adds the table's gradient, band by band, to one (P', H) float32 array per batch row with
+atomic adds (``jax.experimental.pallas.triton.atomic_add``; the heads and query tiles of a
+row share it), summed over the batch outside: O(P H) per batch row, O(T H) for the default
+P = T. The order of the additions varies between runs on a GPU, so the table gradient's last
+bits are not deterministic, as selective attention's dq (interpret mode runs the programs in
+order). Every other buffer is O(T).
 :mod:`copejax.ops.kernels.relative_kernels` holds the kernel bodies (the content logits, the
 other terms and the mask of :mod:`copejax.ops.kernels.forward`, softmax only) and
 :mod:`copejax.ops.kernels.relative_calls` launches them. Shape letters as in
@@ -162,21 +162,19 @@ def relative_grads(
     *,
     de_ref: Ref,
     ds_QK: jax.Array,
-    barrier: bool,
 ) -> jax.Array:
     """The term's part of dq (float32 (Q, H)), given the pair's ``ds_QK``; adds the table's
-    gradient to the rows of ``de_ref`` the pair read. As for the content matmuls, dz is
-    rounded to the inputs' dtype for ``dz . band`` and ``dz^T . q``. ``barrier``: on a GPU,
-    each read-modify-write of the slab ends with a barrier (:func:`sync_slab`)."""
+    gradient to the rows of ``de_ref`` (the batch row's (P', H) float32) the pair read, with
+    atomic adds. As for the content matmuls, dz is rounded to the inputs' dtype for
+    ``dz . band`` and ``dz^T . q``."""
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     ds_QK = jnp.where(rows.ok_QK, ds_QK, 0.0)
 
     def one_row(_: None) -> jax.Array:
         rows_1 = pl.ds(rows.lo, 1)
         dz_Q1 = jnp.sum(ds_QK, axis=1, keepdims=True) * scale
-        q32_QH = q_QH.astype(jnp.float32)
-        de_ref[rows_1, :] = de_ref[rows_1, :] + jnp.sum(dz_Q1 * q32_QH, axis=0, keepdims=True)
-        sync_slab(barrier)
+        de_1H = jnp.sum(dz_Q1 * q_QH.astype(jnp.float32), axis=0, keepdims=True)
+        pltriton.atomic_add(de_ref, (rows_1, slice(None)), de_1H)
         return dz_Q1 * table_ref[rows_1, :]
 
     def bands(_: None) -> jax.Array:
@@ -194,34 +192,12 @@ def relative_grads(
             dz_QR = jax.lax.fori_loop(0, static.band, gather, dz_QR) * scale
             dz_QR = dz_QR.astype(q_QH.dtype)
             window = pl.ds(start, static.band)
-            de_ref[window, :] = de_ref[window, :] + dot_f32(dz_QR, q_QH, (0, 0))
-            sync_slab(barrier)
+            pltriton.atomic_add(de_ref, (window, slice(None)), dot_f32(dz_QR, q_QH, (0, 0)))
             return dq_QH + band_dot(dz_QR, table_ref[window, :], (1, 0))
 
         return jax.lax.fori_loop(0, rows.bands, band, jnp.zeros(q_QH.shape, jnp.float32))
 
     return jax.lax.cond(rows.single, one_row, bands, None)
-
-
-def sync_slab(barrier: bool) -> None:
-    """After a write to the slab, with ``barrier`` (a GPU): the program's threads wait for
-    each other, so that the next read of rows another thread wrote sees them (the next
-    pair's band overlaps this one's, laid out on other threads). Interpret mode runs one
-    thread of control and has no barrier to lower."""
-    if barrier:
-        pltriton.debug_barrier()
-
-
-def zero_slab(de_ref: Ref, band: int, *, barrier: bool) -> None:
-    """Zeros a program's table-gradient slab band by band (no (P', H) register tile)."""
-
-    def clear(b: jax.Array, _: None) -> None:
-        de_ref[pl.ds(pl.multiple_of(b * band, band), band), :] = jnp.zeros(
-            (band, de_ref.shape[-1]), jnp.float32
-        )
-
-    jax.lax.fori_loop(0, de_ref.shape[0] // band, clear, None)
-    sync_slab(barrier)
 
 
 def padded_rows(static: RelativeStatic) -> int:

@@ -2,8 +2,9 @@
 specs and outputs, as :mod:`copejax.ops.kernels.forward` and
 :mod:`~copejax.ops.kernels.backward` launch the plain ones (Shaw et al. 2018, arXiv
 1803.02155). The table (P', H) float32 is one block every program reads whole; the dq
-kernel also writes one (P', H) table-gradient slab per (batch row, head, query tile), summed
-here. Shape letters as in :mod:`copejax.ops.kernels.forward`; P' the padded table rows.
+kernel adds the table's gradient to one (P', H) float32 array per batch row, aliased to
+zeros, summed over the batch here. Shape letters as in :mod:`copejax.ops.kernels.forward`;
+P' the padded table rows.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
-from copejax.ops.kernels.operands import term_operands
+from copejax.ops.kernels.operands import term_operands, zeros_after
 from copejax.ops.kernels.relative import RelativeStatic
 from copejax.ops.kernels.relative_kernels import (
     relative_dkdv_kernel,
@@ -115,23 +116,26 @@ def relative_backward_calls(
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     out_specs = [pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
     out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
-    out_specs += [
-        pl.BlockSpec((None, None, None, *table_PH.shape), lambda b, n, i: (b, n, i, 0, 0))
-    ]
+    de_spec = pl.BlockSpec((None, *table_PH.shape), lambda b, n, i: (b, 0, 0))
+    out_specs += [de_spec]
     out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
-    out_shape += [jax.ShapeDtypeStruct((batch, heads, plan.count_q, *table_PH.shape), f32)]
+    out_shape += [jax.ShapeDtypeStruct((batch, *table_PH.shape), f32)]
+    # added to with atomics from these zeros (tied to D, see zeros_after), the last input
+    de_zeros = zeros_after(delta_BNT[0, 0, 0] * 0.0, (batch, *table_PH.shape))
+    in_specs = specs + term_specs + [table_spec, de_spec]
     body = functools.partial(relative_dq_kernel, plan=plan, static=static, has=has)
-    dq_BTNH, *dqv, de_BNCPH = pl.pallas_call(
+    dq_BTNH, *dqv, de_BPH = pl.pallas_call(
         functools.partial(body, n=len(term_in)),
         grid=(batch, heads, plan.count_q),
-        in_specs=specs + term_specs + [table_spec],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases={len(in_specs) - 1: len(out_specs) - 1},
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dq",
-    )(*residuals, *term_in, table_PH)
+    )(*residuals, *term_in, table_PH, de_zeros)
 
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
     specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
@@ -149,4 +153,4 @@ def relative_backward_calls(
         name="copejax_attention_dkdv",
     )(*residuals, *term_in, table_PH)
     grads = term_gradients(terms, dqv, rest)
-    return dq_BTNH, dk_BSNH, dv_BSNW, grads, jnp.sum(de_BNCPH, axis=(0, 1, 2))
+    return dq_BTNH, dk_BSNH, dv_BSNW, grads, jnp.sum(de_BPH, axis=0)

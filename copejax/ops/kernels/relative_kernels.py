@@ -1,7 +1,7 @@
 """The kernel bodies of Shaw's term (Shaw et al. 2018, arXiv 1803.02155): the forward, dq
 and dk / dv programs of :mod:`copejax.ops.kernels.forward` and
 :mod:`~copejax.ops.kernels.backward` with :mod:`copejax.ops.kernels.relative`'s term in the
-scores and its gradients in the dq program (which also writes its table-gradient slab).
+scores and its gradients in the dq program (which also adds the table's gradient).
 Launched by :mod:`copejax.ops.kernels.relative_calls`. Shape letters as in
 :mod:`copejax.ops.kernels.forward`.
 """
@@ -25,7 +25,6 @@ from copejax.ops.kernels.relative import (
     RelativeStatic,
     relative_grads,
     relative_term_QK,
-    zero_slab,
 )
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32, softmax_ds
@@ -93,11 +92,12 @@ def relative_forward_kernel(*refs, plan: Plan, static: RelativeStatic, has: tupl
 
 
 def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n: int) -> None:
-    """dq, the terms' per-query gradients and this query tile's table-gradient slab."""
+    """dq, the terms' per-query gradients, and this query tile's part of the table's
+    gradient added to the batch row's (``de_ref``, aliased to zeros: the last input)."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + n]), has)
-    table_ref, dq_ref, *dqv_refs, de_ref = refs[11 + n :]
+    table_ref, _, dq_ref, *dqv_refs, de_ref = refs[11 + n :]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
     q_QH, do_QW, lse_Q, delta_Q = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
@@ -105,7 +105,6 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
-    zero_slab(de_ref, static.band, barrier=not plan.interpret)
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
@@ -124,13 +123,7 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
             _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dq_QH = dq_QH + relative_grads(
-                static,
-                q_QH,
-                table_ref,
-                rows,
-                de_ref=de_ref,
-                ds_QK=ds_QK,
-                barrier=not plan.interpret,
+                static, q_QH, table_ref, rows, de_ref=de_ref, ds_QK=ds_QK
             )
             return dq_QH, pull_query_values(plan, ds_QK, inputs, dqv)
 

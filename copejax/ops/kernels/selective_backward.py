@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
-from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.operands import term_operands, term_refs, zeros_after
 from copejax.ops.kernels.pullbacks import add_present
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
@@ -240,15 +240,6 @@ def _backward_kernel(
     pltriton.atomic_add(dksel_ref, (slice(None), slice(None)), dksel_KH)
     for ref, value in zip(dkv_refs + dp_refs, dkv + dparams, strict=True):
         ref[...] = value
-
-
-def zeros_after(zero: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """float32 zeros of ``shape`` broadcast from ``zero``, a float32 scalar computed in the
-    backward (``D * 0``, which XLA does not fold: D could be inf or NaN). A broadcast of a
-    constant has no operand, and XLA's scheduler placed those of the atomic outputs' zeros
-    early in the forward, where they raised the layer's peak by their size (40 MiB at
-    T = 16384, (B, N, H) = (2, 4, 64), on the H100 target)."""
-    return jnp.broadcast_to(zero, shape)
 
 
 def selective_backward_calls(

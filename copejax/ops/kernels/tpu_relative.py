@@ -35,7 +35,7 @@ default, does not fit VMEM twice (8 MiB at T = 16384, H = 128). Here:
   dq kernel's output aliased to zeros, each pair's band read, added to and written back by
   DMA. The dq kernel walks a batch row's heads, query tiles and key tiles in sequence (all
   but the batch axis "arbitrary"), so no two steps write one slab at once; summed outside:
-  O(B (P + 2R) H), against the GPU's slab per query tile, O(B N T / Q x P x H). (A slab per
+  O(B (P + 2R) H), as the GPU's (B, P', H), added to with atomics there. (A slab per
   head would need the head axis first in the grid: Mosaic's parallel axes form a prefix.)
 
 Speed is unmeasured (no TPU). Each step waits for its band's DMA, 128 KiB at R = 256, H =

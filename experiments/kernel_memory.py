@@ -54,6 +54,8 @@ KERNEL_SCHEMES = (
     "cope",
     "selective",
     "path",
+    "relative",
+    "relative_capped",
 )
 SHAPES = ((2, 4, 64), (4, 16, 128))  # (B, N, H): issue 45's B x N = 8, H = 64 and its second
 TARGET_RATIO = 1.2
@@ -128,11 +130,13 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 def merged_rows(kept: list[dict], measured: list[dict]) -> list[dict]:
     """``kept`` (an earlier run's rows) with each row of the same scheme, shape and T replaced
     by ``measured``'s, then ``measured``'s new rows: a run of a few schemes updates a full page
-    (``--merge``) instead of replacing it."""
+    (``--merge``) instead of replacing it; sorted by shape, T and the arms' order."""
     key = lambda r: (r["scheme"], tuple(r["shape"]), r["T"])
     fresh = {key(r): r for r in measured}
-    rows = [fresh.pop(key(r), r) for r in kept]
-    return rows + [r for r in measured if key(r) in fresh]
+    rows = [fresh.pop(key(r), r) for r in kept] + [r for r in measured if key(r) in fresh]
+    order = [BASELINE, *KERNEL_SCHEMES]
+    rank = lambda s: order.index(s) if s in order else len(order)
+    return sorted(rows, key=lambda r: (tuple(r["shape"]), r["T"], rank(r["scheme"])))
 
 
 def page(rows: list[dict], meta: dict) -> str:
@@ -182,7 +186,11 @@ def page(rows: list[dict], meta: dict) -> str:
         "kernel over key tiles that sums the penalty prefix again as it walks and adds dq "
         "with atomics, O(T H) (`copejax/ops/kernels/selective_backward.py`), its forward's "
         "prefix per (query tile, key), O(T^2 / 64) per batch row, living only through the "
-        "forward.",
+        "forward. Shaw's `relative` and `relative_capped` add their table's gradient with "
+        "atomics into one (P, H) float32 array per batch row, O(T H) "
+        "(`copejax/ops/kernels/relative.py`); until 2026-11-28 it was one slab per (batch "
+        "row, head, query tile), O(T^2 H / 64) per head, which compiled here to 8,405 and "
+        "133,644 MiB of temporaries (65x and 64x) at these shapes.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
-        text = page(with_ratios(result["rows"]), result["meta"])
+        text = page(with_ratios(merged_rows(result["rows"], [])), result["meta"])
         (Path(args.out_dir) / "kernel_memory.md").write_text(text)
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host computes; the H100 is a target

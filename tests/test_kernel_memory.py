@@ -90,10 +90,10 @@ def test_merge_replaces_the_measured_rows_and_keeps_the_others() -> None:
     kept = [_row(BASELINE, 100), _row("fox", 110), _row("path", 900)]
     measured = [_row(BASELINE, 100), _row("path", 400), {**_row("nope", 105), "T": 4096}]
     rows = merged_rows(kept, measured)
-    assert [(r["scheme"], r["T"]) for r in rows] == [
+    assert [(r["scheme"], r["T"]) for r in rows] == [  # by shape, T, then the arms' order
+        ("nope", 4096),
         (BASELINE, 16384),
         ("fox", 16384),
         ("path", 16384),
-        ("nope", 4096),
     ]
-    assert rows[2]["temp_bytes"] == 400 and rows[1]["temp_bytes"] == 110
+    assert rows[3]["temp_bytes"] == 400 and rows[2]["temp_bytes"] == 110

@@ -8,6 +8,7 @@ forward and backward of a whole model, ``auto``'s choice, and refusals.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from copejax.model.transformer import Transformer
 from copejax.ops import engine, engine_blocks
 from tests.conftest import tiny_config
 from tests.float_tolerance import assert_same_float32_sum
+from tests.ops.memory_growth import superlinear_arrays
 
 SCHEMES = [
     "nope",
@@ -81,6 +83,27 @@ def test_model_gradient_holds_no_length_squared_array(position: str) -> None:
     """Every array in the jaxpr of the loss gradient has at most one dimension >= T."""
     square = length_squared_shapes(gradient_jaxpr(position, 192, "blockwise"), 192)
     assert not square, f"{position}: (T, S)-sized arrays {square[:5]}"
+
+
+SELECTIVE_PREFIX = "its per-(query block, key) prefix, (B, S, T / Q): O(T^2 / Q), as README says"
+
+
+@pytest.mark.parametrize(
+    "position",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=SELECTIVE_PREFIX))
+        if n == "selective"
+        else n
+        for n in SCHEMES
+    ],
+)
+def test_model_gradient_arrays_grow_linearly(position: str) -> None:
+    """Traced at 512 and 1024 tokens (16 and 32 key blocks: above ``REMAT_WALKS_ABOVE``,
+    below which the walks' residuals are kept, a bounded number of blocks), no array of the
+    loss gradient grows faster than T: O(T) memory, not only no (T, S)-shaped array."""
+    assert engine.REMAT_WALKS_ABOVE < 512 // 32
+    grown = superlinear_arrays(functools.partial(gradient_jaxpr, position, impl="blockwise"), 512)
+    assert not grown, f"{position}: arrays that grow faster than T: {grown[:5]}"
 
 
 def test_auto_is_naive_while_short_or_sowing_and_blockwise_beyond() -> None:

@@ -2,7 +2,8 @@
 
 Values and gradients against the naive path, for every registered scheme, are in
 ``tests/test_blockwise_equivalence.py``; here: no (T, S)-sized array anywhere in the traced
-forward and backward of a whole model, ``auto``'s choice, and refusals.
+forward and backward of a whole model, nor one that grows faster than T (traced at T and
+2T), ``auto``'s choice, and refusals.
 """
 
 from __future__ import annotations

@@ -25,22 +25,28 @@ MAX_GROWTH = 2.25  # doubling the length; a little over 2 for padding to whole t
 Shape = tuple[int, ...]
 
 
-def sized_avals(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[tuple[str, int], Shape]]:
-    """``((producer, rank), shape)`` of every array of ``jaxpr``, sub-jaxprs included, in
-    order; the producer is the primitive's name, or "in" for inputs and constants."""
+def producer_avals(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[str, jax.core.AbstractValue]]:
+    """``(producer, aval)`` of every array of ``jaxpr``, sub-jaxprs (scan, cond, custom_vjp,
+    remat, pallas_call) included, in order; the producer is the primitive's name, or "in" for
+    inputs and constants."""
     for var in (*jaxpr.invars, *jaxpr.constvars):
-        shape = tuple(getattr(var.aval, "shape", ()))
-        yield ("in", len(shape)), shape
+        yield "in", var.aval
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
-            shape = tuple(getattr(var.aval, "shape", ()))
-            yield (eqn.primitive.name, len(shape)), shape
+            yield eqn.primitive.name, var.aval
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from sized_avals(sub.jaxpr)
+                    yield from producer_avals(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from sized_avals(sub)
+                    yield from producer_avals(sub)
+
+
+def sized_avals(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[tuple[str, int], Shape]]:
+    """``((producer, rank), shape)`` of every array of ``jaxpr``, as :func:`producer_avals`."""
+    for producer, aval in producer_avals(jaxpr):
+        shape = tuple(getattr(aval, "shape", ()))
+        yield (producer, len(shape)), shape
 
 
 def superlinear_arrays(trace: Callable[[int], jax.extend.core.Jaxpr], length: int) -> list[str]:

@@ -21,7 +21,7 @@ from copejax.model.transformer import Transformer
 from copejax.ops import engine, engine_blocks
 from tests.conftest import tiny_config
 from tests.float_tolerance import assert_same_float32_sum
-from tests.ops.memory_growth import superlinear_arrays
+from tests.ops.memory_growth import producer_avals, superlinear_arrays
 
 SCHEMES = [
     "nope",
@@ -44,17 +44,7 @@ SCHEMES = [
 
 def _avals(jaxpr: jax.extend.core.Jaxpr):
     """Every abstract value of a jaxpr, sub-jaxprs (scan, cond, custom_vjp, remat) included."""
-    for var in (*jaxpr.invars, *jaxpr.constvars):
-        yield var.aval
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            yield var.aval
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _avals(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _avals(sub)
+    return (aval for _, aval in producer_avals(jaxpr))
 
 
 def gradient_jaxpr(position: str, length: int, impl: str) -> jax.extend.core.Jaxpr:

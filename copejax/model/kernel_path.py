@@ -26,7 +26,7 @@ Here, in XLA:
   parts' kernel terms evaluated on the chunk as one tile, the mask and a float32 softmax;
   the same call gives u (the query after its own chunk's transforms);
 - q'^(m) for every chunk m, by a scan from the newest chunk to the oldest (``r <- P_m r``):
-  (B, M, T, N, H), O(T^2 H / C) memory and O(T^2 H^2 / C) flops;
+  (B, M, N, T, H), O(T^2 H / C) memory and O(T^2 H^2 / C) flops;
 - the merge of the two softmaxes of each row by their log-sum-exps (and GPT-OSS's sink).
 
 JAX differentiates all of it, the kernels through their custom VJP (the log-sum-exp's
@@ -160,11 +160,11 @@ def path_attention(
     y_BTNW = jnp.moveaxis(within_XNCW, 1, 2).reshape(batch, padded, heads, -1)
     lse_BTN = jnp.moveaxis(within_lse_XNC, 1, 2).reshape(batch, padded, heads)
     if count > 1:
-        u_BTNH = u_XCNH.reshape(batch, padded, heads, dim)
+        u_BNTH = jnp.moveaxis(u_XCNH.reshape(batch, padded, heads, dim), 2, 1)
         products_BMGHH = _chunk_products(w_BTGH, t_BTGC, count)
-        q_BMTNH = _queries_per_chunk(u_BTNH, products_BMGHH, chunk, q_BTNH.dtype)
+        q_BMNTH = _queries_per_chunk(u_BNTH, products_BMGHH, chunk, q_BTNH.dtype)
         between_BTNW, between_lse_BTN = chunked_attention(
-            q_BMTNH,
+            q_BMNTH,
             suffix_BTGH.astype(k_BTGH.dtype),
             v_BTGW,
             chunk=chunk,
@@ -275,82 +275,88 @@ def _chunk_products(w_BTGH: jax.Array, t_BTGC: jax.Array, count: int) -> jax.Arr
 
 
 def _queries_per_chunk(
-    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtype: jnp.dtype
+    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtype: jnp.dtype
 ) -> jax.Array:
-    """q'^(m) for every chunk m: (B, M, T, N, H) in ``dtype`` (the kernels' queries), walking
+    """q'^(m) for every chunk m: (B, M, N, T, H) in ``dtype`` (the kernels' queries), walking
     chunks from the newest to the oldest in float32. Row i of chunk m holds query i
     transformed down to chunk m's end where i is in a later chunk (elsewhere u_i, which the
-    kernels never read).
+    kernels never read). Heads before tokens, as the walk's per-head matmuls want them and the
+    kernels read them: XLA makes no transposed copy of the output (one per use, 1 GiB each at
+    T = 16384, (B, N, H) = (2, 4, 64), with the (B, M, T, N, H) layout).
 
     Its VJP is by hand (:func:`_queries_per_chunk_vjp`): JAX's would keep every step's float32
-    state, (B, M, T, N, H), and masks of that shape, beside the output the kernels keep anyway
+    state, (B, M, N, T, H), and masks of that shape, beside the output the kernels keep anyway
     (about 6 GiB of 8 at T = 16384, (B, N, H) = (2, 4, 64)); this one reads the output back
     instead, so the products' gradient takes the queries as the kernels did, rounded to
     ``dtype``."""
-    dtypes = (jnp.dtype(dtype), jnp.dtype(u_BTNH.dtype))
-    return _queries_per_chunk_vjp(u_BTNH, products_BMGHH, size, dtypes)
+    dtypes = (jnp.dtype(dtype), jnp.dtype(u_BNTH.dtype))
+    return _queries_per_chunk_vjp(u_BNTH, products_BMGHH, size, dtypes)
 
 
 def _transform(
-    products_BMGHH: jax.Array, m: jax.Array, r_BTNH: jax.Array, later_T: jax.Array, transpose: bool
+    products_BMGHH: jax.Array, m: jax.Array, r_BNTH: jax.Array, later_T: jax.Array, transpose: bool
 ) -> jax.Array:
     """Chunk m's product (or its transpose) applied to the rows of later chunks, float32."""
-    batch, padded, heads, dim = r_BTNH.shape
+    batch, heads, padded, dim = r_BNTH.shape
     kv_heads = products_BMGHH.shape[2]
-    product_BGHK = jnp.take(products_BMGHH, m, axis=1)
-    r_BTGZH = r_BTNH.reshape(batch, padded, kv_heads, heads // kv_heads, dim)
-    spec = "BGKH,BTGZK->BTGZH" if transpose else "BGHK,BTGZK->BTGZH"
-    moved_BTNH = jnp.einsum(spec, product_BGHK, r_BTGZH).reshape(r_BTNH.shape)
-    return jnp.where(later_T[:, None, None], moved_BTNH, r_BTNH)
+    product_BGHK = jax.lax.dynamic_index_in_dim(products_BMGHH, m, 1, keepdims=False)
+    r_BGZTH = r_BNTH.reshape(batch, kv_heads, heads // kv_heads, padded, dim)
+    spec = "BGKH,BGZTK->BGZTH" if transpose else "BGHK,BGZTK->BGZTH"
+    moved_BNTH = jnp.einsum(spec, product_BGHK, r_BGZTH).reshape(r_BNTH.shape)
+    return jnp.where(later_T[:, None], moved_BNTH, r_BNTH)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _queries_per_chunk_vjp(
-    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
+    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
 ) -> jax.Array:
-    return _queries_forward(u_BTNH, products_BMGHH, size, dtypes)[0]
+    return _queries_forward(u_BNTH, products_BMGHH, size, dtypes)[0]
 
 
 def _queries_forward(
-    u_BTNH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
+    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
 ) -> tuple[jax.Array, tuple]:
-    """``dtypes``: (the output's, u's)."""
-    chunk_T = jnp.arange(u_BTNH.shape[1]) // size
-
-    def step(r_BTNH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
-        moved = _transform(products_BMGHH, m, r_BTNH, chunk_T > m, transpose=False)
-        return moved, r_BTNH.astype(dtypes[0])
-
+    """``dtypes``: (the output's, u's). Each step writes its chunk's queries into the output
+    in place."""
+    batch, heads, padded, dim = u_BNTH.shape
+    chunk_T = jnp.arange(padded) // size
     count = products_BMGHH.shape[1]
-    _, q_MBTNH = jax.lax.scan(step, u_BTNH.astype(jnp.float32), jnp.arange(count)[::-1])
-    q_BMTNH = jnp.moveaxis(q_MBTNH[::-1], 0, 1)
-    return q_BMTNH, (q_BMTNH, products_BMGHH)
+
+    def step(i: jax.Array, state: tuple) -> tuple:
+        r_BNTH, q_BMNTH = state
+        m = count - 1 - i  # newest first
+        q_BMNTH = jax.lax.dynamic_update_index_in_dim(q_BMNTH, r_BNTH.astype(dtypes[0]), m, 1)
+        return _transform(products_BMGHH, m, r_BNTH, chunk_T > m, transpose=False), q_BMNTH
+
+    q_BMNTH = jnp.zeros((batch, count, heads, padded, dim), dtypes[0])
+    _, q_BMNTH = jax.lax.fori_loop(0, count, step, (u_BNTH.astype(jnp.float32), q_BMNTH))
+    return q_BMNTH, (q_BMNTH, products_BMGHH)
 
 
-def _queries_backward(size: int, dtypes: tuple, residuals: tuple, dq_BMTNH: jax.Array) -> tuple:
+def _queries_backward(size: int, dtypes: tuple, residuals: tuple, dq_BMNTH: jax.Array) -> tuple:
     """Walks the chunks from the oldest: the cotangent of the state entering chunk m's output,
     ``lam_m = dq_m + A_m^T lam_(m-1)`` (A_m: chunk m's product on the later chunks' rows),
     and ``dP_m = sum over those rows of lam_(m-1) q_m^T``, with q_m the output (the state)."""
-    q_BMTNH, products_BMGHH = residuals
-    batch, count, padded, heads, dim = q_BMTNH.shape
+    q_BMNTH, products_BMGHH = residuals
+    batch, count, heads, padded, dim = q_BMNTH.shape
     kv_heads = products_BMGHH.shape[2]
     chunk_T = jnp.arange(padded) // size
 
-    def step(lam_BTNH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def step(lam_BNTH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
         later_T = chunk_T > m
-        state_BTNH = jnp.take(q_BMTNH, m, axis=1).astype(jnp.float32)
-        lam_BTGZH = jnp.where(later_T[:, None, None], lam_BTNH, 0.0).reshape(
-            batch, padded, kv_heads, heads // kv_heads, dim
+        state_BNTH = jax.lax.dynamic_index_in_dim(q_BMNTH, m, 1, keepdims=False)
+        lam_BGZTH = jnp.where(later_T[:, None], lam_BNTH, 0.0).reshape(
+            batch, kv_heads, heads // kv_heads, padded, dim
         )
-        state_BTGZK = state_BTNH.reshape(lam_BTGZH.shape)
-        d_product_BGHK = jnp.einsum("BTGZH,BTGZK->BGHK", lam_BTGZH, state_BTGZK)
-        moved = _transform(products_BMGHH, m, lam_BTNH, later_T, transpose=True)
-        cotangent = jnp.take(dq_BMTNH, m, axis=1).astype(jnp.float32)
-        return moved + cotangent, d_product_BGHK
+        state_BGZTK = state_BNTH.astype(jnp.float32).reshape(lam_BGZTH.shape)
+        d_product_BGHK = jnp.einsum("BGZTH,BGZTK->BGHK", lam_BGZTH, state_BGZTK)
+        moved = _transform(products_BMGHH, m, lam_BNTH, later_T, transpose=True)
+        cotangent = jax.lax.dynamic_index_in_dim(dq_BMNTH, m, 1, keepdims=False)
+        return moved + cotangent.astype(jnp.float32), d_product_BGHK
 
-    lam_BTNH = jnp.zeros((batch, padded, heads, dim), jnp.float32)
-    lam_BTNH, d_MBGHK = jax.lax.scan(step, lam_BTNH, jnp.arange(count))
-    return lam_BTNH.astype(dtypes[1]), jnp.moveaxis(d_MBGHK, 0, 1)
+    lam_BNTH = jnp.zeros((batch, heads, padded, dim), jnp.float32)
+    lam_BNTH, d_MBGHK = jax.lax.scan(step, lam_BNTH, jnp.arange(count))
+    return lam_BNTH.astype(dtypes[1]), jnp.moveaxis(d_MBGHK, 0, 1)
 
 
 _queries_per_chunk_vjp.defvjp(_queries_forward, _queries_backward)

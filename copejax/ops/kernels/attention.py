@@ -37,6 +37,7 @@ from copejax.ops.kernels.backward import backward_calls
 from copejax.ops.kernels.carry_groups import carry_starts
 from copejax.ops.kernels.cope import CopeTerm
 from copejax.ops.kernels.forward import forward_call
+from copejax.ops.kernels.operands import query_dims
 from copejax.ops.kernels.padding import (
     MIN_BLOCK,
     check_window,
@@ -300,7 +301,7 @@ def attend(
             )
             if rel is not None:  # the reversed table's gradient
                 d_cope, d_relative_PH = None, d_cope["relative"]
-        (batch, length), heads = k_BTGH.shape[:2], q_BTNH.shape[-2]
+        (batch, length), heads = k_BTGH.shape[:2], query_dims(plan, q_BTNH.shape)[2]
         kv_heads = k_BTGH.shape[2]
 
         def per_kv_head(x_BTNW: jax.Array, like: jax.Array) -> jax.Array:

@@ -32,7 +32,13 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope_backward import cope_dkdv_kernel, cope_dq_kernel
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
-from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
+from copejax.ops.kernels.operands import (
+    per_head_specs,
+    query_dims,
+    query_spec,
+    term_operands,
+    term_refs,
+)
 from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
@@ -154,7 +160,7 @@ def backward_calls(
       CoPE's gradients {"params": per parameter (N, R, C), "gate_k": (B, S, N, H) float32
       per query head or None}, or None without CoPE).
     """
-    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
+    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk = plan.groups, plan.size_q, plan.size_k
     ints_in = [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
@@ -216,7 +222,7 @@ def backward_calls(
     if plan.chunk is not None:  # the queries of the key tile's chunk
         chunk_tiles = plan.chunk // sk
         q_spec = pl.BlockSpec(
-            (None, None, length_q, None, dim), lambda b, n, j: (b, j // chunk_tiles, 0, n, 0)
+            (None, None, None, length_q, dim), lambda b, n, j: (b, j // chunk_tiles, n, 0, 0)
         )
     specs = dkdv_operand_specs(
         plan, q_spec, length_q=length_q, dim=dim, width=width, whole_keys=whole

@@ -36,7 +36,7 @@ from copejax.ops.kernels.tpu_params import kernel_backend
 
 
 def chunked_attention(
-    q_BMTNH: jax.Array,
+    q_BMNTH: jax.Array,
     k_BTGH: jax.Array,
     v_BTGW: jax.Array,
     *,
@@ -54,7 +54,8 @@ def chunked_attention(
     """Causal attention of each query to the keys of the chunks before its own.
 
     Args:
-      q_BMTNH: the queries as key chunk m sees them, M = ceil(T / chunk).
+      q_BMNTH: the queries as key chunk m sees them, M = ceil(T / chunk), heads before
+        tokens (the layout the kernels read, and the one PaTH's walk writes without copies).
       k_BTGH, v_BTGW: keys and values of the G key/value heads (G divides N).
       chunk: keys per chunk, a power of two and a multiple of both tiles.
       q_positions_BT, k_positions_BT, segment_ids_BT, terms, window, block_q, block_k,
@@ -65,11 +66,11 @@ def chunked_attention(
     Returns:
       (o_BTNW float32, lse_BTN float32; MASKED_LOGIT and 0 where a query sees no key).
     """
-    count, length, heads = q_BMTNH.shape[1:4]
+    count, heads, length = q_BMNTH.shape[1:4]
     kv_heads = k_BTGH.shape[2]
     if k_BTGH.shape[1] != length or heads % kv_heads:
         raise ValueError(
-            f"kernel: chunked attention needs T = S and G dividing N, got q {q_BMTNH.shape}, "
+            f"kernel: chunked attention needs T = S and G dividing N, got q {q_BMNTH.shape}, "
             f"k {k_BTGH.shape}"
         )
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
@@ -101,7 +102,7 @@ def chunked_attention(
     padded = plan.count_q * plan.size_q
     extra = padded - length
     arrays = {
-        "q": jnp.pad(q_BMTNH, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))),
+        "q": jnp.pad(q_BMNTH, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0))),
         "k": jnp.pad(k_BTGH, ((0, 0), (0, extra), (0, 0), (0, 0))),
         "v": jnp.pad(v_BTGW, ((0, 0), (0, extra), (0, 0), (0, 0))),
         "terms": [term_arrays(t, padded) for t in terms],

@@ -20,7 +20,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.cope import cope_forward_kernel
-from copejax.ops.kernels.operands import per_head_specs, query_spec, term_operands, term_refs
+from copejax.ops.kernels.operands import (
+    per_head_specs,
+    query_dims,
+    query_spec,
+    term_operands,
+    term_refs,
+)
 from copejax.ops.kernels.stick import stick_forward_kernel
 from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
@@ -89,7 +95,7 @@ def forward_call(
 
     Args:
       q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles); with
-        ``plan.chunk`` the queries per key chunk, (B, M, T, N, H).
+        ``plan.chunk`` the queries per key chunk, (B, M, N, T, H).
       ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank".
       terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
       cope: CoPE's parameters per head, (N, R, C) each, with ``plan.cope``
@@ -102,7 +108,7 @@ def forward_call(
       float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's gradient subtracts
       from D, where a bfloat16 output's rounding would show).
     """
-    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
+    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     grid = (batch, heads, plan.count_q)
     groups = plan.groups

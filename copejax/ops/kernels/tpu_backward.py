@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.operands import query_dims, term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
@@ -172,7 +172,7 @@ def tpu_backward_calls(
     with Shaw's ``relative`` (statics, reversed table) the last result is ``{"relative":
     the reversed table's gradient (X, H)}``.
     """
-    batch, (heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-2:]
+    batch, _, heads, dim = query_dims(plan, q_BTNH.shape)
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
     ints = tpu_ints(ints)

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.cope import cope_refs, pair_scores
-from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.operands import query_dims, term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
     ANY,
@@ -140,7 +140,7 @@ def tpu_forward_call(
     Returns:
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder)).
     """
-    batch, (length_q, heads, dim) = q_BTNH.shape[0], q_BTNH.shape[-3:]
+    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
     newest_first = plan.stick or plan.cope is not None  # the carries sum over newer tiles

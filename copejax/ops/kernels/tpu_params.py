@@ -161,14 +161,14 @@ def by_query_heads(x_BTNX: jax.Array) -> jax.Array:
 
 
 def tpu_queries(plan: Plan, q_BTNH: jax.Array) -> jax.Array:
-    """The queries in the TPU kernels' layout: (B, N, T, H), or with key chunks (queries per
-    chunk, ``plan.chunk``) (B, M, T, N, H) -> (B, M, N, T, H)."""
-    return by_query_heads(q_BTNH) if plan.chunk is None else jnp.swapaxes(q_BTNH, 2, 3)
+    """The queries in the TPU kernels' layout: (B, N, T, H); with key chunks (queries per
+    chunk, ``plan.chunk``) they come as (B, M, N, T, H) already."""
+    return by_query_heads(q_BTNH) if plan.chunk is None else q_BTNH
 
 
 def from_tpu_queries(plan: Plan, x_BNTH: jax.Array) -> jax.Array:
     """:func:`tpu_queries`' inverse (the queries' gradient)."""
-    return from_query_heads(x_BNTH) if plan.chunk is None else jnp.swapaxes(x_BNTH, 2, 3)
+    return from_query_heads(x_BNTH) if plan.chunk is None else x_BNTH
 
 
 def query_block(

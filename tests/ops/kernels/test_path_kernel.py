@@ -84,11 +84,12 @@ def _chunked(
     blocks: tuple[int, int] = (TILE, TILE),
     **kwargs,
 ):
-    """chunked_attention with the decay term; ``tokens``: (positions, segment ids) (B, T),
-    ``blocks``: (block_q, block_k); ``kwargs``: interpret, backend."""
+    """chunked_attention with the decay term, the queries passed in its (B, M, N, T, H)
+    layout; ``tokens``: (positions, segment ids) (B, T), ``blocks``: (block_q, block_k);
+    ``kwargs``: interpret, backend."""
     positions_BT, segments_BT = (jnp.asarray(a) for a in tokens)
     return chunked_attention(
-        q_BMTNH,
+        jnp.swapaxes(q_BMTNH, 2, 3),
         x["k"],
         x["v"],
         chunk=chunk,
@@ -203,7 +204,8 @@ def test_chunked_attention_refuses_bad_arguments(kwargs: dict, message: str) -> 
         "block_k": TILE,
     }
     with pytest.raises(ValueError, match=message):
-        chunked_attention(_per_chunk_queries(16), x["k"], x["v"], **{**args, **kwargs})
+        q_BMNTH = jnp.swapaxes(_per_chunk_queries(16), 2, 3)
+        chunked_attention(q_BMNTH, x["k"], x["v"], **{**args, **kwargs})
 
 
 # ------------------------------------------------------------------ PaTH through the chunks
@@ -328,7 +330,11 @@ def test_queries_per_chunk_vjp_equals_autodiff_of_the_products(dtype: str) -> No
             rows.append(jnp.stack(out, axis=1))
         return jnp.stack(rows, axis=1)
 
-    got, pull = jax.vjp(lambda u, p: _queries_per_chunk(u, p, size, jnp.dtype(dtype)), u, products)
+    def walked(u, products):  # (B, T, N, H) -> its (B, N, T, H), back from (B, M, N, T, H)
+        per_chunk = _queries_per_chunk(jnp.swapaxes(u, 1, 2), products, size, jnp.dtype(dtype))
+        return jnp.swapaxes(per_chunk, 2, 3)
+
+    got, pull = jax.vjp(walked, u, products)
     want, pull_ref = jax.vjp(explicit, u, products)
     assert got.dtype == jnp.dtype(dtype)
     assert_close(got, want, dtype=dtype, summands=count * dim, roundings=1)

@@ -150,7 +150,7 @@ def path_attention(
     def chunks(x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, C, ...)
         return x_BT.reshape(batch * count, chunk, *x_BT.shape[2:])
 
-    within_XNCW, within_lse_XNC, u_XCNH = _within_chunks(
+    within_XNCW, within_lse_XNC, u_XCNH = _within_chunks_remat(
         chunks(q_BTNH),
         *(chunks(repeat_kv_heads(x, heads)) for x in (k_BTGH, w_BTGH, t_BTGC, v_BTGW)),
         ints={key: chunks(value) for key, value in ints.items()},
@@ -188,6 +188,27 @@ def path_attention(
         total_BTN = jnp.logaddexp(lse_BTN, sink_N.astype(f32))
         y_BTNW = jnp.exp(lse_BTN - total_BTN)[..., None] * y_BTNW
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
+
+
+def _within_chunks_remat(
+    *tensors: jax.Array,
+    ints: dict[str, jax.Array],
+    terms: tuple[KernelTerm, ...],
+    window: int | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_within_chunks` under ``jax.checkpoint``: its backward recomputes the chunks'
+    (C, C) logits, probabilities and UT products instead of keeping them from the forward,
+    where they were live beside the queries per chunk and dq per chunk at the backward's
+    peak (nine (B M, N, C, C) float32 arrays, 1.1 GiB of 3.7 at T = 16384, (B, N, H) = (2, 4,
+    64), on the H100 target)."""
+    statics = tuple((t.name, t.bias) for t in terms)
+
+    def within(tensors: tuple, ints: dict, arrays: tuple) -> tuple:
+        rebuilt = tuple(KernelTerm(*s, *a) for s, a in zip(statics, arrays, strict=True))
+        return _within_chunks(*tensors, ints=ints, terms=rebuilt, window=window)
+
+    arrays = tuple((t.params_NP, t.q_values_BTN, t.k_values_BSN) for t in terms)
+    return jax.checkpoint(within)(tensors, ints, arrays)
 
 
 def _within_chunks(

@@ -136,7 +136,11 @@ def path_attention(
     w_BTGH = pad(term.k_arrays["w"][:, :, ::groups].astype(f32))
     beta_BTG = pad(term.k_arrays["beta"][:, :, ::groups].astype(f32))
     q_BTNH, k_BTGH, v_BTGW = pad(q_BTNH), pad(k_BTGH), pad(v_BTGW)
-    t_BTGC, suffix_BTGH = path_wy(k_BTGH, w_BTGH, beta_BTG, chunk)
+    # rematerialised: the UT transform's triangular solves kept (B M, G, C, C) float32
+    # residuals at the backward's peak (about 540 MiB at T = 16384, (B, N, H) = (2, 4, 64))
+    t_BTGC, suffix_BTGH = jax.checkpoint(path_wy, static_argnums=(3,))(
+        k_BTGH, w_BTGH, beta_BTG, chunk
+    )
     terms_padded = _padded_terms(terms, padded - length)  # per-token values, zeros
     segments_BT = segment_ids_BT.astype(jnp.int32)
     lowest = jnp.min(segments_BT)  # padding: ids no real token has, unequal q and k

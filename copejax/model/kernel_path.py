@@ -31,7 +31,9 @@ Here, in XLA:
 
 JAX differentiates all of it, the kernels through their custom VJP (the log-sum-exp's
 cotangent included), the scan of q'^(m) through its own (:func:`_queries_per_chunk`: it keeps
-no float32 state per chunk, reading back the queries the kernels keep). C trades the queries
+no float32 state per chunk, reading back the queries the kernels keep); the UT transforms and
+the pairs within chunks are rematerialised in the backward (``jax.checkpoint``), so that
+their (C, C) intermediates are not live beside the queries per chunk. C trades the queries
 per chunk (T^2 H / C) against the chunks' dense pairs (T C): :func:`path_chunk` takes the
 power of two nearest ``sqrt(T H / 8)``, at least the kernels' tile. Shape letters: B batch,
 T queries (= S keys), N query heads, G key/value heads, H head dim, W value width, M chunks,

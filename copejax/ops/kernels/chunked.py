@@ -12,8 +12,10 @@ terms (PaTH-FoX's forget gates), packed segments, grouped KV heads, a sliding wi
 skipped empty tiles work as in :func:`~copejax.ops.kernels.attention.fused_attention`.
 
 It returns each query's output and log-sum-exp over those keys only, both differentiable
-(:func:`~copejax.ops.kernels.attention.attend`), so that the caller merges them with the
+(:func:`~copejax.ops.kernels.attend.attend`), so that the caller merges them with the
 pairs inside each chunk; a query with no key in an older chunk gets ``MASKED_LOGIT``.
+:mod:`copejax.model.path_levels` runs PaTH's levels of chunk pairs through the same Plan
+(:func:`chunked_plan`), two chunks per call, with a backward of its own.
 GPU (Triton) and TPU (Mosaic TPU: :mod:`copejax.ops.kernels.tpu_forward` and
 :mod:`~copejax.ops.kernels.tpu_backward`, where the chunk of a step's key tile picks the
 queries' block, and the dq kernel writes each chunk's block at the chunk's last key tile).
@@ -29,9 +31,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.attention import DEFAULT_BLOCK, attend, term_arrays
+from copejax.ops.kernels.attend import attend
+from copejax.ops.kernels.attention import DEFAULT_BLOCK, term_arrays
 from copejax.ops.kernels.padding import check_window, tiled_plan, token_ints
 from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_params import kernel_backend
 
 
@@ -73,31 +77,22 @@ def chunked_attention(
             f"kernel: chunked attention needs T = S and G dividing N, got q {q_BMNTH.shape}, "
             f"k {k_BTGH.shape}"
         )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"kernel: chunk must be a power of two, got {chunk!r}")
+    terms = tuple(terms)
+    plan = chunked_plan(
+        length,
+        groups=heads // kv_heads,
+        chunk=chunk,
+        biases=tuple(t.bias for t in terms),
+        window=window,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        backend=backend,
+    )
     if count != -(-length // chunk):
         raise ValueError(
             f"kernel: {length} queries in chunks of {chunk} need {-(-length // chunk)} chunks "
             f"of queries, got {count}"
-        )
-    check_window(window)
-    backend = kernel_backend(backend)
-    terms = tuple(terms)
-    plan = tiled_plan(
-        length,
-        block_q=block_q,
-        block_k=block_k,
-        backend=backend,
-        interpret=interpret,
-        window=window,
-        sink_tokens=0,
-        groups=heads // kv_heads,
-        biases=tuple(t.bias for t in terms),
-        chunk=chunk,
-    )
-    if chunk % max(plan.size_q, plan.size_k):
-        raise ValueError(
-            f"kernel: chunk={chunk} must be a multiple of the tiles ({plan.size_q}, {plan.size_k})"
         )
     padded = plan.count_q * plan.size_q
     extra = padded - length
@@ -112,3 +107,39 @@ def chunked_attention(
     ints = token_ints(q_positions_BT, k_positions_BT, segment_ids_BT, None, padded)
     o_BTNW, lse_BNT = attend(plan, arrays, ints)
     return o_BTNW[:, :length], jnp.moveaxis(lse_BNT, 1, 2)[:, :length]
+
+
+def chunked_plan(
+    length: int,
+    *,
+    groups: int,
+    chunk: int,
+    biases: tuple,
+    window: int | None,
+    block_q: int,
+    block_k: int,
+    interpret: bool | None,
+    backend: str | None,
+) -> Plan:
+    """The Plan of a call with key chunks: ``chunk`` a power of two and a multiple of both
+    tiles; ``groups`` query heads per key/value head; ``biases`` the terms' tile functions."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"kernel: chunk must be a power of two, got {chunk!r}")
+    check_window(window)
+    plan = tiled_plan(
+        length,
+        block_q=block_q,
+        block_k=block_k,
+        backend=kernel_backend(backend),
+        interpret=interpret,
+        window=window,
+        sink_tokens=0,
+        groups=groups,
+        biases=biases,
+        chunk=chunk,
+    )
+    if chunk % max(plan.size_q, plan.size_k):
+        raise ValueError(
+            f"kernel: chunk={chunk} must be a multiple of the tiles ({plan.size_q}, {plan.size_k})"
+        )
+    return plan

@@ -1,55 +1,42 @@
-"""PaTH attention on the fused kernels, split at key chunks (Yang et al. 2025, arXiv
-2505.16381; issue 45).
+"""PaTH attention on the fused kernels: leaf chunks in XLA, the pairs between them on the
+kernels in levels of chunk pairs (Yang et al. 2025, arXiv 2505.16381; issue 45).
 
 PaTH's logit is ``A_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(H)`` with the tokens'
-Householder-like ``H_s = I - beta_s w_s w_s^T`` (:mod:`copejax.positions.path`). Cut the keys
-into chunks of C (chunk m holds keys mC .. mC + C - 1, ending at e_m). For a key j of chunk m
-and a query i of a later chunk c, the product splits at the chunk ends, and every H is
-symmetric, so
+Householder-like ``H_s = I - beta_s w_s w_s^T`` (:mod:`copejax.positions.path`). The keys
+are cut into leaf chunks of C (the kernels' tile by default), their count padded to a power of
+two. Here, in XLA:
 
-    A_ij = (P_{m+1} ... P_{c-1} u_i) . k'_j / sqrt(H),   P_l = H_{lC} ... H_{e_l},
-    u_i = H_{cC} ... H_i q_i,   k'_j = H_{e_m} ... H_{j+1} k_j
-
-(increasing order inside each P_l: the transpose of the decreasing product). Writing
-``q'_i^(m) = P_{m+1} ... P_{c-1} u_i`` for the query transformed down to the end of chunk
-m, the pairs between chunks are plain attention whose query depends on the key's chunk,
-which the fused kernels run with ``Plan.chunk`` (:mod:`copejax.ops.kernels.chunked`): no
-transform inside the kernels, no (T, S) array.
-
-Here, in XLA:
-
-- each chunk's UT transform (:func:`copejax.ops.path_block.path_wy` with blocks of C): the
-  keys' in-chunk suffixes k', and each chunk's product as a dense (H, H) matrix
-  ``P = I - W^T T W`` per key/value head;
-- the pairs within a chunk, as :func:`copejax.ops.path_block.path_block_logits` gives them
-  for a block holding its queries (a (C, C) product per chunk: O(T C) memory), with the other
+- each leaf chunk's UT transform (:func:`copejax.ops.path_block.path_wy` with blocks of C):
+  T's rows and the keys' in-chunk suffixes ``k'_j = H_e ... H_{j+1} k_j`` (e: the chunk's
+  end);
+- the pairs within a leaf chunk, as :func:`copejax.ops.path_block.path_block_logits` gives
+  them for a block holding its queries (a (C, C) product per chunk: O(T C)), with the other
   parts' kernel terms evaluated on the chunk as one tile, the mask and a float32 softmax;
-  the same call gives u (the query after its own chunk's transforms);
-- q'^(m) for every chunk m, by a scan from the newest chunk to the oldest (``r <- P_m r``):
-  (B, M, N, T, H), O(T^2 H / C) memory and O(T^2 H^2 / C) flops;
+  the same call gives ``u_i = H_s ... H_i q_i`` (s: the chunk's start);
 - the merge of the two softmaxes of each row by their log-sum-exps (and GPT-OSS's sink).
 
-JAX differentiates all of it, the kernels through their custom VJP (the log-sum-exp's
-cotangent included), the scan of q'^(m) through its own (:func:`_queries_per_chunk`: it keeps
-no float32 state per chunk, reading back the queries the kernels keep); the UT transforms and
-the pairs within chunks are rematerialised in the backward (``jax.checkpoint``), so that
-their (C, C) intermediates are not live beside the queries per chunk. C trades the queries
-per chunk (T^2 H / C) against the chunks' dense pairs (T C): :func:`path_chunk` takes the
-power of two nearest ``sqrt(T H / 8)``, at least the kernels' tile. Shape letters: B batch,
+The pairs between leaf chunks run on the kernels, in log2(T / C) levels of chunk pairs
+(:func:`copejax.model.path_levels.between_chunks`): O(T H log(T / C)) memory, no (T, S)
+array, no transform inside the kernels.
+
+JAX differentiates the leaves (the levels have one custom VJP of their own). The UT
+transforms and the pairs within leaves are rematerialised in the backward
+(``jax.checkpoint``), the latter over groups of chunks in sequence (:func:`leaf_groups`),
+so that only one group's (C, C) intermediates are live at a time. Shape letters: B batch,
 T queries (= S keys), N query heads, G key/value heads, H head dim, W value width, M chunks,
 C keys per chunk, X = B M chunks in a batch.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from copejax.model.path_levels import between_chunks
 from copejax.ops.engine_blocks import BlockTerm
-from copejax.ops.kernels.chunked import chunked_attention
+from copejax.ops.kernels.padding import power_of_two
 from copejax.ops.kernels.terms import KernelTerm, tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.ops.kernels.tpu_params import LANES, kernel_backend
@@ -58,6 +45,7 @@ from copejax.ops.segments import pair_allowed_BQK
 from copejax.positions.context import repeat_kv_heads
 
 PATH = "path"
+LEAF_GROUP_BYTES = 8 << 20  # one group's (chunks, N, C, C) float32 array in the leaves
 
 
 def path_refusal(names: list[str]) -> str | None:
@@ -74,13 +62,6 @@ def path_refusal(names: list[str]) -> str | None:
             "softmax and position-only terms)"
         )
     return None
-
-
-def path_chunk(length: int, head_dim: int, tile: int) -> int:
-    """C: the power of two nearest ``sqrt(T H / 8)``, at least ``tile`` (a multiple of the
-    kernels' tiles)."""
-    target = math.sqrt(length * head_dim / 8)
-    return max(tile, 1 << max(round(math.log2(max(target, 1.0))), 0))
 
 
 def path_attention(
@@ -100,8 +81,8 @@ def path_attention(
     sink_N: jax.Array | None = None,
     backend: str | None = None,
 ) -> jax.Array:
-    """Causal PaTH self-attention: the pairs between chunks on the fused kernels, those within
-    a chunk in XLA.
+    """Causal PaTH self-attention: the pairs between leaf chunks on the fused kernels, those
+    within a leaf chunk in XLA.
 
     Args:
       term: PaTH's block term (``k_arrays`` "w" (B, T, N, H) and "beta" (B, T, N), each key/value
@@ -109,10 +90,12 @@ def path_attention(
       q_BTNH, k_BTGH, v_BTGW: queries, and the keys and values of the G key/value heads.
       terms: the other parts' kernel terms (PaTH-FoX's forget gates: ``path+fox``).
       window: sliding window W (no sink tokens: PaTH refuses them).
-      block: the kernels' tile length; chunk: C (None: :func:`path_chunk`).
+      block: the kernels' tile length; chunk: the leaf chunks' C, a power of two and a
+        multiple of the tiles (None: the kernels' key tile).
       sink_N: GPT-OSS's sink logit per head, joining each row's softmax denominator.
       backend: the kernels' ("triton", "tpu" or None: "tpu" on a TPU); on a TPU C is at
-        least 128, its key tiles.
+        least 128, its key tiles. T is padded to C times a power of two: the padding's
+        tiles are skipped in the kernels, not in the leaves and levels' transforms.
 
     Returns:
       y_BTNW in ``v_BTGW``'s dtype.
@@ -122,9 +105,8 @@ def path_attention(
     kv_heads = k_BTGH.shape[2]
     groups = heads // kv_heads
     backend = kernel_backend(backend)
-    tile = max(block, LANES) if backend == "tpu" else block
-    chunk = path_chunk(length, dim, tile) if chunk is None else chunk
-    count = -(-length // chunk)
+    chunk = (max(block, LANES) if backend == "tpu" else block) if chunk is None else chunk
+    count = power_of_two(-(-length // chunk))  # the levels join chunks in pairs
     padded = count * chunk
 
     def pad(x: jax.Array, value: float | None = 0.0) -> jax.Array:
@@ -139,7 +121,7 @@ def path_attention(
     beta_BTG = pad(term.k_arrays["beta"][:, :, ::groups].astype(f32))
     q_BTNH, k_BTGH, v_BTGW = pad(q_BTNH), pad(k_BTGH), pad(v_BTGW)
     # rematerialised: the UT transform's triangular solves kept (B M, G, C, C) float32
-    # residuals at the backward's peak (about 540 MiB at T = 16384, (B, N, H) = (2, 4, 64))
+    # residuals at the backward's peak
     t_BTGC, suffix_BTGH = jax.checkpoint(path_wy, static_argnums=(3,))(
         k_BTGH, w_BTGH, beta_BTG, chunk
     )
@@ -166,21 +148,18 @@ def path_attention(
     y_BTNW = jnp.moveaxis(within_XNCW, 1, 2).reshape(batch, padded, heads, -1)
     lse_BTN = jnp.moveaxis(within_lse_XNC, 1, 2).reshape(batch, padded, heads)
     if count > 1:
-        u_BNTH = jnp.moveaxis(u_XCNH.reshape(batch, padded, heads, dim), 2, 1)
-        products_BMGHH = _chunk_products(w_BTGH, t_BTGC, count)
-        q_BMNTH = _queries_per_chunk(u_BNTH, products_BMGHH, chunk, q_BTNH.dtype)
-        between_BTNW, between_lse_BTN = chunked_attention(
-            q_BMNTH,
-            suffix_BTGH.astype(k_BTGH.dtype),
+        between_BTNW, between_lse_BTN = between_chunks(
+            u_XCNH.reshape(batch, padded, heads, dim),
+            suffix_BTGH,
+            w_BTGH,
+            t_BTGC,
             v_BTGW,
-            chunk=chunk,
-            q_positions_BT=ints["q_pos"],
-            k_positions_BT=ints["k_pos"],
-            segment_ids_BT=ints["q_seg"],
+            ints={**ints, "k_rank": jnp.zeros_like(ints["q_pos"])},
             terms=terms_padded,
+            chunk=chunk,
+            dtype=q_BTNH.dtype,
             window=window,
-            block_q=block,
-            block_k=block,
+            block=block,
             interpret=interpret,
             backend=backend,
         )
@@ -202,19 +181,44 @@ def _within_chunks_remat(
     terms: tuple[KernelTerm, ...],
     window: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`_within_chunks` under ``jax.checkpoint``: its backward recomputes the chunks'
-    (C, C) logits, probabilities and UT products instead of keeping them from the forward,
-    where they were live beside the queries per chunk and dq per chunk at the backward's
-    peak (nine (B M, N, C, C) float32 arrays, 1.1 GiB of 3.7 at T = 16384, (B, N, H) = (2, 4,
-    64), on the H100 target)."""
+    """:func:`_within_chunks` over groups of chunks in sequence (``jax.lax.map``), each under
+    ``jax.checkpoint``: the backward recomputes a group's (C, C) logits, probabilities and UT
+    products instead of keeping them from the forward, and holds one group's at a time
+    (:func:`leaf_groups`; some twenty (B M, N, C, C) float32 arrays at once were the
+    backward's peak, 640 of 970 MiB at T = 16384, (B, N, H) = (2, 4, 64), on the H100
+    target)."""
     statics = tuple((t.name, t.bias) for t in terms)
+    count, size, heads = tensors[0].shape[:3]
+    groups = leaf_groups(count, heads, size)
+
+    def split(x: jax.Array | None) -> jax.Array | None:  # (X, ...) -> (groups, X / groups, ...)
+        return None if x is None else x.reshape(groups, count // groups, *x.shape[1:])
+
+    def per_chunk(x_BTN: jax.Array | None) -> jax.Array | None:  # (B, T, N) -> (X, C, N)
+        return None if x_BTN is None else split(x_BTN.reshape(count, size, x_BTN.shape[-1]))
 
     def within(tensors: tuple, ints: dict, arrays: tuple) -> tuple:
         rebuilt = tuple(KernelTerm(*s, *a) for s, a in zip(statics, arrays, strict=True))
         return _within_chunks(*tensors, ints=ints, terms=rebuilt, window=window)
 
-    arrays = tuple((t.params_NP, t.q_values_BTN, t.k_values_BSN) for t in terms)
-    return jax.checkpoint(within)(tensors, ints, arrays)
+    def group(xs: tuple) -> tuple:
+        tensors, ints, values = xs
+        arrays = tuple((t.params_NP, *v) for t, v in zip(terms, values, strict=True))
+        return jax.checkpoint(within)(tensors, ints, arrays)
+
+    values = tuple((per_chunk(t.q_values_BTN), per_chunk(t.k_values_BSN)) for t in terms)
+    xs = (tuple(map(split, tensors)), {key: split(x) for key, x in ints.items()}, values)
+    return tuple(x.reshape(count, *x.shape[2:]) for x in jax.lax.map(group, xs))
+
+
+def leaf_groups(count: int, heads: int, size: int) -> int:
+    """The groups :func:`_within_chunks_remat` runs in sequence: a power of two (at most 16)
+    dividing the ``count`` chunks, the fewest that keep one group's (chunks, N, C, C)
+    float32 array within ``LEAF_GROUP_BYTES``."""
+    groups, total = 1, count * heads * size * size * 4
+    while groups < 16 and count % (2 * groups) == 0 and total > LEAF_GROUP_BYTES * groups:
+        groups *= 2
+    return groups
 
 
 def _within_chunks(
@@ -288,102 +292,3 @@ def _padded_terms(terms: tuple[KernelTerm, ...], extra: int) -> tuple[KernelTerm
         KernelTerm(t.name, t.bias, t.params_NP, pad(t.q_values_BTN), pad(t.k_values_BSN))
         for t in terms
     )
-
-
-def _chunk_products(w_BTGH: jax.Array, t_BTGC: jax.Array, count: int) -> jax.Array:
-    """Each chunk's ``P = H_{lC} ... H_{e_l} = I - W^T T W`` as a dense (H, H) matrix per
-    key/value head: (B, M, G, H, H) float32."""
-    batch, padded, kv_heads, dim = w_BTGH.shape
-    size = padded // count
-    w_BMCGH = w_BTGH.reshape(batch, count, size, kv_heads, dim)
-    t_BMCGC = t_BTGC.reshape(batch, count, size, kv_heads, size)
-    low_rank_BMGHK = jnp.einsum("BMSGH,BMSGU,BMUGK->BMGHK", w_BMCGH, t_BMCGC, w_BMCGH)
-    return jnp.eye(dim, dtype=jnp.float32) - low_rank_BMGHK
-
-
-def _queries_per_chunk(
-    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtype: jnp.dtype
-) -> jax.Array:
-    """q'^(m) for every chunk m: (B, M, N, T, H) in ``dtype`` (the kernels' queries), walking
-    chunks from the newest to the oldest in float32. Row i of chunk m holds query i
-    transformed down to chunk m's end where i is in a later chunk (elsewhere u_i, which the
-    kernels never read). Heads before tokens, as the walk's per-head matmuls want them and the
-    kernels read them: XLA makes no transposed copy of the output (one per use, 1 GiB each at
-    T = 16384, (B, N, H) = (2, 4, 64), with the (B, M, T, N, H) layout).
-
-    Its VJP is by hand (:func:`_queries_per_chunk_vjp`): JAX's would keep every step's float32
-    state, (B, M, N, T, H), and masks of that shape, beside the output the kernels keep anyway
-    (about 6 GiB of 8 at T = 16384, (B, N, H) = (2, 4, 64)); this one reads the output back
-    instead, so the products' gradient takes the queries as the kernels did, rounded to
-    ``dtype``."""
-    dtypes = (jnp.dtype(dtype), jnp.dtype(u_BNTH.dtype))
-    return _queries_per_chunk_vjp(u_BNTH, products_BMGHH, size, dtypes)
-
-
-def _transform(
-    products_BMGHH: jax.Array, m: jax.Array, r_BNTH: jax.Array, later_T: jax.Array, transpose: bool
-) -> jax.Array:
-    """Chunk m's product (or its transpose) applied to the rows of later chunks, float32."""
-    batch, heads, padded, dim = r_BNTH.shape
-    kv_heads = products_BMGHH.shape[2]
-    product_BGHK = jax.lax.dynamic_index_in_dim(products_BMGHH, m, 1, keepdims=False)
-    r_BGZTH = r_BNTH.reshape(batch, kv_heads, heads // kv_heads, padded, dim)
-    spec = "BGKH,BGZTK->BGZTH" if transpose else "BGHK,BGZTK->BGZTH"
-    moved_BNTH = jnp.einsum(spec, product_BGHK, r_BGZTH).reshape(r_BNTH.shape)
-    return jnp.where(later_T[:, None], moved_BNTH, r_BNTH)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _queries_per_chunk_vjp(
-    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
-) -> jax.Array:
-    return _queries_forward(u_BNTH, products_BMGHH, size, dtypes)[0]
-
-
-def _queries_forward(
-    u_BNTH: jax.Array, products_BMGHH: jax.Array, size: int, dtypes: tuple
-) -> tuple[jax.Array, tuple]:
-    """``dtypes``: (the output's, u's). Each step writes its chunk's queries into the output
-    in place."""
-    batch, heads, padded, dim = u_BNTH.shape
-    chunk_T = jnp.arange(padded) // size
-    count = products_BMGHH.shape[1]
-
-    def step(i: jax.Array, state: tuple) -> tuple:
-        r_BNTH, q_BMNTH = state
-        m = count - 1 - i  # newest first
-        q_BMNTH = jax.lax.dynamic_update_index_in_dim(q_BMNTH, r_BNTH.astype(dtypes[0]), m, 1)
-        return _transform(products_BMGHH, m, r_BNTH, chunk_T > m, transpose=False), q_BMNTH
-
-    q_BMNTH = jnp.zeros((batch, count, heads, padded, dim), dtypes[0])
-    _, q_BMNTH = jax.lax.fori_loop(0, count, step, (u_BNTH.astype(jnp.float32), q_BMNTH))
-    return q_BMNTH, (q_BMNTH, products_BMGHH)
-
-
-def _queries_backward(size: int, dtypes: tuple, residuals: tuple, dq_BMNTH: jax.Array) -> tuple:
-    """Walks the chunks from the oldest: the cotangent of the state entering chunk m's output,
-    ``lam_m = dq_m + A_m^T lam_(m-1)`` (A_m: chunk m's product on the later chunks' rows),
-    and ``dP_m = sum over those rows of lam_(m-1) q_m^T``, with q_m the output (the state)."""
-    q_BMNTH, products_BMGHH = residuals
-    batch, count, heads, padded, dim = q_BMNTH.shape
-    kv_heads = products_BMGHH.shape[2]
-    chunk_T = jnp.arange(padded) // size
-
-    def step(lam_BNTH: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
-        later_T = chunk_T > m
-        state_BNTH = jax.lax.dynamic_index_in_dim(q_BMNTH, m, 1, keepdims=False)
-        lam_BGZTH = jnp.where(later_T[:, None], lam_BNTH, 0.0).reshape(
-            batch, kv_heads, heads // kv_heads, padded, dim
-        )
-        state_BGZTK = state_BNTH.astype(jnp.float32).reshape(lam_BGZTH.shape)
-        d_product_BGHK = jnp.einsum("BGZTH,BGZTK->BGHK", lam_BGZTH, state_BGZTK)
-        moved = _transform(products_BMGHH, m, lam_BNTH, later_T, transpose=True)
-        cotangent = jax.lax.dynamic_index_in_dim(dq_BMNTH, m, 1, keepdims=False)
-        return moved + cotangent.astype(jnp.float32), d_product_BGHK
-
-    lam_BNTH = jnp.zeros((batch, heads, padded, dim), jnp.float32)
-    lam_BNTH, d_MBGHK = jax.lax.scan(step, lam_BNTH, jnp.arange(count))
-    return lam_BNTH.astype(dtypes[1]), jnp.moveaxis(d_MBGHK, 0, 1)
-
-
-_queries_per_chunk_vjp.defvjp(_queries_forward, _queries_backward)

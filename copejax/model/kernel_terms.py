@@ -28,9 +28,9 @@ functions, evaluated tile by tile in the kernels:
 - relative, relative_capped: Shaw's ``q_i . e[d_ij] / sqrt(H)``
   (:mod:`copejax.ops.kernels.relative`: a band of Q + K - 1 table rows per tile pair, any
   max_distance), with the softmax, without cope and with the terms above;
-- path: the Householder-like products split at key chunks: across chunks the kernels with
-  queries per chunk, within a chunk XLA (:mod:`copejax.model.kernel_path`), with the softmax
-  and the terms above;
+- path: the Householder-like products split at leaf chunks: within a leaf XLA
+  (:mod:`copejax.model.kernel_path`), across leaves the kernels in levels of chunk pairs
+  (:mod:`copejax.model.path_levels`), with the softmax and the terms above;
 - transformer_xl: ``u . k_j + (q_i + v) . W_R r_{i-j}`` as wider queries and keys whose
   content matmul holds it (:mod:`copejax.model.kernel_xl`), without cope, selective or Shaw;
 - tape: its qk site's q' and k' as the kernels' q and k, its carry's mixing (eq. 7) as float32

@@ -2,8 +2,9 @@
 array exists anywhere in the traced forward and backward of a whole model, kernel bodies
 included (they hold tiles and per-query or per-key rows), for every scheme the kernels cover;
 and, traced at T and 2T, no array grows faster than T (an array of one length dimension can
-still be O(T^2), a slab per query tile), except the two the README states: PaTH's queries per
-key chunk and selective attention's per-query-tile prefix. The XLA temporaries at 16K
+still be O(T^2), a slab per query tile), except the one the README states: selective
+attention's per-query-tile prefix (PaTH's queries per key chunk, O(T^2 H / C), were the other
+until its levels, :mod:`copejax.model.path_levels`). The XLA temporaries at 16K
 against cuDNN's are measured on a GPU (``experiments/bench_kernels_gpu.py``)."""
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from tests.ops.memory_growth import producer_avals, superlinear_arrays
 from tests.ops.test_engine import gradient_jaxpr, length_squared_shapes
 
 COVERED = [n for n in registry.names() if kernel_refusal(registry.make_scheme(n)) is None]
-SUPERLINEAR = {  # the README's memory column states these; strict: fixing one fails the test
-    "path": "its queries transformed per key chunk, (B, T / C, N, T, H): O(T^2 H / C)",
+SUPERLINEAR = {  # the README's memory column states it; strict: fixing it fails the test
     "selective": "the forward's prefix of older query tiles' selections: O(T^2 / Q) per row",
 }
 

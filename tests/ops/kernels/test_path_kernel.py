@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from copejax.model.kernel_path import _queries_per_chunk, path_attention, path_chunk
+from copejax.model import kernel_path
+from copejax.model.kernel_path import path_attention
 from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.chunked import chunked_attention
@@ -43,17 +44,17 @@ NO_RANK_BT = np.zeros((B, T), np.int32)
 SLOW = pytest.mark.slow
 
 
-def _inputs(dtype, seed: int = 0) -> dict:
+def _inputs(dtype, seed: int = 0, length: int = T) -> dict:
     rng = np.random.default_rng(seed)
     normal = lambda *shape: rng.normal(size=shape)
-    w = normal(B, T, G, H)
+    w = normal(B, length, G, H)
     return {
-        "q": jnp.asarray(normal(B, T, N, H), dtype),
-        "k": jnp.asarray(normal(B, T, G, H), dtype),
-        "v": jnp.asarray(normal(B, T, G, H), dtype),
+        "q": jnp.asarray(normal(B, length, N, H), dtype),
+        "k": jnp.asarray(normal(B, length, G, H), dtype),
+        "v": jnp.asarray(normal(B, length, G, H), dtype),
         "w": jnp.asarray(w / np.linalg.norm(w, axis=-1, keepdims=True), jnp.float32),
-        "beta": jnp.asarray(rng.uniform(0.0, 2.0, (B, T, G)), jnp.float32),
-        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, T, N)), axis=1), jnp.float32),
+        "beta": jnp.asarray(rng.uniform(0.0, 2.0, (B, length, G)), jnp.float32),
+        "c": jnp.asarray(np.cumsum(-rng.uniform(0, 0.3, (B, length, N)), axis=1), jnp.float32),
     }
 
 
@@ -216,11 +217,12 @@ def _path_scores_numpy(x: dict) -> np.ndarray:
     matrices ``I - beta_s w_s w_s^T`` of the query head's key/value head, float64."""
     q, k, w, beta = (np.asarray(x[key], np.float64) for key in ("q", "k", "w", "beta"))
     householder = np.eye(H) - beta[..., None, None] * w[..., :, None] * w[..., None, :]
-    scores = np.zeros((B, N, T, T))
+    length = q.shape[1]
+    scores = np.zeros((B, N, length, length))
     for b in range(B):
         for n in range(N):
             g = n // (N // G)
-            for i in range(T):
+            for i in range(length):
                 product = np.eye(H)
                 for j in range(i, -1, -1):
                     scores[b, n, i, j] = q[b, i, n] @ product @ k[b, j, g]
@@ -228,7 +230,14 @@ def _path_scores_numpy(x: dict) -> np.ndarray:
     return scores / np.sqrt(H)
 
 
-def _path(x: dict, *, chunk: int, window: int | None) -> jax.Array:
+def _path(
+    x: dict,
+    *,
+    chunk: int,
+    window: int | None,
+    tokens: tuple = (POSITIONS_BT, SEGMENTS_BT),
+) -> jax.Array:
+    """path_attention with the decay term; ``tokens``: (positions, segment ids) (B, T)."""
     groups = N // G
     term = BlockTerm(
         None,
@@ -242,9 +251,9 @@ def _path(x: dict, *, chunk: int, window: int | None) -> jax.Array:
         x["q"],
         x["k"],
         x["v"],
-        q_positions_BT=jnp.asarray(POSITIONS_BT),
-        k_positions_BT=jnp.asarray(POSITIONS_BT),
-        segment_ids_BT=jnp.asarray(SEGMENTS_BT),
+        q_positions_BT=jnp.asarray(tokens[0]),
+        k_positions_BT=jnp.asarray(tokens[0]),
+        segment_ids_BT=jnp.asarray(tokens[1]),
         terms=(_decay_term(x["c"]),),
         window=window,
         block=TILE,
@@ -252,20 +261,22 @@ def _path(x: dict, *, chunk: int, window: int | None) -> jax.Array:
     )
 
 
-def _path_naive(x: dict, *, window: int | None) -> jax.Array:
+def _path_naive(x: dict, *, window: int | None, segments_BT: np.ndarray = SEGMENTS_BT):
     """The naive path's walk over keys, dense softmax, float32."""
     x = {key: value.astype(jnp.float32) for key, value in x.items()}
     repeat = lambda a: jnp.repeat(a, N // G, axis=2)
+    length = x["q"].shape[1]
     logits_BNTS, _ = path_logits_BNQK(
         x["q"],
         repeat(x["k"]),
         repeat(x["w"]),
         repeat(x["beta"][..., None])[..., 0],
-        q_index_Q=jnp.arange(T),
-        k_index_K=jnp.arange(T),
+        q_index_Q=jnp.arange(length),
+        k_index_K=jnp.arange(length),
     )
     s = logits_BNTS / np.sqrt(H) + _decay_BNTS(x["c"])
-    allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, 0, NO_RANK_BT))[:, None]
+    rank_BT = np.zeros_like(segments_BT)
+    allowed = jnp.asarray(mask_BTS(segments_BT, window, 0, rank_BT))[:, None]
     weights = jax.nn.softmax(jnp.where(allowed, s, MASKED_LOGIT), axis=-1)
     return jnp.einsum("bnts,bsnh->btnh", weights, repeat(x["v"]))
 
@@ -303,55 +314,49 @@ def test_path_attention_gradients_equal_the_naive_walk(dtype: str) -> None:
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=2 * T, roundings=6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_queries_per_chunk_vjp_equals_autodiff_of_the_products(dtype: str) -> None:
-    """q'^(m) of every row (the products of the chunks between, applied to u) and its
-    hand-written VJP against JAX's autodiff of explicit products; bfloat16: the output is
-    rounded, and the products' gradient reads that output back."""
-    batch, count, size, heads, kv_heads, dim = 2, 4, 8, 4, 2, 8
-    length = count * size
-    rng = np.random.default_rng(3)
-    u = jnp.asarray(rng.normal(size=(batch, length, heads, dim)), jnp.float32)
-    products = jnp.asarray(
-        np.eye(dim) + 0.3 * rng.normal(size=(batch, count, kv_heads, dim, dim)), jnp.float32
-    )
-    cot = jnp.asarray(rng.normal(size=(batch, count, length, heads, dim)), jnp.float32)
-
-    def explicit(u, products):  # row t of chunk m: P_(m+1) ... P_(c(t)-1) u_t
-        rows = []
-        for m in range(count):
-            out = []
-            for t in range(length):
-                r = u[:, t]  # (B, N, H)
-                for between in range(t // size - 1, m, -1):
-                    p = jnp.repeat(products[:, between], heads // kv_heads, axis=1)
-                    r = jnp.einsum("bnhk,bnk->bnh", p, r)
-                out.append(r)
-            rows.append(jnp.stack(out, axis=1))
-        return jnp.stack(rows, axis=1)
-
-    def walked(u, products):  # (B, T, N, H) -> its (B, N, T, H), back from (B, M, N, T, H)
-        per_chunk = _queries_per_chunk(jnp.swapaxes(u, 1, 2), products, size, jnp.dtype(dtype))
-        return jnp.swapaxes(per_chunk, 2, 3)
-
-    got, pull = jax.vjp(walked, u, products)
-    want, pull_ref = jax.vjp(explicit, u, products)
-    assert got.dtype == jnp.dtype(dtype)
-    assert_close(got, want, dtype=dtype, summands=count * dim, roundings=1)
-    for g, g_ref in zip(pull(cot.astype(dtype)), pull_ref(cot), strict=True):
-        assert_close(g, g_ref, dtype=dtype, summands=count * count * dim * length, roundings=2)
+LONG = 120  # 8 chunks of 16 (the last padded): three levels, queries in every half
 
 
-def test_path_chunk_balances_the_two_parts() -> None:
-    """C is a power of two near sqrt(T H / 8) (queries per chunk T^2 H / C against the
-    chunks' dense pairs T C), never below the kernels' tile."""
-    assert path_chunk(4096, 64, 64) == 256
-    assert path_chunk(16384, 128, 64) == 512
-    assert path_chunk(64, 16, 16) == 16
-    for length in (100, 1000, 5000):
-        chunk = path_chunk(length, 64, 16)
-        assert chunk & (chunk - 1) == 0
-        assert 0.5 < chunk / np.sqrt(length * 64 / 8) < 2.0
+@pytest.mark.parametrize("window", [None, 70])
+def test_path_attention_levels_equal_householder_products_and_the_naive_walk(window) -> None:
+    """One segment over three levels of chunk pairs, so that every climb carries pairs (a
+    query in the newest chunk sees keys of every older one): values against the explicit
+    products (float64), gradients against the naive walk's."""
+    x = _inputs(jnp.float32, seed=7, length=LONG)
+    tokens = (np.arange(LONG)[None], np.zeros((B, LONG), np.int32))
+    run = jax.jit(functools.partial(_path, chunk=16, window=window, tokens=tokens))
+    x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
+    s = _path_scores_numpy(x64) + _decay_BNTS(x64["c"], np)
+    s = np.where(mask_BTS(tokens[1], window, 0, tokens[1])[:, None], s, -np.inf)
+    weights = np.exp(s - s.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    want = np.einsum("bnts,bsnh->btnh", weights, np.repeat(x64["v"], N // G, axis=2))
+    y, pull = jax.vjp(run, x)
+    assert_close(y, want, dtype="float32", summands=2 * LONG, roundings=0)
+    cot = jnp.asarray(np.random.default_rng(8).normal(size=y.shape), jnp.float32)
+    naive = functools.partial(_path_naive, window=window, segments_BT=tokens[1])
+    (grads,), (grads_ref,) = jax.jit(pull)(cot), jax.vjp(naive, x)[1](cot)
+    for key in ("q", "k", "v", "w", "beta", "c"):
+        assert_close(grads[key], grads_ref[key], dtype="float32", summands=2 * LONG, roundings=6)
+
+
+def test_path_attention_leaf_groups_change_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks' pairs in sequential groups (a small ``LEAF_GROUP_BYTES``: four groups of
+    one chunk) give the one-group values and gradients."""
+    x = _inputs(jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
+
+    def value_and_grads() -> tuple:
+        y, pull = jax.vjp(jax.jit(functools.partial(_path, chunk=16, window=12)), x)
+        return y, pull(cot)[0]
+
+    assert kernel_path.leaf_groups(4, N, 16) == 1
+    want = value_and_grads()
+    monkeypatch.setattr(kernel_path, "LEAF_GROUP_BYTES", 16 * 16 * 4)
+    assert kernel_path.leaf_groups(4, N, 16) == 4
+    got = value_and_grads()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, dtype="float32", summands=2 * T, roundings=1)
 
 
 # ------------------------------------------------------------------ through the model

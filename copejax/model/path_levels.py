@@ -1,0 +1,301 @@
+"""PaTH's pairs between leaf chunks as a binary tree of kernel calls with one backward
+(Yang et al. 2025, arXiv 2505.16381; issue 45).
+
+:mod:`copejax.model.kernel_path` cuts the keys into leaf chunks of C and computes the pairs
+inside each leaf in XLA. Every other pair (i, j) first falls into different halves of a
+parent of ``C 2^l`` tokens at exactly one level l >= 1 (parents from token 0, the padded
+length a power-of-two multiple of C). At that level query i is in the second half and key j
+in the first, and PaTH's logit is, with every H symmetric,
+
+    A_ij = q_i^T H_i ... H_{j+1} k_j = u_i^(l) . k'_j^(l)
+
+with ``u^(l)_i = H_s ... H_i q_i`` (s: the start of i's half) and ``k'^(l)_j = H_e ... H_{j+1}
+k_j`` (e: the end of j's half): plain attention of the second half's queries to the first
+half's keys, which the fused kernels run with ``Plan.chunk`` = the half (the queries of
+the one older chunk; :mod:`copejax.ops.kernels.chunked`). Climbing a level joins two
+halves a, b of a parent, with ``P_a = H_{start} ... H_{end}`` each half's product (a dense
+(H, H) matrix, :func:`chunk_products` at the leaves):
+
+    u^(l+1) = u^(l) in a, P_a u^(l) in b;   k'^(l+1) = P_b^T k'^(l) in a, k'^(l) in b;
+    P^(l+1) = P_a P_b
+
+log2(T / C) levels of O(T H^2) transforms: no queries per chunk (O(T^2 H / C)), no walk over
+chunks.
+
+One backward for every level (:func:`between_chunks`' custom VJP). The levels' pairs are
+parts of each row's one softmax; the kernels' backward recomputes a pair's probability from
+the row's log-sum-exp and subtracts ``D = rowsum(do o) - dlse``, so each level's backward
+(:func:`copejax.ops.kernels.attend.attend_backward`) runs from the merged output and
+log-sum-exp of all levels instead of its own. A level keeps only the rows it reads (its
+parents' second halves' u, first halves' k', in the kernels' dtype: O(T H) per level, O(T H
+log(T / C)) in all); the backward rebuilds its operands from them, recomputes the products
+and reads the kept rows back for the climb's VJP (as the kernels read them). Optimization
+barriers order the levels, so that XLA holds one level's operands, outputs and gradients at
+a time. Shape letters: B batch, T tokens (padded), N query heads, G key/value heads, H head
+dim, W value width, M chunks, X = B T / P parents, P the tokens of a parent, S = P / 2, C
+leaf length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from copejax.ops.kernels.attend import attend_backward, attend_forward
+from copejax.ops.kernels.attention import term_arrays
+from copejax.ops.kernels.chunked import chunked_plan
+from copejax.ops.kernels.terms import KernelTerm
+
+
+def chunk_products(w_BTGH: jax.Array, t_BTGC: jax.Array, count: int) -> jax.Array:
+    """Each chunk's ``P = H_{lC} ... H_{e_l} = I - W^T T W`` (the UT transform of
+    :func:`copejax.ops.path_block.path_wy`) as a dense (H, H) matrix per key/value head:
+    (B, M, G, H, H) float32."""
+    batch, padded, kv_heads, dim = w_BTGH.shape
+    size = padded // count
+    w_BMCGH = w_BTGH.reshape(batch, count, size, kv_heads, dim)
+    t_BMCGC = t_BTGC.reshape(batch, count, size, kv_heads, size)
+    low_rank_BMGHK = jnp.einsum("BMSGH,BMSGU,BMUGK->BMGHK", w_BMCGH, t_BMCGC, w_BMCGH)
+    return jnp.eye(dim, dtype=jnp.float32) - low_rank_BMGHK
+
+
+def climb(
+    u_BTNH: jax.Array, kp_BTGH: jax.Array, p_BMGHH: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One level up: the M chunks of ``p_BMGHH`` joined in pairs. Returns (u, k', the
+    parents' products (B, M / 2, G, H, H)), float32."""
+    batch, length, heads, dim = u_BTNH.shape
+    count, kv_heads = p_BMGHH.shape[1:3]
+    halves = (batch, count // 2, 2, length // count, kv_heads)
+    u_BX2CGZH = u_BTNH.astype(jnp.float32).reshape(*halves, heads // kv_heads, dim)
+    u_first, u_second = jnp.split(u_BX2CGZH, 2, axis=2)
+    k_first, k_second = jnp.split(kp_BTGH.astype(jnp.float32).reshape(*halves, dim), 2, axis=2)
+    first_BX1GHH, second_BX1GHH = _pairs(p_BMGHH)
+    moved_u = jnp.einsum("BXYGHK,BXYCGZK->BXYCGZH", first_BX1GHH, u_second)
+    moved_k = jnp.einsum("BXYGKH,BXYCGK->BXYCGH", second_BX1GHH, k_first)
+    parents_BXGHH = jnp.einsum("BXYGHK,BXYGKL->BXGHL", first_BX1GHH, second_BX1GHH)
+    u_BTNH = jnp.concatenate([u_first, moved_u], axis=2).reshape(u_BTNH.shape)
+    kp_BTGH = jnp.concatenate([moved_k, k_second], axis=2).reshape(kp_BTGH.shape)
+    return u_BTNH, kp_BTGH, parents_BXGHH
+
+
+def parent_products(p_BMGHH: jax.Array) -> jax.Array:
+    """The products of the M chunks' pairs: ``P_a P_b`` (increasing order), (B, M / 2, G, H,
+    H)."""
+    return jnp.einsum("BXYGHK,BXYGKL->BXGHL", *_pairs(p_BMGHH))
+
+
+def _pairs(p_BMGHH: jax.Array) -> list[jax.Array]:
+    """(first, second) chunk of each pair, (B, M / 2, 1, G, H, H) each."""
+    batch, count = p_BMGHH.shape[:2]
+    return jnp.split(p_BMGHH.reshape(batch, count // 2, 2, *p_BMGHH.shape[2:]), 2, axis=2)
+
+
+def levels(length: int, chunk: int) -> int:
+    """The levels above leaf chunks of ``chunk`` in ``length`` tokens (a power-of-two
+    multiple of the chunk)."""
+    count = length // chunk
+    if count * chunk != length or count & (count - 1):
+        raise ValueError(
+            f"kernel: PaTH's levels need a power-of-two number of chunks of {chunk}, got "
+            f"{length} tokens"
+        )
+    return count.bit_length() - 1
+
+
+def between_chunks(
+    u_BTNH: jax.Array,
+    kp_BTGH: jax.Array,
+    w_BTGH: jax.Array,
+    t_BTGC: jax.Array,
+    v_BTGW: jax.Array,
+    *,
+    ints: dict[str, jax.Array],
+    terms: tuple[KernelTerm, ...],
+    chunk: int,
+    dtype: jnp.dtype,
+    window: int | None,
+    block: int,
+    interpret: bool | None,
+    backend: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Causal PaTH attention of each query to the keys of the leaf chunks before its own.
+
+    Args:
+      u_BTNH: each query after its leaf chunk's H up to itself (u^(0)), float32.
+      kp_BTGH: each key after its leaf chunk's H after itself (k'^(0)), float32.
+      w_BTGH, t_BTGC: the H's vectors and each leaf chunk's UT transform (T's row per key).
+      v_BTGW: values. T: a power-of-two multiple of ``chunk``.
+      ints: the kernels' int32 (B, T) "q_pos", "k_pos", "q_seg", "k_seg", "k_rank".
+      terms: the kernel terms (per-token values (B, T, N)); dtype: the kernels' operands'.
+      window, block, interpret, backend: as :func:`copejax.model.kernel_path.path_attention`.
+
+    Returns:
+      (o_BTNW float32, lse_BTN float32; MASKED_LOGIT and 0 where a query sees no key).
+    """
+    length = u_BTNH.shape[1]
+    top = levels(length, chunk)
+    statics = tuple((t.name, t.bias) for t in terms)
+    groups = u_BTNH.shape[2] // kp_BTGH.shape[2]
+    value_dtype = v_BTGW.dtype
+    plans = [
+        chunked_plan(
+            chunk << level,
+            groups=groups,
+            chunk=chunk << (level - 1),
+            biases=tuple(t.bias for t in terms),
+            window=window,
+            block_q=block,
+            block_k=block,
+            interpret=interpret,
+            backend=backend,
+        )
+        for level in range(1, top + 1)
+    ]
+
+    def read_rows(level: int, u_BTNH: jax.Array, kp_BTGH: jax.Array) -> tuple:
+        """The rows level ``level`` reads, in the kernels' dtype: its parents' second halves'
+        queries (X, P / 2, N, H) and first halves' keys (X, P / 2, G, H). The climb from
+        the level's chunks reads the same rows."""
+        q_XSNH = halves(level, u_BTNH)[:, 1].astype(dtype)
+        return q_XSNH, halves(level, kp_BTGH)[:, 0].astype(dtype)
+
+    def whole(level: int, q_XSNH: jax.Array, k_XSGH: jax.Array) -> tuple:
+        """(B, T, ...) arrays holding those rows, zeros elsewhere."""
+        q_BTNH = jnp.stack([jnp.zeros_like(q_XSNH), q_XSNH], axis=1)
+        k_BTGH = jnp.stack([k_XSGH, jnp.zeros_like(k_XSGH)], axis=1)
+        return q_BTNH.reshape(-1, length, *q_XSNH.shape[2:]), k_BTGH.reshape(
+            -1, length, *k_XSGH.shape[2:]
+        )
+
+    def operands(level: int, q_XSNH, k_XSGH, v_BTGW, term_values: tuple) -> dict:
+        """Level ``level``'s kernel operands from its rows: the parents as the batch, and the
+        queries of the one chunk the second half sees, twice ((X, 2, N, P, H), the kernels'
+        layout of queries per chunk: the second chunk's are never read)."""
+        parent = chunk << level
+        count = q_XSNH.shape[0]
+        q_XPNH = jnp.concatenate([jnp.zeros_like(q_XSNH), q_XSNH], axis=1).astype(dtype)
+        q_XNPH = jnp.moveaxis(q_XPNH, 2, 1)
+        values = [
+            KernelTerm(*s, p, *(None if x is None else x.reshape(count, parent, -1) for x in qk))
+            for s, (p, *qk) in zip(statics, term_values, strict=True)
+        ]
+        k_XPGH = jnp.concatenate([k_XSGH, jnp.zeros_like(k_XSGH)], axis=1).astype(dtype)
+        return {
+            "q": jnp.stack([q_XNPH, jax.lax.stop_gradient(q_XNPH)], axis=1),
+            "k": k_XPGH,
+            "v": v_BTGW.astype(value_dtype).reshape(count, parent, *v_BTGW.shape[2:]),
+            "terms": [term_arrays(t, parent) for t in values],
+            "cope": None,
+            "sink": None,
+        }
+
+    def halves(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, 2, P / 2, ...)
+        return x_BT.reshape(-1, 2, chunk << (level - 1), *x_BT.shape[2:])
+
+    def per_level(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, P, ...)
+        return x_BT.reshape(-1, chunk << level, *x_BT.shape[2:])
+
+    def rows(level: int, o_BTNW: jax.Array, lse_BTN: jax.Array) -> tuple:  # kernels' layout
+        return per_level(level, o_BTNW), jnp.moveaxis(per_level(level, lse_BTN), 1, 2)
+
+    @jax.custom_vjp
+    def run(tensors: tuple, ints: dict, term_values: tuple) -> tuple[jax.Array, jax.Array]:
+        return forward(tensors, ints, term_values)[0]
+
+    def forward(tensors: tuple, ints: dict, term_values: tuple) -> tuple:
+        u_BTNH, kp_BTGH, w_BTGH, t_BTGC, v_BTGW = tensors
+        p_BMGHH = chunk_products(w_BTGH, t_BTGC, length // chunk)
+        kept, o_BTNW, lse_BTN = [], None, None
+        for level, plan in enumerate(plans, start=1):
+            kept.append(read_rows(level, u_BTNH, kp_BTGH))
+            arrays = operands(level, *kept[-1], v_BTGW, term_values)
+            level_ints = {key: per_level(level, value) for key, value in ints.items()}
+            (o_XPNW, lse_XNP), _ = attend_forward(plan, arrays, level_ints)
+            o_BTNW, lse_BTN = _merge(
+                o_BTNW,
+                lse_BTN,
+                o_XPNW.reshape(u_BTNH.shape[:3] + o_XPNW.shape[-1:]),
+                jnp.moveaxis(lse_XNP, 1, 2).reshape(u_BTNH.shape[:3]),
+            )
+            if level < top:
+                u_BTNH, kp_BTGH, p_BMGHH = climb(u_BTNH, kp_BTGH, p_BMGHH)
+                # the next level after this one's merge: else XLA runs every level's kernel
+                # first and merges their outputs in one fusion, all of them live
+                o_BTNW, lse_BTN, u_BTNH, kp_BTGH, p_BMGHH = jax.lax.optimization_barrier(
+                    (o_BTNW, lse_BTN, u_BTNH, kp_BTGH, p_BMGHH)
+                )
+        residuals = (kept, w_BTGH, t_BTGC, v_BTGW, ints, term_values, o_BTNW, lse_BTN)
+        return (o_BTNW, lse_BTN), residuals
+
+    def backward(residuals: tuple, cotangents: tuple) -> tuple:
+        # Barriers: XLA would merge the rebuilt products and operands with the forward's
+        # (common subexpressions), keeping those alive from the forward on; and each level's
+        # operands are rebuilt after the level above's backward.
+        barrier = jax.lax.optimization_barrier
+        kept, w_BTGH, t_BTGC, v_BTGW, ints, term_values, o_BTNW, lse_BTN = residuals
+        w_BTGH, t_BTGC = barrier((w_BTGH, t_BTGC))
+        do_BTNW, dlse_BTN = cotangents
+        p_BMGHH, pull_products = jax.vjp(
+            lambda w, t: chunk_products(w, t, length // chunk), w_BTGH, t_BTGC
+        )
+        products = [p_BMGHH]
+        for _ in range(top - 1):
+            products.append(parent_products(products[-1]))
+        f32 = jnp.float32
+        v32_BTGW = v_BTGW.astype(f32)
+        d_up = None  # cotangents of the level above's (u, k', products)
+        dv_BTGW = jnp.zeros_like(v32_BTGW)
+        d_terms = jax.tree.map(jnp.zeros_like, term_values)
+        for level in range(top, 0, -1):
+            plan = plans[level - 1]
+            if d_up is None:
+                level_kept = barrier(kept[level - 1])
+            else:  # the sums too: else XLA adds every level's dv at the end
+                d_up, dv_BTGW, d_terms, level_kept = barrier(
+                    (d_up, dv_BTGW, d_terms, kept[level - 1])
+                )
+            q_XSNH, k_XSGH = (x.astype(f32) for x in level_kept)
+            if d_up is None:  # the top level: nothing above it reads its climb
+                du_BTNH, dkp_BTGH = (jnp.zeros_like(x) for x in whole(level, q_XSNH, k_XSGH))
+                dp_BMGHH = jnp.zeros_like(products[level - 1])
+            else:  # linear in (u, k'), and dP reads the rows the climb moves: the kept ones
+                _, pull = jax.vjp(climb, *whole(level, q_XSNH, k_XSGH), products[level - 1])
+                du_BTNH, dkp_BTGH, dp_BMGHH = pull(d_up)
+            arrays, pull_arrays = jax.vjp(
+                lambda *a, level=level: operands(level, *a), q_XSNH, k_XSGH, v32_BTGW, term_values
+            )
+            level_ints = {key: per_level(level, value) for key, value in ints.items()}
+            stats = rows(level, o_BTNW, lse_BTN)
+            grads = attend_backward(
+                plan, (arrays, level_ints, *stats), rows(level, do_BTNW, dlse_BTN)
+            )
+            grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, arrays)
+            dq_XSNH, dk_XSGH, dv, dt = pull_arrays(grads)
+            dq_BTNH, dk_BTGH = whole(level, dq_XSNH, dk_XSGH)
+            dv_BTGW = dv_BTGW + dv
+            d_terms = jax.tree.map(jnp.add, d_terms, dt)
+            d_up = (du_BTNH + dq_BTNH, dkp_BTGH + dk_BTGH, dp_BMGHH)
+        # a buffer of their own: XLA's v5p compiler failed to lay out its fusion of dt's sum
+        # with the leaves' (jax 0.11.2, libtpu 0.0.48.1; v4, v5e and v6e compiled it)
+        dw_BTGH, dt_BTGC = barrier(pull_products(d_up[2]))
+        tensors = (d_up[0], d_up[1], dw_BTGH, dt_BTGC, dv_BTGW.astype(v_BTGW.dtype))
+        return tensors, None, d_terms
+
+    run.defvjp(forward, backward)
+    term_values = tuple((t.params_NP, t.q_values_BTN, t.k_values_BSN) for t in terms)
+    return run((u_BTNH, kp_BTGH, w_BTGH, t_BTGC, v_BTGW), ints, term_values)
+
+
+def _merge(
+    o_BTNW: jax.Array | None, lse_BTN: jax.Array | None, new_BTNW: jax.Array, new_BTN: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Two softmaxes of each row as one, by their log-sum-exps (the first may be None)."""
+    if o_BTNW is None:
+        return new_BTNW, new_BTN
+    total_BTN = jnp.logaddexp(lse_BTN, new_BTN)
+    merged_BTNW = (
+        jnp.exp(lse_BTN - total_BTN)[..., None] * o_BTNW
+        + jnp.exp(new_BTN - total_BTN)[..., None] * new_BTNW
+    )
+    return merged_BTNW, total_BTN

@@ -179,8 +179,12 @@ def page(rows: list[dict], meta: dict) -> str:
         "",
         f"Within the target at every measured shape: {', '.join(met) or 'none'}. Not within "
         f"it: {', '.join(missed) or 'none'}. The kernels keep no (T, S) array; what passes "
-        "1.2x is the per-tile state a backward keeps: PaTH's queries per key chunk, "
-        "O(T^2 H / C) (README's attention paths table lists each). Stick-breaking's and "
+        "1.2x is PaTH's state outside them: its levels of chunk pairs keep the rows each "
+        "level reads, O(T H log(T / C)) (`copejax/model/path_levels.py`), beside the leaf "
+        "chunks' (C, C) blocks, the float32 Householder vectors and UT transforms, and the "
+        "chunks' (H, H) products (README's attention paths table lists each); until "
+        "2026-11-28 it kept its queries per key chunk, O(T^2 H / C), which compiled here to "
+        "2,711 and 27,193 MiB (21x and 13x) at these shapes. Stick-breaking's and "
         "CoPE's GPU kernels keep their carries per carry group of key tiles, O(T H) "
         "(`copejax/ops/kernels/carry_groups.py`); selective attention's GPU backward is one "
         "kernel over key tiles that sums the penalty prefix again as it walks and adds dq "
@@ -229,9 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge and (out / "kernel_memory.json").exists():
         earlier = json.loads((out / "kernel_memory.json").read_text())
         kept = earlier["rows"]
-        meta["command"] = f"{earlier['meta']['command']}; then, merged, {command} --schemes " + (
-            args.schemes
-        )
+        run, joint = f"{command} --schemes {args.schemes}", "; then, merged, "
+        runs = [c for c in earlier["meta"]["command"].split(joint) if c != run]
+        meta["command"] = joint.join([*runs, run])  # a run repeated is listed once, last
     rows = []
     for shape in shapes:
         for length in lengths:

@@ -137,7 +137,6 @@ def between_chunks(
     top = levels(length, chunk)
     statics = tuple((t.name, t.bias) for t in terms)
     groups = u_BTNH.shape[2] // kp_BTGH.shape[2]
-    value_dtype = v_BTGW.dtype
     plans = [
         chunked_plan(
             chunk << level,
@@ -184,7 +183,7 @@ def between_chunks(
         return {
             "q": jnp.stack([q_XNPH, jax.lax.stop_gradient(q_XNPH)], axis=1),
             "k": k_XPGH,
-            "v": v_BTGW.astype(value_dtype).reshape(count, parent, *v_BTGW.shape[2:]),
+            "v": v_BTGW.reshape(count, parent, *v_BTGW.shape[2:]),
             "terms": [term_arrays(t, parent) for t in values],
             "cope": None,
             "sink": None,
@@ -243,9 +242,8 @@ def between_chunks(
         for _ in range(top - 1):
             products.append(parent_products(products[-1]))
         f32 = jnp.float32
-        v32_BTGW = v_BTGW.astype(f32)
         d_up = None  # cotangents of the level above's (u, k', products)
-        dv_BTGW = jnp.zeros_like(v32_BTGW)
+        dv_BTGW = jnp.zeros(v_BTGW.shape, f32)  # the kernels' dv per level is in v's dtype
         d_terms = jax.tree.map(jnp.zeros_like, term_values)
         for level in range(top, 0, -1):
             plan = plans[level - 1]
@@ -263,7 +261,7 @@ def between_chunks(
                 _, pull = jax.vjp(climb, *whole(level, q_XSNH, k_XSGH), products[level - 1])
                 du_BTNH, dkp_BTGH, dp_BMGHH = pull(d_up)
             arrays, pull_arrays = jax.vjp(
-                lambda *a, level=level: operands(level, *a), q_XSNH, k_XSGH, v32_BTGW, term_values
+                lambda *a, level=level: operands(level, *a), q_XSNH, k_XSGH, v_BTGW, term_values
             )
             level_ints = {key: per_level(level, value) for key, value in ints.items()}
             stats = rows(level, o_BTNW, lse_BTN)
@@ -273,7 +271,7 @@ def between_chunks(
             grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, arrays)
             dq_XSNH, dk_XSGH, dv, dt = pull_arrays(grads)
             dq_BTNH, dk_BTGH = whole(level, dq_XSNH, dk_XSGH)
-            dv_BTGW = dv_BTGW + dv
+            dv_BTGW = dv_BTGW + dv.astype(f32)
             d_terms = jax.tree.map(jnp.add, d_terms, dt)
             d_up = (du_BTNH + dq_BTNH, dkp_BTGH + dk_BTGH, dp_BMGHH)
         # a buffer of their own: XLA's v5p compiler failed to lay out its fusion of dt's sum

@@ -80,6 +80,21 @@ def path_w(
     return w_BTNH * jax.lax.rsqrt(jnp.sum(w_BTNH**2, axis=-1, keepdims=True) + L2_EPS)
 
 
+def path_u_beta(
+    x_BTD: jax.Array,
+    w_down_DR: jax.Array,
+    w_up_RKH: jax.Array,
+    beta_w_DK: jax.Array,
+    beta_b_K: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The low-rank projection u = x W_down W_up (B, T, K, H) that the convolution reads, and
+    beta = 2 sigmoid(x W_beta + b) (B, T, K), float32."""
+    x_BTD = x_BTD.astype(jnp.float32)
+    u_BTKH = jnp.einsum("BTD,DR,RKH->BTKH", x_BTD, w_down_DR, w_up_RKH)
+    beta_BTK = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DK->BTK", x_BTD, beta_w_DK) + beta_b_K)
+    return u_BTKH, beta_BTK
+
+
 def path_logits_BNQK(
     r_BQNH: jax.Array,
     k_BKNH: jax.Array,
@@ -204,10 +219,7 @@ class _PaTHSite(AttentionSite):
 
     def _u_beta(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Low-rank projection u (B, T, K, H) and beta = 2 sigmoid(.) (B, T, K), float32."""
-        x_BTD = x_BTD.astype(jnp.float32)
-        u_BTKH = jnp.einsum("BTD,DR,RKH->BTKH", x_BTD, self.w_down, self.w_up)
-        beta_BTK = 2.0 * jax.nn.sigmoid(jnp.einsum("BTD,DK->BTK", x_BTD, self.beta_w) + self.beta_b)
-        return u_BTKH, beta_BTK
+        return path_u_beta(x_BTD, self.w_down, self.w_up, self.beta_w, self.beta_b)
 
     def cache_state(
         self, k_BTKH: jax.Array, v_BTKH: jax.Array, ctx: AttentionContext
@@ -235,9 +247,17 @@ class _PaTHSite(AttentionSite):
             w_BSKH = ctx.key_state["path_w"]
             beta_BSK = jnp.where(fresh_1S1, ctx.key_state["path_beta"], 0.0)
         else:
-            u_BSKH, beta_BSK = self._u_beta(ctx.x_BTD)
             starts_BS = segments.segment_starts_BT(ctx.segment_ids_BT)
-            w_BSKH = path_w(u_BSKH, self.conv, starts_BS, jnp.arange(u_BSKH.shape[1]))
+
+            def fresh(x_BTD: jax.Array, *params: jax.Array) -> tuple[jax.Array, jax.Array]:
+                u_BSKH, beta_BSK = path_u_beta(x_BTD, *params[:2], *params[3:])
+                slots_S = jnp.arange(u_BSKH.shape[1])
+                return path_w(u_BSKH, params[2], starts_BS, slots_S), beta_BSK
+
+            # rematerialised: the projection, convolution and normalisation kept several
+            # float32 (B, S, K, H) residuals
+            params = (self.w_down, self.w_up, self.conv, self.beta_w, self.beta_b)
+            w_BSKH, beta_BSK = jax.checkpoint(fresh)(ctx.x_BTD, *params)
         heads = self.dims.num_heads
         return repeat_kv_heads(w_BSKH, heads), repeat_kv_heads(beta_BSK[..., None], heads)[..., 0]
 

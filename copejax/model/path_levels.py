@@ -235,10 +235,13 @@ def between_chunks(
         kept, w_BTGH, t_BTGC, v_BTGW, ints, term_values, o_BTNW, lse_BTN = residuals
         w_BTGH, t_BTGC = barrier((w_BTGH, t_BTGC))
         do_BTNW, dlse_BTN = cotangents
-        p_BMGHH, pull_products = jax.vjp(
-            lambda w, t: chunk_products(w, t, length // chunk), w_BTGH, t_BTGC
-        )
-        products = [p_BMGHH]
+
+        def leaves(w_BTGH: jax.Array, t_BTGC: jax.Array) -> jax.Array:
+            return chunk_products(w_BTGH, t_BTGC, length // chunk)
+
+        # the leaves' products, the largest, again for level 1, the last: not held through
+        # the backward (1 GiB at T = 16384, (B, N, H) = (4, 16, 128))
+        products = [leaves(w_BTGH, t_BTGC)]
         for _ in range(top - 1):
             products.append(parent_products(products[-1]))
         f32 = jnp.float32
@@ -253,6 +256,9 @@ def between_chunks(
                 d_up, dv_BTGW, d_terms, level_kept = barrier(
                     (d_up, dv_BTGW, d_terms, kept[level - 1])
                 )
+            if level == 1:
+                w_BTGH, t_BTGC, level_kept = barrier((w_BTGH, t_BTGC, level_kept))
+                products[0], pull_products = jax.vjp(leaves, w_BTGH, t_BTGC)
             q_XSNH, k_XSGH = (x.astype(f32) for x in level_kept)
             if d_up is None:  # the top level: nothing above it reads its climb
                 du_BTNH, dkp_BTGH = (jnp.zeros_like(x) for x in whole(level, q_XSNH, k_XSGH))

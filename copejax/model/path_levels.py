@@ -32,8 +32,8 @@ log(T / C)) in all); the backward rebuilds its operands from them, recomputes th
 and reads the kept rows back for the climb's VJP (as the kernels read them). Optimization
 barriers order the levels, so that XLA holds one level's operands, outputs and gradients at
 a time. Shape letters: B batch, T tokens (padded), N query heads, G key/value heads, H head
-dim, W value width, M chunks, X = B T / P parents, P the tokens of a parent, S = P / 2, C
-leaf length.
+dim, W value width, M chunks, X = B T / U parents, U the tokens of a parent, E = U / 2 those
+of a half, C a chunk's (the leaves' in :mod:`~copejax.model.kernel_path`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def climb(
     u_BTNH: jax.Array, kp_BTGH: jax.Array, p_BMGHH: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One level up: the M chunks of ``p_BMGHH`` joined in pairs. Returns (u, k', the
-    parents' products (B, M / 2, G, H, H)), float32."""
+    parents' products (B, M / 2, G, H, H)), float32. Inside, X indexes the pairs, Y one
+    chunk of a pair, C a chunk's tokens and Z the query heads of a key/value head."""
     batch, length, heads, dim = u_BTNH.shape
     count, kv_heads = p_BMGHH.shape[1:3]
     halves = (batch, count // 2, 2, length // count, kv_heads)
@@ -154,45 +155,45 @@ def between_chunks(
 
     def read_rows(level: int, u_BTNH: jax.Array, kp_BTGH: jax.Array) -> tuple:
         """The rows level ``level`` reads, in the kernels' dtype: its parents' second halves'
-        queries (X, P / 2, N, H) and first halves' keys (X, P / 2, G, H). The climb from
+        queries (X, E, N, H) and first halves' keys (X, E, G, H). The climb from
         the level's chunks reads the same rows."""
-        q_XSNH = halves(level, u_BTNH)[:, 1].astype(dtype)
-        return q_XSNH, halves(level, kp_BTGH)[:, 0].astype(dtype)
+        q_XENH = halves(level, u_BTNH)[:, 1].astype(dtype)
+        return q_XENH, halves(level, kp_BTGH)[:, 0].astype(dtype)
 
-    def whole(level: int, q_XSNH: jax.Array, k_XSGH: jax.Array) -> tuple:
+    def whole(level: int, q_XENH: jax.Array, k_XEGH: jax.Array) -> tuple:
         """(B, T, ...) arrays holding those rows, zeros elsewhere."""
-        q_BTNH = jnp.stack([jnp.zeros_like(q_XSNH), q_XSNH], axis=1)
-        k_BTGH = jnp.stack([k_XSGH, jnp.zeros_like(k_XSGH)], axis=1)
-        return q_BTNH.reshape(-1, length, *q_XSNH.shape[2:]), k_BTGH.reshape(
-            -1, length, *k_XSGH.shape[2:]
+        q_BTNH = jnp.stack([jnp.zeros_like(q_XENH), q_XENH], axis=1)
+        k_BTGH = jnp.stack([k_XEGH, jnp.zeros_like(k_XEGH)], axis=1)
+        return q_BTNH.reshape(-1, length, *q_XENH.shape[2:]), k_BTGH.reshape(
+            -1, length, *k_XEGH.shape[2:]
         )
 
-    def operands(level: int, q_XSNH, k_XSGH, v_BTGW, term_values: tuple) -> dict:
+    def operands(level: int, q_XENH, k_XEGH, v_BTGW, term_values: tuple) -> dict:
         """Level ``level``'s kernel operands from its rows: the parents as the batch, and the
-        queries of the one chunk the second half sees, twice ((X, 2, N, P, H), the kernels'
+        queries of the one chunk the second half sees, twice ((X, 2, N, U, H), the kernels'
         layout of queries per chunk: the second chunk's are never read)."""
         parent = chunk << level
-        count = q_XSNH.shape[0]
-        q_XPNH = jnp.concatenate([jnp.zeros_like(q_XSNH), q_XSNH], axis=1).astype(dtype)
-        q_XNPH = jnp.moveaxis(q_XPNH, 2, 1)
+        count = q_XENH.shape[0]
+        q_XUNH = jnp.concatenate([jnp.zeros_like(q_XENH), q_XENH], axis=1).astype(dtype)
+        q_XNUH = jnp.moveaxis(q_XUNH, 2, 1)
         values = [
             KernelTerm(*s, p, *(None if x is None else x.reshape(count, parent, -1) for x in qk))
             for s, (p, *qk) in zip(statics, term_values, strict=True)
         ]
-        k_XPGH = jnp.concatenate([k_XSGH, jnp.zeros_like(k_XSGH)], axis=1).astype(dtype)
+        k_XUGH = jnp.concatenate([k_XEGH, jnp.zeros_like(k_XEGH)], axis=1).astype(dtype)
         return {
-            "q": jnp.stack([q_XNPH, jax.lax.stop_gradient(q_XNPH)], axis=1),
-            "k": k_XPGH,
+            "q": jnp.stack([q_XNUH, jax.lax.stop_gradient(q_XNUH)], axis=1),
+            "k": k_XUGH,
             "v": v_BTGW.reshape(count, parent, *v_BTGW.shape[2:]),
             "terms": [term_arrays(t, parent) for t in values],
             "cope": None,
             "sink": None,
         }
 
-    def halves(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, 2, P / 2, ...)
+    def halves(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, 2, E, ...)
         return x_BT.reshape(-1, 2, chunk << (level - 1), *x_BT.shape[2:])
 
-    def per_level(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, P, ...)
+    def per_level(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, U, ...)
         return x_BT.reshape(-1, chunk << level, *x_BT.shape[2:])
 
     def rows(level: int, o_BTNW: jax.Array, lse_BTN: jax.Array) -> tuple:  # kernels' layout
@@ -210,12 +211,12 @@ def between_chunks(
             kept.append(read_rows(level, u_BTNH, kp_BTGH))
             arrays = operands(level, *kept[-1], v_BTGW, term_values)
             level_ints = {key: per_level(level, value) for key, value in ints.items()}
-            (o_XPNW, lse_XNP), _ = attend_forward(plan, arrays, level_ints)
+            (o_XUNW, lse_XNU), _ = attend_forward(plan, arrays, level_ints)
             o_BTNW, lse_BTN = _merge(
                 o_BTNW,
                 lse_BTN,
-                o_XPNW.reshape(u_BTNH.shape[:3] + o_XPNW.shape[-1:]),
-                jnp.moveaxis(lse_XNP, 1, 2).reshape(u_BTNH.shape[:3]),
+                o_XUNW.reshape(u_BTNH.shape[:3] + o_XUNW.shape[-1:]),
+                jnp.moveaxis(lse_XNU, 1, 2).reshape(u_BTNH.shape[:3]),
             )
             if level < top:
                 u_BTNH, kp_BTGH, p_BMGHH = climb(u_BTNH, kp_BTGH, p_BMGHH)
@@ -259,15 +260,15 @@ def between_chunks(
             if level == 1:
                 w_BTGH, t_BTGC, level_kept = barrier((w_BTGH, t_BTGC, level_kept))
                 products[0], pull_products = jax.vjp(leaves, w_BTGH, t_BTGC)
-            q_XSNH, k_XSGH = (x.astype(f32) for x in level_kept)
+            q_XENH, k_XEGH = (x.astype(f32) for x in level_kept)
             if d_up is None:  # the top level: nothing above it reads its climb
-                du_BTNH, dkp_BTGH = (jnp.zeros_like(x) for x in whole(level, q_XSNH, k_XSGH))
+                du_BTNH, dkp_BTGH = (jnp.zeros_like(x) for x in whole(level, q_XENH, k_XEGH))
                 dp_BMGHH = jnp.zeros_like(products[level - 1])
             else:  # linear in (u, k'), and dP reads the rows the climb moves: the kept ones
-                _, pull = jax.vjp(climb, *whole(level, q_XSNH, k_XSGH), products[level - 1])
+                _, pull = jax.vjp(climb, *whole(level, q_XENH, k_XEGH), products[level - 1])
                 du_BTNH, dkp_BTGH, dp_BMGHH = pull(d_up)
             arrays, pull_arrays = jax.vjp(
-                lambda *a, level=level: operands(level, *a), q_XSNH, k_XSGH, v_BTGW, term_values
+                lambda *a, level=level: operands(level, *a), q_XENH, k_XEGH, v_BTGW, term_values
             )
             level_ints = {key: per_level(level, value) for key, value in ints.items()}
             stats = rows(level, o_BTNW, lse_BTN)
@@ -275,8 +276,8 @@ def between_chunks(
                 plan, (arrays, level_ints, *stats), rows(level, do_BTNW, dlse_BTN)
             )
             grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, arrays)
-            dq_XSNH, dk_XSGH, dv, dt = pull_arrays(grads)
-            dq_BTNH, dk_BTGH = whole(level, dq_XSNH, dk_XSGH)
+            dq_XENH, dk_XEGH, dv, dt = pull_arrays(grads)
+            dq_BTNH, dk_BTGH = whole(level, dq_XENH, dk_XEGH)
             dv_BTGW = dv_BTGW + dv.astype(f32)
             d_terms = jax.tree.map(jnp.add, d_terms, dt)
             d_up = (du_BTNH + dq_BTNH, dkp_BTGH + dk_BTGH, dp_BMGHH)

@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from copejax.model.path_levels import between_chunks
+from copejax.model.path_levels import between_chunks, merge_softmaxes
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels.padding import power_of_two
 from copejax.ops.kernels.terms import KernelTerm, tile_bias_QK
@@ -163,12 +163,7 @@ def path_attention(
             interpret=interpret,
             backend=backend,
         )
-        total_BTN = jnp.logaddexp(lse_BTN, between_lse_BTN)
-        y_BTNW = (
-            jnp.exp(lse_BTN - total_BTN)[..., None] * y_BTNW
-            + jnp.exp(between_lse_BTN - total_BTN)[..., None] * between_BTNW
-        )
-        lse_BTN = total_BTN
+        y_BTNW, lse_BTN = merge_softmaxes(y_BTNW, lse_BTN, between_BTNW, between_lse_BTN)
     if sink_N is not None:  # one more logit in the denominator, mixing no value
         total_BTN = jnp.logaddexp(lse_BTN, sink_N.astype(f32))
         y_BTNW = jnp.exp(lse_BTN - total_BTN)[..., None] * y_BTNW

@@ -23,7 +23,7 @@ import pytest
 
 from copejax.model import attention_paths, kernel_terms
 from copejax.ops.engine_blocks import BlockTerm
-from copejax.ops.kernels import attention as kernels_attention
+from copejax.ops.kernels import attend as kernels_attend
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.terms import KernelTerm, TermTile
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
@@ -263,7 +263,7 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
         traced.append(True)
         return tpu_forward_call(*args, **kwargs)
 
-    monkeypatch.setattr(kernels_attention, "tpu_forward_call", forward_call)
+    monkeypatch.setattr(kernels_attend, "tpu_forward_call", forward_call)
     return traced
 
 

@@ -219,20 +219,22 @@ def tpu_backward_calls(
         dq_body = stick_dq_kernel
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2
     gate_k = [] if gate_k_BSGH is None else [by_query_heads(gate_k_BSGH)]
-    if plan.cope is not None:  # rows' D; parameters' gradients per query tile (B, N, count_q, ..)
+    dq_params, aliases = compiler_params(), {}
+    if plan.cope is not None:  # rows' D; parameters' gradients per head (B, N, 1, ..), summed
+        # over the query tiles in order (a slab per query tile was (B, N, T / Q, P, H) float32)
         dq_body, num_outs = cope_dq_kernel, 1 + len(cope)
+        dq_params = compiler_params(("parallel", "parallel", "arbitrary", "arbitrary"))
         extra_in = [*cope, *gate_k]
         extra_specs = [*tpu_per_head_specs(cope), *specs(q_tile, k_tile)[1:2] * len(gate_k)]
         out_specs.append(q_spec)
         out_shape.append(q_shape)
         for x in cope:
             out_specs.append(
-                pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i, j: (b, n, i, 0, 0))
+                pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, i, j: (b, n, 0, 0, 0))
             )
-            out_shape.append(jax.ShapeDtypeStruct((batch, heads, plan.count_q, *x.shape[1:]), f32))
+            out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, *x.shape[1:]), f32))
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2 + [pltpu.VMEM((sq, dim), f32)]  # c, S, SM
         scratch += [pltpu.VMEM(x.shape[1:], f32) for x in cope]
-    dq_params, aliases = compiler_params(), {}
     if relative is not None:  # rev, and the slab (B, X, H) aliased to zeros, in HBM
         dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
         slab = jnp.zeros((batch, *relative[1].shape), f32)

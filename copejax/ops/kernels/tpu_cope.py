@@ -13,7 +13,8 @@ tile:
 - the dq kernel here walks them newest first too, with c, the running total S of the tiles'
   pulls on their counts ``d_c`` and SM, the running sum of the gates' pull on dq
   (:func:`~copejax.ops.kernels.cope_backward.gate_pull_QH`) in scratch, and writes each
-  row's total ``D`` and the position term's parameters' gradients per query tile;
+  row's total ``D``, and sums the position term's parameters' gradients over the head's
+  query tiles, walked in order (the query axis "arbitrary"), into one (P, H) per head;
 - the dk / dv kernel (:mod:`copejax.ops.kernels.tpu_backward`, with :func:`cope_pair`) walks
   the key tiles newest first (both tile axes "arbitrary"), with c and S for every query of the
   head in VMEM, (count_q, Q) each, as stick-breaking's carries
@@ -51,8 +52,9 @@ F32 = jnp.float32
 
 
 def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    """dq, the terms' per-query gradients, each row's ``D`` and the position term's
-    parameters' partial gradients of one query tile, key tiles newest first (inputs:
+    """dq, the terms' per-query gradients and each row's ``D`` of one query tile, key tiles
+    newest first, and the position term's parameters' gradients summed over the head's query
+    tiles (walked in order) (inputs:
     ``tpu_backward``'s, the parameters and the gate keys if any; outputs: dq, per-query
     gradients, D, d parameters; scratch: their accumulators with c, S and SM)."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
@@ -69,7 +71,12 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(step == 0)
     def _init() -> None:
-        for acc in (dq_acc, *dqv_accs, c_acc, s_acc, sm_acc, *dp_accs):
+        for acc in (dq_acc, *dqv_accs, c_acc, s_acc, sm_acc):
+            acc[...] = jnp.zeros(acc.shape, F32)
+
+    @pl.when((qi == 0) & (step == 0))  # the parameters' sums run over the head's query tiles
+    def _init_params() -> None:
+        for acc in dp_accs:
             acc[...] = jnp.zeros(acc.shape, F32)
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
@@ -122,9 +129,12 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
             store_row(ref, acc[...])
+        store_row(total_out, s_acc[...])
+
+    @pl.when((qi == pl.num_programs(2) - 1) & (step == pl.num_programs(3) - 1))
+    def _finish_params() -> None:
         for ref, acc in zip(dp_outs, dp_accs, strict=True):
             ref[...] = acc[...]
-        store_row(total_out, s_acc[...])
 
 
 def cope_pair(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from importlib import metadata
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles well over a thousand tiny programs, whose LLVM optimisation costs more
@@ -16,8 +17,11 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # XLA's CPU fusion emitters (MLIR) take about twice as long to compile a tiny program as its
 # older LLVM IR emitters: without them, six of test_blockwise_equivalence.py's tests take 25 s
 # instead of 65 s on a 2-core CPU. Again only code generation changes, for the subprocesses
-# too; XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restores the default.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+# too; XLA_FLAGS=--xla_cpu_use_fusion_emitters=true restores the default. jaxlib 0.11 (the GPU
+# machine's) no longer has the flag and aborts on it ("Unknown flag in XLA_FLAGS"): not there.
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and tuple(
+    int(part) for part in metadata.version("jaxlib").split(".")[:2]
+) < (0, 11):
     FLAGS = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false"
     os.environ["XLA_FLAGS"] = FLAGS.strip()
 

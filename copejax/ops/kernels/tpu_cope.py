@@ -54,9 +54,9 @@ F32 = jnp.float32
 def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     """dq, the terms' per-query gradients and each row's ``D`` of one query tile, key tiles
     newest first, and the position term's parameters' gradients summed over the head's query
-    tiles (walked in order) (inputs:
-    ``tpu_backward``'s, the parameters and the gate keys if any; outputs: dq, per-query
-    gradients, D, d parameters; scratch: their accumulators with c, S and SM)."""
+    tiles, which the grid walks in order. Inputs: ``tpu_backward``'s, the parameters and the
+    gate keys if any; outputs: dq, per-query gradients, D, d parameters (one per head);
+    scratch: their accumulators with c, S and SM."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)

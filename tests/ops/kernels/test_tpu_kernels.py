@@ -269,14 +269,16 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
 
 @pytest.mark.parametrize(
     "position",
-    [
+    # FoX in the default suite (4 s), so that the model's route to the TPU kernels (and
+    # this test's patch of it) is checked on every run; the rest slow
+    ["fox"]
+    + [
         pytest.param(p, marks=SLOW)
         for p in [
             "alibi",
             "t5",
             "kerple",
             "fire",
-            "fox",
             "rope",
             "fox+t5",
             "alibi+rope",

@@ -263,12 +263,24 @@ def scan_sum(x: jax.Array, axis: int, newer: bool, inclusive: bool) -> jax.Array
 
 def bf16_pieces(x: jax.Array) -> list[jax.Array]:
     """x (float32) as three bfloat16 pieces, smallest first, whose sum is x to float32's
-    precision (8 + 8 + 8 significant bits)."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return [lo, mid, hi]
+    precision (8 + 8 + 8 significant bits). Each piece is cut by masking off the low 16 bits
+    (:func:`_bf16_truncated`), so that it is a bfloat16 value before any conversion and each
+    remainder is exact in float32: nothing rests on a float32 -> bfloat16 -> float32 round
+    trip, which XLA may skip (``xla_allow_excess_precision``, on by default). With rounding
+    conversions, jaxlib 0.11.2's CPU code for TPU interpret mode skipped one inside a fusion:
+    the top piece went to the matmul rounded, the remainder came out zero, and the sums kept
+    bfloat16's precision (stick-breaking's dk off by 7e-3 in float32)."""
+    hi = _bf16_truncated(x)
+    rest = x - hi
+    mid = _bf16_truncated(rest)
+    return [(rest - mid).astype(jnp.bfloat16), mid.astype(jnp.bfloat16), hi.astype(jnp.bfloat16)]
+
+
+def _bf16_truncated(x: jax.Array) -> jax.Array:
+    """float32 x with its mantissa cut to bfloat16's 7 stored bits (toward zero): a float32
+    that bfloat16 holds exactly."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))

@@ -54,19 +54,22 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def pins(constraints: Path = ROOT / "constraints.txt") -> list[str]:
-    """``name==version`` of every package in ``MISSING_ON_DEVICE``, as constraints.txt pins
-    it; a package it does not pin is a ValueError naming it."""
+def pins(
+    constraints: Path = ROOT / "constraints.txt", names: tuple[str, ...] = MISSING_ON_DEVICE
+) -> list[str]:
+    """``name==version`` of every package in ``names`` (default ``MISSING_ON_DEVICE``), as
+    constraints.txt pins it, then ``DEVICE_VERSIONS``; a package it does not pin is a
+    ValueError naming it."""
     pinned = {}
     for line in constraints.read_text().splitlines():
         name, sep, version = line.strip().partition("==")
         if sep:
             pinned[_normal(name)] = f"{name}=={version}"
-    absent = [name for name in MISSING_ON_DEVICE if _normal(name) not in pinned]
+    absent = [name for name in names if _normal(name) not in pinned]
     if absent:
         raise ValueError(f"constraints.txt pins no version of {absent}: pin them first")
     device = [f"{name}=={version}" for name, version in DEVICE_VERSIONS.items()]
-    return [pinned[_normal(name)] for name in MISSING_ON_DEVICE] + device
+    return [pinned[_normal(name)] for name in names] + device
 
 
 def download_command(out: Path) -> list[str]:

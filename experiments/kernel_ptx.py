@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments import device_wheels
 from experiments.kernel_ptx_report import entry_ptx, ptx_counts, ptxas_resources, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,13 +60,27 @@ PACKAGES = (
 )
 
 
+# Beside them, so that the test suite runs on the GPU machine's jax from this CPU (Pallas's
+# interpret modes as the device's jax has them): the runtime packages the device image lacks
+# and the test runner, at constraints.txt's versions.
+TEST_PACKAGES = (
+    *device_wheels.MISSING_ON_DEVICE,
+    "cloudpickle",
+    "hypothesis",
+    "pytest",
+    "pytest-xdist",
+)
+
+
 def setup(python: str) -> None:
-    """Creates .venv-ptx with ``python`` (3.12 or later) and installs PACKAGES."""
+    """Creates .venv-ptx with ``python`` (3.12 or later) and installs PACKAGES and the pinned
+    TEST_PACKAGES."""
     subprocess.run([python, "-m", "venv", str(VENV)], check=True)
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, *PACKAGES], check=True)
+    subprocess.run([*pip, *PACKAGES, *device_wheels.pins(names=TEST_PACKAGES)], check=True)
     print(f"ready: {VENV}/bin/python -m experiments.kernel_ptx --scheme nope")
+    print(f"tests on jax 0.11.2: {VENV}/bin/python -m pytest -n 2 tests/ops/kernels")
 
 
 def h100() -> Any:

@@ -4,7 +4,7 @@ stack; its figures for the first kernels are in ``experiments/results/kernel_ptx
 
 from __future__ import annotations
 
-from experiments import kernel_ptx
+from experiments import device_wheels, kernel_ptx
 from experiments.kernel_ptx_report import COLUMNS, entry_ptx, ptx_counts, ptxas_resources, table
 
 PTX = """.version 8.7
@@ -74,3 +74,14 @@ def test_setup_installs_the_gpu_machines_jax_and_its_flax() -> None:
     assert "jax[cuda13]==0.11.2" in kernel_ptx.PACKAGES
     assert "flax==0.12.10" in kernel_ptx.PACKAGES
     assert kernel_ptx.TARGET.is_file() and "sm_9.0a" in kernel_ptx.TARGET.read_text()
+
+
+def test_setup_installs_what_the_test_suite_needs_at_pinned_versions() -> None:
+    """``.venv-ptx`` runs the tests on the device's jax: the runner and the packages the device
+    image lacks, each at constraints.txt's version."""
+    pinned = device_wheels.pins(names=kernel_ptx.TEST_PACKAGES)
+    names = {p.split("==")[0].lower() for p in pinned}
+    assert {"pytest", "pytest-xdist", "hypothesis", "grain", "ml_collections"} <= names
+    constraints = (device_wheels.ROOT / "constraints.txt").read_text().split()
+    assert pinned[-1] == "flax==0.12.10"  # the device's flax, then constraints.txt's pins
+    assert all(p in constraints for p in pinned[:-1])

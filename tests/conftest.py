@@ -36,6 +36,13 @@ from copejax.model.config import ModelConfig
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def host_devices_env(devices: int) -> dict[str, str]:
+    """The environment for a test's subprocess with ``devices`` CPU devices: this process's,
+    with the XLA flags set above (none under jaxlib 0.11) and the device count after them."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
+
+
 def tiny_config(position: str, **overrides: object) -> ModelConfig:
     """A 2-layer, 2-head, D=32 model: small enough to compile in about a second."""
     kwargs: dict[str, object] = dict(

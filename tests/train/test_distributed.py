@@ -7,7 +7,6 @@ when JAX starts: ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` gives 8 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from copejax.positions import registry
 from copejax.runtime.metrics import read_jsonl
+from tests.conftest import host_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("nope", "rope", "alibi", "cope")
@@ -24,9 +24,7 @@ STEPS = 5
 
 
 def _run(workdirs: list[Path], spec: dict, devices: int = 1) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # The device count, after the flags conftest.py sets (which the subprocess inherits).
-    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
+    env = host_devices_env(devices)
     command = [sys.executable, "-m", "tests.train.run_tiny", ",".join(map(str, workdirs))]
     return subprocess.Popen(
         [*command, json.dumps(spec)],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from copejax.runtime.checkpoint import Checkpointer
 from copejax.runtime.metrics import read_jsonl
 from copejax.training import optim, resume, train
 from copejax.training.plan import validate
+from tests.conftest import host_devices_env
 from tests.float_tolerance import float32_sum_atol
 from tests.train.tiny_task import tiny_config
 
@@ -80,9 +80,7 @@ def test_extending_names_the_schedule_change() -> None:
 
 
 def _run(workdirs: list[Path], spec: dict, devices: int) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # The device count, after the flags conftest.py sets (which the subprocess inherits).
-    env["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={devices}"
+    env = host_devices_env(devices)
     command = [sys.executable, "-m", "tests.train.run_tiny", ",".join(map(str, workdirs))]
     done = subprocess.run(
         [*command, json.dumps(spec)],

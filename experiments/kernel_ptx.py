@@ -61,14 +61,22 @@ PACKAGES = (
 
 
 # Beside them, so that the test suite runs on the GPU machine's jax from this CPU (Pallas's
-# interpret modes as the device's jax has them): the runtime packages the device image lacks
-# and the test runner, at constraints.txt's versions.
+# interpret modes as the device's jax has them): the runtime packages the device image lacks,
+# the rest of copejax's and the tests' needs but torch and transformers (test_convert.py skips
+# without them), at constraints.txt's versions.
 TEST_PACKAGES = (
     *device_wheels.MISSING_ON_DEVICE,
     "cloudpickle",
+    "equinox",
     "hypothesis",
+    "matplotlib",
+    "pdoc",
     "pytest",
     "pytest-xdist",
+    "safetensors",
+    "sentencepiece",
+    "tensorboard",
+    "tensorflow-datasets",
 )
 
 
@@ -80,7 +88,7 @@ def setup(python: str) -> None:
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
     subprocess.run([*pip, *PACKAGES, *device_wheels.pins(names=TEST_PACKAGES)], check=True)
     print(f"ready: {VENV}/bin/python -m experiments.kernel_ptx --scheme nope")
-    print(f"tests on jax 0.11.2: {VENV}/bin/python -m pytest -n 2 tests/ops/kernels")
+    print(f"tests on jax 0.11.2: {VENV}/bin/python -m pytest -n 2 tests")
 
 
 def h100() -> Any:

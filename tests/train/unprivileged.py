@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 NOBODY = 65534
 
@@ -29,6 +32,14 @@ def subprocess_kwargs(home: Path) -> dict[str, Any]:
     root, run it as ``nobody`` (with a writable HOME for its caches)."""
     if os.geteuid() != 0:
         return {}
+    if not _others_may_run(Path(sys.executable).resolve()):
+        pytest.skip(f"nobody may not run {sys.executable} (a directory above it is closed)")
     home.mkdir(parents=True, exist_ok=True)
     os.chown(home, NOBODY, NOBODY)
     return {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+
+
+def _others_may_run(executable: Path) -> bool:
+    """Whether a user outside the file's owner and group may run ``executable``: it and every
+    directory above it open to others (a Python under root's home is not)."""
+    return all(path.stat().st_mode & stat.S_IXOTH for path in [executable, *executable.parents])

@@ -33,7 +33,9 @@ def subprocess_kwargs(home: Path) -> dict[str, Any]:
     if os.geteuid() != 0:
         return {}
     if not _others_may_run(Path(sys.executable).resolve()):
-        pytest.skip(f"nobody may not run {sys.executable} (a directory above it is closed)")
+        pytest.skip(
+            f"nobody may not run {sys.executable} (it or a directory above it is closed to others)"
+        )
     home.mkdir(parents=True, exist_ok=True)
     os.chown(home, NOBODY, NOBODY)
     return {"user": NOBODY, "group": NOBODY, "extra_groups": []}

@@ -267,9 +267,9 @@ def bf16_pieces(x: jax.Array) -> list[jax.Array]:
     (:func:`_bf16_truncated`), so that it is a bfloat16 value before any conversion and each
     remainder is exact in float32: nothing rests on a float32 -> bfloat16 -> float32 round
     trip, which XLA may skip (``xla_allow_excess_precision``, on by default). With rounding
-    conversions, jaxlib 0.11.2's CPU code for TPU interpret mode skipped one inside a fusion:
-    the top piece went to the matmul rounded, the remainder came out zero, and the sums kept
-    bfloat16's precision (stick-breaking's dk off by 7e-3 in float32)."""
+    conversions, the CPU code jaxlib 0.11.2 emits for TPU interpret mode did (with the flag
+    off, the same optimized HLO was exact), and the sums kept bfloat16's precision
+    (stick-breaking's dk off by 7e-3 in float32)."""
     hi = _bf16_truncated(x)
     rest = x - hi
     mid = _bf16_truncated(rest)

@@ -50,7 +50,8 @@ INSTALL = (
 )
 
 
-def _normal(name: str) -> str:
+def normal_name(name: str) -> str:
+    """A package name as pip compares them: lower case, runs of -_. as one dash."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
@@ -64,12 +65,12 @@ def pins(
     for line in constraints.read_text().splitlines():
         name, sep, version = line.strip().partition("==")
         if sep:
-            pinned[_normal(name)] = f"{name}=={version}"
-    absent = [name for name in names if _normal(name) not in pinned]
+            pinned[normal_name(name)] = f"{name}=={version}"
+    absent = [name for name in names if normal_name(name) not in pinned]
     if absent:
         raise ValueError(f"constraints.txt pins no version of {absent}: pin them first")
     device = [f"{name}=={version}" for name, version in DEVICE_VERSIONS.items()]
-    return [pinned[_normal(name)] for name in names] + device
+    return [pinned[normal_name(name)] for name in names] + device
 
 
 def download_command(out: Path) -> list[str]:

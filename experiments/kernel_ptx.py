@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -60,33 +61,36 @@ PACKAGES = (
 )
 
 
-# Beside them, so that the test suite runs on the GPU machine's jax from this CPU (Pallas's
-# interpret modes as the device's jax has them): the runtime packages the device image lacks,
-# the rest of copejax's and the tests' needs but torch and transformers (test_convert.py skips
-# without them), at constraints.txt's versions.
-TEST_PACKAGES = (
-    *device_wheels.MISSING_ON_DEVICE,
-    "cloudpickle",
-    "equinox",
-    "hypothesis",
-    "matplotlib",
-    "pdoc",
-    "pytest",
-    "pytest-xdist",
-    "safetensors",
-    "sentencepiece",
-    "tensorboard",
-    "tensorflow-datasets",
-)
+# Not installed beside them: the tests of torch and transformers skip without them (and
+# they are large), and ruff checks style, not jax.
+NOT_FOR_TESTS = ("ruff", "torch", "transformers")
+
+
+def suite_packages() -> tuple[str, ...]:
+    """What .venv-ptx needs beside PACKAGES so that the test suite runs on the GPU machine's
+    jax from this CPU (Pallas's interpret modes as the device's jax has them): copejax's and
+    its tests' packages (pyproject.toml) but PACKAGES' and NOT_FOR_TESTS, and the runtime
+    packages the device image lacks; ``device_wheels.pins`` takes their versions from
+    constraints.txt."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["test"]
+    names = [_name(r) for r in [*wanted, *device_wheels.MISSING_ON_DEVICE]]
+    skip = {_name(p) for p in PACKAGES} | set(NOT_FOR_TESTS)
+    return tuple(n for i, n in enumerate(names) if n not in skip and n not in names[:i])
+
+
+def _name(requirement: str) -> str:
+    """A requirement's package name, as pip compares them."""
+    return device_wheels.normal_name(re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0])
 
 
 def setup(python: str) -> None:
     """Creates .venv-ptx with ``python`` (3.12 or later) and installs PACKAGES and the pinned
-    TEST_PACKAGES."""
+    :func:`suite_packages`."""
     subprocess.run([python, "-m", "venv", str(VENV)], check=True)
     pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, *PACKAGES, *device_wheels.pins(names=TEST_PACKAGES)], check=True)
+    subprocess.run([*pip, *PACKAGES, *device_wheels.pins(names=suite_packages())], check=True)
     print(f"ready: {VENV}/bin/python -m experiments.kernel_ptx --scheme nope")
     print(f"tests on jax 0.11.2: {VENV}/bin/python -m pytest -n 2 tests")
 

@@ -77,11 +77,16 @@ def test_setup_installs_the_gpu_machines_jax_and_its_flax() -> None:
 
 
 def test_setup_installs_what_the_test_suite_needs_at_pinned_versions() -> None:
-    """``.venv-ptx`` runs the tests on the device's jax: the runner and the packages the device
-    image lacks, each at constraints.txt's version."""
-    pinned = device_wheels.pins(names=kernel_ptx.TEST_PACKAGES)
-    names = {p.split("==")[0].lower() for p in pinned}
-    assert {"pytest", "pytest-xdist", "hypothesis", "grain", "ml_collections"} <= names
+    """``.venv-ptx`` runs the tests on the device's jax: copejax's and the tests' packages from
+    pyproject.toml (not the large torch and transformers, whose tests skip) and those the
+    device image lacks, each at constraints.txt's version."""
+    names = kernel_ptx.suite_packages()
+    assert {"pytest", "pytest-xdist", "hypothesis", "grain", "matplotlib", "array-record"} <= set(
+        names
+    )
+    assert not {"torch", "transformers", "ruff", "jax", "flax"} & set(names)
+    assert len(names) == len(set(names))
+    pinned = device_wheels.pins(names=names)
     constraints = (device_wheels.ROOT / "constraints.txt").read_text().split()
     assert pinned[-1] == "flax==0.12.10"  # the device's flax, then constraints.txt's pins
     assert all(p in constraints for p in pinned[:-1])

@@ -14,7 +14,8 @@ functions, evaluated tile by tile in the kernels:
 - kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
 - fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
-  units one by one), from c, L and the MLP as a row per head;
+  units one by one, its parameters pulled back by hand: :mod:`copejax.model.kernel_fire`),
+  from c, L and the MLP as a row per head;
 - stickbreaking: no term; its normalizer runs in the kernels (:mod:`copejax.ops.kernels.stick`),
   with or without the query's own key, and with ``remainder_bias``'s extra value channel;
 - cope: its count carried across key tiles (:mod:`copejax.ops.kernels.cope`), every gate
@@ -55,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.model.kernel_cope import cope_refusal, cope_term
+from copejax.model.kernel_fire import FireTile
 from copejax.model.kernel_path import PATH, path_refusal
 from copejax.model.kernel_t5 import T5Tile
 from copejax.model.kernel_tape import TAPE, tape_refusal
@@ -73,7 +75,6 @@ from copejax.ops.kernels.terms import (
 )
 from copejax.positions.alibi import alibi_bias, alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
-from copejax.positions.fire import fire_normalized_distance
 from copejax.positions.kerple import Kerple, kerple_bias
 from copejax.positions.t5 import T5Bias
 
@@ -147,20 +148,6 @@ def _fox(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     return KernelTerm("fox", _fox_tile, q_values_BTN=c_q, k_values_BSN=c_k)
 
 
-def _fire_tile(row_P: jax.Array, tile: TermTile, *, width: int) -> jax.Array:
-    """f(psi(|i - j|) / psi(max(i, L))) for one head: the MLP's F hidden units one by one
-    (``fire_bias``'s einsum over F as a sum of F elementwise passes)."""
-    q_BT, k_BS = batch_rows(tile)
-    values = param_scalars(row_P)
-    c, threshold, b2 = values[0], values[1], values[2]
-    w1, b1, w2 = values[3 : 3 + width], values[3 + width : 3 + 2 * width], values[3 + 2 * width :]
-    x_QK = fire_normalized_distance(q_BT, k_BS, c, threshold).reshape(tile_shape(tile))
-    out_QK = jnp.zeros(x_QK.shape, jnp.float32) + b2
-    for unit in range(width):
-        out_QK = out_QK + w2[unit] * jax.nn.relu(x_QK * w1[unit] + b1[unit])
-    return out_QK
-
-
 def _fire(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     """One row per head: c, L, b2[h], w1 (F), b1 (F), w2[:, h] (F); the shared entries are
     broadcast to every head, and JAX sums their gradients back."""
@@ -181,7 +168,7 @@ def _fire(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
         ],
         axis=1,
     )
-    return KernelTerm("fire", functools.partial(_fire_tile, width=width), params_NP=row_NP)
+    return KernelTerm("fire", FireTile(width), params_NP=row_NP)
 
 
 TermBuilder = Callable[[PositionScheme, BlockTerm, Dims], KernelTerm]

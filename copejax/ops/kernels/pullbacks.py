@@ -7,7 +7,9 @@ kernel) gives a dq program its per-query values' gradients (FoX: row sums of dS)
 program its per-key values' (FoX: minus the column sums) and parameters' gradients; each is
 added to the program's running sums over the pairs it walks. The softmax backward, the
 stick-breaking one and the term kernels (CoPE, Shaw, selective) share this, whatever their
-dS is.
+dS is. A term that brings its parameters' pull-back (T5's table, FIRE's MLP:
+:func:`~copejax.ops.kernels.terms.pulled_by_hand`) is pulled back by it in the dk / dv programs
+and selective attention's backward (:func:`terms_vjp`).
 
 ``inputs`` is a pair's (params, q values, k values, q positions, k positions), the lists
 with None where a term has no such array, as :func:`copejax.ops.kernels.tiles.scores_QK`
@@ -16,6 +18,7 @@ reads it. Shape letters: Q / K the tile's queries / keys, H head dim, W value wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,25 +54,52 @@ def pull_key_values_and_params(
     if not (key_sums or param_sums):
         return key_sums, param_sums
     params, q_values, k_values, q_pos_Q, k_pos_K = inputs
-    by_hand = [pulled_by_hand(b) for b in plan.biases]
+    arrays = (params, q_values, k_values)
+    _, pull = terms_vjp(plan.biases, arrays, q_pos_Q, k_pos_K, with_bias=False)
+    g_params, _, g_kv = pull(ds_QK)
+    return add_present(key_sums, g_kv), add_present(param_sums, g_params)
+
+
+def terms_vjp(
+    biases: tuple,
+    arrays: tuple[list, list, list],
+    q_pos_Q: jax.Array,
+    k_pos_K: jax.Array,
+    *,
+    with_bias: bool = True,
+) -> tuple[jax.Array, Callable]:
+    """``jax.vjp`` of :func:`~copejax.ops.kernels.terms.tile_bias_QK` in (params, q values,
+    k values), except that a term pulled by hand (:func:`~copejax.ops.kernels.terms.
+    pulled_by_hand`) is evaluated as is and its parameters pulled back by its
+    ``pull_params``: (bias_QK, pull), ``pull(ds_QK)`` giving the three lists of gradients
+    (None where a term has no such array). ``with_bias=False``: the terms pulled by hand are
+    left out of bias_QK (a caller that reads only ``pull``: a kernel lowers dead code too)."""
+    params, q_values, k_values = arrays
+    by_hand = [pulled_by_hand(b) for b in biases]
     auto = [i for i, hand in enumerate(by_hand) if not hand]
     pick = lambda xs: [xs[i] for i in auto]
-
-    def bias(p: list, kv: list) -> jax.Array:
-        arrays = (p, pick(q_values), kv)
-        return tile_bias_QK(tuple(pick(plan.biases)), arrays, q_pos_Q, k_pos_K)
-
-    g_auto, g_kv_auto = jax.vjp(bias, pick(params), pick(k_values))[1](ds_QK)
-    g_params, g_kv = [None] * len(params), [None] * len(k_values)
-    for i, g, gkv in zip(auto, g_auto, g_kv_auto, strict=True):
-        g_params[i], g_kv[i] = g, gkv
     for i, hand in enumerate(by_hand):
-        if hand:  # its own pull-back: a term pulled by hand has parameters, no key values
-            if k_values[i] is not None:
-                raise ValueError(f"term {i} brings pull_params but has per-key values")
-            tile = TermTile(q_pos_Q, k_pos_K, q_values[i], k_values[i])
-            g_params[i] = plan.biases[i].pull_params(params[i], tile, ds_QK)
-    return add_present(key_sums, g_kv), add_present(param_sums, g_params)
+        if hand and (q_values[i] is not None or k_values[i] is not None):
+            raise ValueError(f"term {i} brings pull_params but has per-query or per-key values")
+
+    def bias(p: list, qv: list, kv: list) -> jax.Array:
+        return tile_bias_QK(tuple(pick(biases)), (p, qv, kv), q_pos_Q, k_pos_K)
+
+    bias_QK, pull_auto = jax.vjp(bias, pick(params), pick(q_values), pick(k_values))
+    tiles = {i: TermTile(q_pos_Q, k_pos_K, None, None) for i, hand in enumerate(by_hand) if hand}
+    for i, tile in tiles.items() if with_bias else ():
+        bias_QK = bias_QK + biases[i](params[i], tile).astype(jnp.float32)
+
+    def pull(ds_QK: jax.Array) -> tuple[list, list, list]:
+        grads = [[None] * len(params) for _ in range(3)]
+        for got, into in zip(pull_auto(ds_QK), grads, strict=True):
+            for i, g in zip(auto, got, strict=True):
+                into[i] = g
+        for i, tile in tiles.items():
+            grads[0][i] = biases[i].pull_params(params[i], tile, ds_QK)
+        return grads[0], grads[1], grads[2]
+
+    return bias_QK, pull
 
 
 def key_tile_sums(plan: Plan, k_KH: jax.Array, v_KW: jax.Array, refs: tuple) -> tuple:

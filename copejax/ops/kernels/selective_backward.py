@@ -62,7 +62,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, term_gradients
 from copejax.ops.kernels.operands import term_operands, term_refs, zeros_after
-from copejax.ops.kernels.pullbacks import add_present
+from copejax.ops.kernels.pullbacks import add_present, terms_vjp
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     newer_sum_QK,
@@ -153,7 +153,11 @@ def _backward_kernel(
                 return term_bias(plan, (p, qv, kv), q_pos_Q, k_pos_K)
 
             pulled = plan.biases and (dkv or dparams or dqv_refs)
-            bias_QK, pull = jax.vjp(bias, params, q_values, k_values) if pulled else (None, None)
+            bias_QK, pull = (
+                terms_vjp(plan.biases, (params, q_values, k_values), q_pos_Q, k_pos_K)
+                if pulled
+                else (None, None)
+            )
             if plan.biases and not pulled:
                 bias_QK = bias(params, q_values, k_values)
             p_QK, ds_QK, dl_QK, s_QK = pair_gradients(  # dl: the tile's own part of G

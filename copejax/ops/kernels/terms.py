@@ -222,8 +222,11 @@ def indexed_lookup_pull(
 
 def pulled_by_hand(bias: TileBias) -> bool:
     """Whether a tile function brings its parameters' pull-back, ``bias.pull_params(params,
-    tile, g_QK)``, which the dk / dv programs call instead of autodiff (a lookup's ``cond``
-    that autodiff cannot take; :class:`copejax.model.kernel_terms.T5Tile`)."""
+    tile, g_QK)``, which the dk / dv programs and selective attention's backward call
+    instead of autodiff (:func:`copejax.ops.kernels.pullbacks.terms_vjp`): a lookup's
+    ``cond`` that autodiff cannot take (:class:`copejax.model.kernel_t5.T5Tile`), or a loop
+    whose autodiff would keep every iteration's residuals
+    (:class:`copejax.model.kernel_fire.FireTile`)."""
     return callable(getattr(bias, "pull_params", None))
 
 

@@ -12,15 +12,17 @@ unrolled loop, which keeps every unit's (Q, K) residuals at once: on an H100 (de
 F = 32 and 64 x 64 tiles, and its forward 608 bytes; now 0.4 KB and none.
 
 Who calls the pull-back:
-- the kernels' softmax dk / dv programs and selective attention's backward, directly
+- the GPU kernels that pull back the terms' parameters (the softmax dk / dv programs, CoPE's
+  dk / dv and selective attention's backward), directly
   (:func:`copejax.ops.kernels.pullbacks.terms_vjp`; :func:`~copejax.ops.kernels.terms.
   pulled_by_hand`);
 - on a TPU (the (1, P) row of Mosaic's layout), ``jax.vjp`` of the tile anywhere, as its
   custom VJP: autodiff of the loop would stack each unit's residuals, a scan Mosaic does not
   lower;
 - elsewhere (Triton's and XLA's layout, where Triton lowers no custom VJP call), ``jax.vjp``
-  transposes :meth:`FireTile.tangent`, the units unrolled (CoPE's backward kernels with FIRE
-  beside it, PaTH's leaves in XLA).
+  transposes :meth:`FireTile.tangent`, the units unrolled: PaTH's leaves in XLA, and any
+  kernel that would take ``jax.vjp`` of the terms in their parameters without
+  ``terms_vjp`` (none does today; Triton lowers that transpose).
 
 The parameter row per head is c, L, b2[h], w1 (F), b1 (F), w2[:, h] (F)
 (:func:`copejax.model.kernel_terms._fire`). Shape letters: Q / K the tile's queries / keys, P
@@ -110,8 +112,7 @@ class FireTile:
 
     def tangent(self, row_P: jax.Array, row_dot_P: jax.Array, tile: TermTile) -> jax.Array:
         """The bias's tangent (Q, K) along ``row_dot_P``, the units unrolled: what autodiff
-        transposes where a kernel differentiates the terms itself (selective attention's
-        and CoPE's backward kernels on a GPU)."""
+        transposes in Triton's and XLA's layout (the module docstring)."""
         values, dots = param_scalars(row_P), param_scalars(row_dot_P)
         (w1, b1, w2), (w1_dot, b1_dot, w2_dot) = (
             [v[_B2 + 1 + i * self.width : _B2 + 1 + (i + 1) * self.width] for i in range(3)]

@@ -96,6 +96,8 @@ CHECKED_COMPOSITES = (
     "selective+rope",
     "selective+fox",
     "path+fox",
+    "cope+fire",  # the terms pulled back by hand (kernel_fire) in CoPE's and selective's
+    "selective+fire",  # backward kernels (pullbacks.terms_vjp)
 )
 
 

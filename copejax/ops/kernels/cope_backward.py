@@ -38,8 +38,12 @@ from copejax.ops.kernels.cope import (
 )
 from copejax.ops.kernels.cope_terms import gate_logits_QK
 from copejax.ops.kernels.operands import term_refs
-from copejax.ops.kernels.pullbacks import add_present, key_tile_sums, write_key_tile_sums
-from copejax.ops.kernels.terms import tile_bias_QK
+from copejax.ops.kernels.pullbacks import (
+    add_present,
+    key_tile_sums,
+    terms_vjp,
+    write_key_tile_sums,
+)
 from copejax.ops.kernels.tiles import (
     MASKED_LOGIT,
     Plan,
@@ -207,15 +211,22 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     )
                     return (p_QK, total_Q), uncapped_QK
 
-                def scores(logits_QK, p_QK, cope_p, p, kv):
+                # the other terms' bias, pulled back apart (terms_vjp: by hand where a term
+                # brings its pull-back)
+                bias_QK, pull_terms = (
+                    terms_vjp(plan.biases, (params, q_values, k_values), q_pos_Q, k_pos_K)
+                    if plan.biases
+                    else (None, None)
+                )
+
+                def scores(logits_QK, p_QK, cope_p, b_QK):
                     # the term's parameters differentiated (on the tensor cores: query_side)
                     term_QK = cope_term_QK(
                         static, q_QH, cope_p, p_QK, backward=True, query_side=True
                     )
                     s_QK = logits_QK + term_QK
-                    if plan.biases:
-                        inputs = ((p, q_values, kv), q_pos_Q, k_pos_K)
-                        s_QK = s_QK + tile_bias_QK(plan.biases, *inputs)
+                    if b_QK is not None:
+                        s_QK = s_QK + b_QK
                     return jnp.where(allowed_QK, s_QK, MASKED_LOGIT)
 
                 logits_QK = content_logits_QK(q_QH, k_KH)
@@ -227,20 +238,14 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 d_gk = None
                 if unit:  # constant positions: no d_c, no gates to pull back
                     s_QK, pull_scores = jax.vjp(
-                        lambda lg, cp, p, kv: scores(lg, p_QK, cp, p, kv),
-                        logits_QK,
-                        cope_params,
-                        params,
-                        k_values,
+                        lambda lg, cp, b: scores(lg, p_QK, cp, b), logits_QK, cope_params, bias_QK
                     )
                     probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-                    d_logits, d_cp, d_p, d_kv = pull_scores(ds_QK)
+                    d_logits, d_cp, d_bias_QK = pull_scores(ds_QK)
                 else:
-                    s_QK, pull_scores = jax.vjp(
-                        scores, logits_QK, p_QK, cope_params, params, k_values
-                    )
+                    s_QK, pull_scores = jax.vjp(scores, logits_QK, p_QK, cope_params, bias_QK)
                     probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-                    d_logits, d_pos_QK, d_cp, d_p, d_kv = pull_scores(ds_QK)
+                    d_logits, d_pos_QK, d_cp, d_bias_QK = pull_scores(ds_QK)
                     cap = static.p_max - 1.0
                     d_c_Q = jnp.sum(d_pos_QK * capped_weight(uncapped_QK, cap), axis=1)
                     s_Q = s_ref[queries]
@@ -252,7 +257,9 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 d_logits = (d_logits * scale).astype(q_QH.dtype)
                 dk_KH = dk_KH + dot_f32(d_logits, q_QH, (0, 0))
                 dv_KW = dv_KW + dot_f32(probs_QK.astype(do_QW.dtype), do_QW, (0, 0))
-                dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
+                if pull_terms is not None:
+                    d_p, _, d_kv = pull_terms(d_bias_QK)
+                    dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
                 if d_gk is not None:
                     dgk_KH = dgk_KH + d_gk
                 d_cope = tuple(a + g for a, g in zip(d_cope, d_cp, strict=True))

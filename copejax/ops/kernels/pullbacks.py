@@ -8,8 +8,8 @@ program its per-key values' (FoX: minus the column sums) and parameters' gradien
 added to the program's running sums over the pairs it walks. The softmax backward, the
 stick-breaking one and the term kernels (CoPE, Shaw, selective) share this, whatever their
 dS is. A term that brings its parameters' pull-back (T5's table, FIRE's MLP:
-:func:`~copejax.ops.kernels.terms.pulled_by_hand`) is pulled back by it in the dk / dv programs
-and selective attention's backward (:func:`terms_vjp`).
+:func:`~copejax.ops.kernels.terms.pulled_by_hand`) is pulled back by it in the dk / dv programs,
+CoPE's dk / dv and selective attention's backward (:func:`terms_vjp`).
 
 ``inputs`` is a pair's (params, q values, k values, q positions, k positions), the lists
 with None where a term has no such array, as :func:`copejax.ops.kernels.tiles.scores_QK`

@@ -77,6 +77,10 @@ def _compare(position: str, dtype: str, window: int | None, sinks: int, **option
     assert_close(logits_k, logits_n, dtype=dtype, summands=LENGTH, roundings=2 * layers + 1)
     # A gradient that cancels to about 0 (FIRE's output bias: the softmax ignores a constant
     # per head) is compared at the scale of the whole gradient, what its terms are made of.
+    # A parameter's gradient sums over every (query, key) pair, LENGTH^2 of a row (a weight's
+    # over the tokens' dq / dk, each a sum over LENGTH pairs). With LENGTH summands, FIRE's c
+    # in selective+fire missed on jax 0.11.2: 1.5e-6 off, 1.6x that bound (5.4e-7 before its
+    # pull-back by hand, kernel_fire).
     leaves_n = jax.tree_util.tree_leaves_with_path(grads_n)
     scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for _, g in leaves_n)
     flat_k = dict(jax.tree_util.tree_leaves_with_path(grads_k))
@@ -85,7 +89,7 @@ def _compare(position: str, dtype: str, window: int | None, sinks: int, **option
             flat_k[path],
             grad_n,
             dtype=dtype,
-            summands=LENGTH,
+            summands=LENGTH * LENGTH,
             roundings=4 * layers + 2,
             scale=scale,
             err_msg=jax.tree_util.keystr(path),

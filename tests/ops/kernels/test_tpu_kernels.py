@@ -287,6 +287,7 @@ def _on_tpu_kernels(monkeypatch: pytest.MonkeyPatch) -> list:
             "transformer_xl",
             "relative",
             "alibi+relative_capped",
+            "cope+fire",  # FIRE's custom VJP inside CoPE's kernels
         ]
     ],
 )

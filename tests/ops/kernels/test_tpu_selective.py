@@ -91,6 +91,7 @@ def test_the_kernels_refuse_pruning_by_name(options: dict, named: str) -> None:
         ("selective", "float32", 12, 2),
         ("selective+fox", "float32", None, 0),
         ("selective+rope", "bfloat16", 12, 2),
+        ("selective+fire", "float32", 12, 2),  # FIRE's custom VJP in the backward kernel
     ],
 )
 def test_model_on_tpu_kernels_equals_naive(

@@ -176,7 +176,8 @@ _fire_bias_vjp.defvjp(_fire_bias_forward, _fire_bias_backward)
 
 
 def _rows(row_P: jax.Array) -> jax.Array:
-    """The row's entry index, int32 like ``row_P``: (P,) on a GPU, (1, P) on a TPU."""
+    """Each entry's index in the row (int32), shaped as ``row_P``: (P,) on a GPU, (1, P) on
+    a TPU."""
     return jax.lax.broadcasted_iota(jnp.int32, row_P.shape, row_P.ndim - 1)
 
 

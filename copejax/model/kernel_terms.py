@@ -14,7 +14,7 @@ functions, evaluated tile by tile in the kernels:
 - kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
 - fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
-  units one by one, its parameters pulled back by hand: :mod:`copejax.model.kernel_fire`),
+  units in a loop, its parameters pulled back by hand: :mod:`copejax.model.kernel_fire`),
   from c, L and the MLP as a row per head;
 - stickbreaking: no term; its normalizer runs in the kernels (:mod:`copejax.ops.kernels.stick`),
   with or without the query's own key, and with ``remainder_bias``'s extra value channel;

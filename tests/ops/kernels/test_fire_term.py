@@ -1,6 +1,7 @@
 """FIRE's kernel tile and its hand-written parameter pull-back (copejax.model.kernel_fire),
-against NumPy: the paper's bias (Li et al. 2023, eq. for f(psi(i - j) / psi(max(i, L)))) and
-central differences of it in float64, in the GPU's and the TPU's tile layouts."""
+against NumPy: FIRE's bias ``f(psi(|i - j|) / psi(max(i, L)))`` (Li et al. 2023, arXiv
+2310.04418) and central differences of it in float64, in the GPU's and the TPU's tile
+layouts."""
 
 from __future__ import annotations
 

@@ -19,10 +19,10 @@ Who calls the pull-back:
 - on a TPU (the (1, P) row of Mosaic's layout), ``jax.vjp`` of the tile anywhere, as its
   custom VJP: autodiff of the loop would stack each unit's residuals, a scan Mosaic does not
   lower;
-- elsewhere (Triton's and XLA's layout, where Triton lowers no custom VJP call), ``jax.vjp``
-  transposes :meth:`FireTile.tangent`, the units unrolled: PaTH's leaves in XLA, and any
-  kernel that would take ``jax.vjp`` of the terms in their parameters without
-  ``terms_vjp`` (none does today; Triton lowers that transpose).
+- elsewhere (Triton's and XLA's layout) the tile is the plain loop, since Triton lowers no
+  custom VJP call: XLA differentiates it as it is (PaTH's leaves), and a Triton kernel that
+  took ``jax.vjp`` of the terms in their parameters without ``terms_vjp`` would fail to
+  lower (a scan with stacked residuals) rather than spill (none does).
 
 The parameter row per head is c, L, b2[h], w1 (F), b1 (F), w2[:, h] (F)
 (:func:`copejax.model.kernel_terms._fire`). Shape letters: Q / K the tile's queries / keys, P
@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.terms import TermTile, batch_rows, param_scalars, tile_shape
+from copejax.ops.kernels.terms import TermTile, batch_rows, tile_shape
 from copejax.positions.fire import fire_normalized_distance
 
 _C, _L, _B2 = 0, 1, 2  # the row's scalar entries; w1, b1, w2 follow, F each
@@ -64,12 +64,12 @@ class FireTile:
         return fire_normalized_distance(q_BT, k_BS, c, threshold).reshape(tile_shape(tile))
 
     def __call__(self, row_P: jax.Array, tile: TermTile) -> jax.Array:
-        # float positions: integer inputs of a custom derivative get float0 tangents, which no
-        # Pallas backend lowers
+        if row_P.ndim == 1:  # Triton's layout (and XLA's): the loop as it is
+            return self.value(row_P, tile)
+        # Mosaic TPU's (1, P) row. Float positions: integer inputs of a custom derivative get
+        # float0 cotangents, which no Pallas backend lowers.
         q_x, k_x = (x.astype(jnp.float32) for x in (tile.q_positions_Q, tile.k_positions_K))
-        if row_P.ndim == 1:  # Triton's layout (and XLA's)
-            return _fire_bias_jvp(self, row_P, q_x, k_x)
-        return _fire_bias_vjp(self, row_P, q_x, k_x)  # Mosaic TPU's (1, P) row
+        return _fire_bias_vjp(self, row_P, q_x, k_x)
 
     def value(self, row_P: jax.Array, tile: TermTile) -> jax.Array:
         """The tile's bias (Q, K), float32."""
@@ -109,45 +109,6 @@ class FireTile:
         for entry, grad in ((_C, d_c), (_L, d_threshold), (_B2, jnp.sum(g_QK))):
             d_P = d_P + jnp.where(rows_P == entry, grad, 0.0)
         return d_P
-
-    def tangent(self, row_P: jax.Array, row_dot_P: jax.Array, tile: TermTile) -> jax.Array:
-        """The bias's tangent (Q, K) along ``row_dot_P``, the units unrolled: what autodiff
-        transposes in Triton's and XLA's layout (the module docstring)."""
-        values, dots = param_scalars(row_P), param_scalars(row_dot_P)
-        (w1, b1, w2), (w1_dot, b1_dot, w2_dot) = (
-            [v[_B2 + 1 + i * self.width : _B2 + 1 + (i + 1) * self.width] for i in range(3)]
-            for v in (values, dots)
-        )
-        x_QK, x_dot_QK = jax.jvp(
-            lambda c, L: self.distance(c, L, tile),
-            (values[_C], values[_L]),
-            (dots[_C], dots[_L]),
-        )
-        out_QK = jnp.zeros(x_QK.shape, jnp.float32) + dots[_B2]
-        for u in range(self.width):
-            z_QK = x_QK * w1[u] + b1[u]
-            inner_QK = x_QK * w1_dot[u] + b1_dot[u] + w1[u] * x_dot_QK
-            out_QK = out_QK + w2_dot[u] * jax.nn.relu(z_QK)
-            out_QK = out_QK + jnp.where(z_QK > 0, w2[u] * inner_QK, 0.0)
-        return out_QK
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _fire_bias_jvp(
-    tile_fn: FireTile, row_P: jax.Array, q_x: jax.Array, k_x: jax.Array
-) -> jax.Array:
-    """:meth:`FireTile.value`, its tangent :meth:`FireTile.tangent`: Triton lowers the call
-    (a loop over units) and, where a kernel takes ``jax.vjp`` of its terms, the transpose
-    of the unrolled tangent (autodiff of the loop would stack each unit's residuals, a scan
-    neither Triton nor Mosaic lowers)."""
-    return tile_fn.value(row_P, TermTile(q_x, k_x, None, None))
-
-
-@_fire_bias_jvp.defjvp
-def _fire_bias_tangent(tile_fn: FireTile, primals: tuple, tangents: tuple) -> tuple:
-    row_P, q_x, k_x = primals
-    out_QK = _fire_bias_jvp(tile_fn, row_P, q_x, k_x)
-    return out_QK, tile_fn.tangent(row_P, tangents[0], TermTile(q_x, k_x, None, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

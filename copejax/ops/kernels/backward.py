@@ -38,6 +38,7 @@ from copejax.ops.kernels.operands import (
     query_spec,
     term_operands,
     term_refs,
+    zeros_after,
 )
 from copejax.ops.kernels.pullbacks import (
     pull_query_values,
@@ -188,23 +189,36 @@ def backward_calls(
     rows = plan.carry_rows
     carry_spec = pl.BlockSpec((None, None, rows, sq), lambda b, n, i: (b, n, 0, i))
     carry_shape = jax.ShapeDtypeStruct((batch, heads, rows, length_q), f32)
-    dq_body, extra_in = _dq_kernel, []
+    dq_body, extra_in, aliases = _dq_kernel, [], {}
     if plan.stick:
         dq_body = stick_dq_kernel
         out_specs += [carry_spec, carry_spec]
         out_shape += [carry_shape] * 2
-    if plan.cope is not None:  # the count and S entering each group, and D
+    if plan.cope is not None:  # the count and S entering each group, and D; the term's
+        # parameters' gradients per batch row and head, added to with atomics from zeros
+        # (tied to D, see zeros_after) aliased to them
         gate_k = [gate_k_BSGH] if plan.cope.gate_keys else []
-        dq_body, extra_in = cope_dq_kernel, [*cope, *gate_k]
+        zero = delta_BNT[0, 0, 0] * 0.0
+        zeros = [zeros_after(zero, (batch, *x.shape)) for x in cope]
+        dq_body, extra_in = cope_dq_kernel, [*cope, *gate_k, *zeros]
+        param_specs = [
+            pl.BlockSpec((None, None, *x.shape[1:]), lambda b, n, i: (b, n, 0, 0)) for x in cope
+        ]
         term_specs = [*term_specs, *per_head_specs(cope), *specs[1:2] * len(gate_k)]
+        first = len(specs) + len(term_specs)
+        term_specs += param_specs
         out_specs += [carry_spec] * 2 + [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i))]
         out_shape += [carry_shape] * 2 + [jax.ShapeDtypeStruct((batch, heads, length_q), f32)]
+        aliases = {first + i: len(out_specs) + i for i in range(len(cope))}
+        out_specs += param_specs
+        out_shape += [jax.ShapeDtypeStruct(x.shape, f32) for x in zeros]
     dq_BTNH, *dqv = pl.pallas_call(
         functools.partial(dq_body, plan=plan, has=has, num_term_refs=len(term_in)),
         grid=(batch, heads, plan.count_q),
         in_specs=specs + term_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=plan.interpret,
         compiler_params=compiler_params(dim),
         name="copejax_attention_dq",
@@ -213,6 +227,7 @@ def backward_calls(
     dqv = dqv[: len(q_terms)]
     d_cope, after = None, []
     if plan.cope is not None:  # the dk / dv kernel reads the counts, S and D
+        d_cope = {"params": tuple(jnp.sum(g, axis=0) for g in carries[3:]), "gate_k": None}
         carries, after = carries[:2], [carries[2]]
 
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
@@ -234,8 +249,7 @@ def backward_calls(
     carry_specs = [pl.BlockSpec((None, None, None, length_q), lambda b, n, j: (b, n, j, 0))]
     dkdv_body, grid_k = (stick_dkdv_kernel if plan.stick else _dkdv_kernel), plan.count_k
     extra_in, extra_specs = [], []
-    if plan.cope is not None:  # the gate keys' gradient per query head, like dk; then the
-        # term's parameters' gradients per carry group
+    if plan.cope is not None:  # the gate keys' gradient per query head, like dk
         dkdv_body, extra_in = cope_dkdv_kernel, [*cope]
         extra_specs = per_head_specs(cope)
         if plan.cope.gate_keys:
@@ -243,13 +257,6 @@ def backward_calls(
             extra_specs.append(specs[1])
             out_specs.append(out_specs[0])
             out_shape.append(out_shape[0])
-        out_specs += [
-            pl.BlockSpec((None, None, None, *x.shape[1:]), lambda b, n, j: (b, n, j, 0, 0))
-            for x in cope
-        ]
-        out_shape += [
-            jax.ShapeDtypeStruct((batch, heads, plan.carry_groups, *x.shape[1:]), f32) for x in cope
-        ]
     aliases, after_specs = {}, []
     if whole:  # the carries, updated in place: aliased to two more outputs
         grid_k = plan.carry_groups
@@ -283,10 +290,6 @@ def backward_calls(
     )
     if whole:  # the carries, spent
         rest = rest[:-2]
-    if plan.cope is not None:
-        count = len(cope)
-        d_cope = {"params": tuple(jnp.sum(g, axis=(0, 2)) for g in rest[len(rest) - count :])}
-        d_cope["gate_k"], rest = None, rest[: len(rest) - count]
     if plan.cope is not None and plan.cope.gate_keys:
         d_cope["gate_k"] = rest.pop()
     return dq_BTNH, dk_BSNH, dv_BSNW, term_gradients(terms, dqv, rest), d_cope

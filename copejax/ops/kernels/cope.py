@@ -8,7 +8,9 @@ suffix sum is a float32 prefix sum on a GPU (a matmul with a triangular ones mat
 MXU: :func:`copejax.ops.kernels.stick.tile_sum`), and the interpolation is
 a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value and
 derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
-gather. ``z`` for the tile (Q, P) is one more matmul per pair.
+gather. ``z`` (Q, P) reads only the queries (:func:`cope_table`): the GPU's forward and dq
+kernels take it once per query tile, before their walk; the dk / dv kernels and the TPU's
+(one program per pair) once per pair.
 
 The paper's other variants: gates from a second key-side operand, ``sigmoid(q_i . k'_j /
 sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s
@@ -16,16 +18,19 @@ sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s
 its gradient summed per key tile like dk), and the position terms "alibi" and "mlp" in place
 of the interpolation (:mod:`copejax.ops.kernels.cope_terms`).
 
-The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, the term's
-parameters, c, and the gate keys), the composition of the positions' stage
-(:func:`cope_positions_QK`) and the term's (:func:`cope_term_QK`); the kernels differentiate it
+The pair's scores and gate total are one function :func:`cope_scores_QK` of (q, k, the
+queries' table and the term's other parameters, c, and the gate keys), the composition of the
+positions' stage (:func:`cope_positions_QK`) and the term's (:func:`cope_table_term_QK`;
+:func:`cope_term_QK` with the table taken from q); the kernels differentiate it
 with ``jax.vjp``. The forward keeps no count: the backward kernels
 (:mod:`copejax.ops.kernels.cope_backward`) keep O(groups x T) floats per head, not one carry
 per key tile (the TPU kernels, :mod:`copejax.ops.kernels.tpu_cope`, the same bookkeeping with
 the carries of the head's queries in VMEM). Supported: every gate ("keys",
 "sep_keys", "values") and position term ("interpolate" with a table shared by the heads or one
 per head, "alibi", "mlp"), ``scale_position_term`` and ``force_unit_gates``. The term's
-parameters' gradients are summed per query tile in the dq kernel and added up outside. Shape
+parameters' gradients come from the dq kernels: on a GPU each sums the cotangent of its
+queries' table over its walk, pulls it back to q and the parameters once, and adds those to
+one float32 array per batch row and head with atomic adds; a TPU's sums them per head. Shape
 letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
 """
 
@@ -42,7 +47,9 @@ from copejax.ops.kernels.cope_terms import (
     CopeStatic,
     CopeTerm,
     gate_logits_QK,
-    position_term_QK,
+    split_params,
+    table_term_QK,
+    term_table_QR,
 )
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
@@ -64,24 +71,23 @@ def cope_scores_QK(
     static: CopeStatic,
     logits_QK: jax.Array,
     q_QH: jax.Array,
-    params: tuple,
+    term: tuple,
     *,
     c_Q: jax.Array,
     allowed_QK: jax.Array,
     gk_KH: jax.Array | None = None,
     backward: bool = False,
-    query_side: bool = False,
     scan: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
-    given its content logits, the term's parameters, the newer tiles' count ``c_Q``, (Q,) on
-    a GPU or (Q, 1) on a TPU (the total takes its shape), and the gate keys (None: the gates
-    read the content logits); float32. The kernels take the logits' cotangent through the
-    content matmul themselves, in the inputs' dtype; ``backward``: they differentiate it
-    (the gates among its inputs unless they are unit gates), ``query_side``: q and the
-    term's parameters too (the dq kernels); ``scan``: the within-tile count by prefix sums
+    given its content logits, the term's queries' table and other parameters (``term``,
+    :func:`cope_table`), the newer tiles' count ``c_Q``, (Q,) on a GPU or (Q, 1) on a TPU
+    (the total takes its shape), and the gate keys (None: the gates read the content
+    logits); float32. The kernels take the logits' cotangent through the content matmul
+    themselves, in the inputs' dtype; ``backward``: they differentiate it (the gates among
+    its inputs unless they are unit gates); ``scan``: the within-tile count by prefix sums
     (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`). The two stages
-    :func:`cope_positions_QK` and :func:`cope_term_QK`."""
+    :func:`cope_positions_QK` and :func:`cope_table_term_QK`."""
     p_QK, total_Q, _ = cope_positions_QK(
         static,
         logits_QK,
@@ -92,7 +98,7 @@ def cope_scores_QK(
         backward=backward,
         scan=scan,
     )
-    term_QK = cope_term_QK(static, q_QH, params, p_QK, backward=backward, query_side=query_side)
+    term_QK = cope_table_term_QK(static, *term, p_QK, q_QH.shape[-1], backward=backward)
     return logits_QK + term_QK, total_Q
 
 
@@ -132,19 +138,44 @@ def cope_term_QK(
     query_side: bool = False,
 ) -> jax.Array:
     """CoPE's position term of one pair at positions ``p_QK`` (scaled by 1 / sqrt(H) with
-    ``scale_position_term``), float32 (Q, K)."""
-    term_QK = position_term_QK(
+    ``scale_position_term``), float32 (Q, K); ``query_side``: q and the parameters are
+    differentiated."""
+    term = cope_table(static, q_QH, params, query_side=query_side)
+    return cope_table_term_QK(static, *term, p_QK, q_QH.shape[-1], backward=backward)
+
+
+def cope_table(
+    static: CopeStatic, q_QH: jax.Array, params: tuple, *, query_side: bool = False
+) -> tuple[jax.Array | None, tuple]:
+    """(the queries' table, the parameters besides its rows): the part of the term that reads
+    q (:func:`~copejax.ops.kernels.cope_terms.term_table_QR`; ``query_side``: q and the rows
+    differentiated), the same for every key tile of a query tile."""
+    rows, others = split_params(static.position_term, params)
+    return term_table_QR(static.position_term, q_QH, rows, query_side=query_side), others
+
+
+def cope_table_term_QK(
+    static: CopeStatic,
+    table_QR: jax.Array | None,
+    others: tuple,
+    p_QK: jax.Array,
+    dim: int,
+    *,
+    backward: bool = False,
+) -> jax.Array:
+    """:func:`cope_term_QK` from the queries' table and the other parameters
+    (:func:`~copejax.ops.kernels.cope_terms.split_params`); ``dim`` the head dim H."""
+    term_QK = table_term_QK(
         static.position_term,
-        q_QH,
-        params,
+        table_QR,
+        others,
         p_QK,
         units=static.mlp_units,
         input_scale=static.mlp_scale,
         backward=backward,
-        query_side=query_side,
     )
     if static.scale_term:
-        term_QK = term_QK / math.sqrt(q_QH.shape[-1])
+        term_QK = term_QK / math.sqrt(dim)
     return term_QK
 
 
@@ -152,26 +183,25 @@ def pair_scores(
     plan: Plan,
     logits_QK,
     q_QH,
-    params,
+    term,
     *,
     c_Q,
     allowed_QK,
     inputs,
     gk_KH=None,
     backward=False,
-    query_side=False,
 ) -> tuple:
-    """The pair's masked scores (CoPE's and the other terms') and gate total."""
+    """The pair's masked scores (CoPE's and the other terms') and gate total; ``term`` as
+    :func:`cope_scores_QK` takes it."""
     s_QK, total_Q = cope_scores_QK(
         plan.cope,
         logits_QK,
         q_QH,
-        params,
+        term,
         c_Q=c_Q,
         allowed_QK=allowed_QK,
         gk_KH=gk_KH,
         backward=backward,
-        query_side=query_side,
         scan=gpu_scan() and plan.backend == "triton",
     )
     if plan.biases:
@@ -194,7 +224,8 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
     q_QH, q_pos_Q, q_seg_Q = q_ref[...], qpos_ref[...], qseg_ref[...]
-    cope_params = tuple(r[...] for r in cope_p_refs)
+    # the term's queries' table, once for every key tile
+    term = cope_table(plan.cope, q_QH, tuple(r[...] for r in cope_p_refs))
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     first, end = plan.key_tiles(qi)
@@ -213,7 +244,7 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
                 plan,
                 logits_QK,
                 q_QH,
-                cope_params,
+                term,
                 c_Q=c_Q,
                 allowed_QK=allowed_QK,
                 inputs=inputs,

@@ -19,6 +19,14 @@ either per key tile costs O(T^2 / K) floats per head. Neither kernel does:
   stage (:func:`~copejax.ops.kernels.cope.cope_positions_QK`) and the term's
   (:func:`~copejax.ops.kernels.cope.cope_term_QK`); then ``X = D - S - d_c``.
 
+The position term's parameters are the dq kernel's: the term reads q only through the
+queries' table (``z = q e^T``, :func:`~copejax.ops.kernels.cope.cope_table`), which the dq
+kernel computes once before its walk; it sums the table's cotangent over the walk and
+pulls that back to dq and the parameters once, adding the parameters' gradients to a
+float32 (R, C) array per batch row and head with atomic adds (their order, and so the last
+bits of the sums, vary from run to run). Per pair that leaves the dq kernel four matmuls and
+the dk / dv kernel seven, with no (P, H) sum across its walk.
+
 O(groups x T) floats per head. Shape letters as in :mod:`copejax.ops.kernels.forward`.
 """
 
@@ -29,6 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from copejax.ops.kernels.cope import (
     cope_positions_QK,
@@ -36,7 +45,12 @@ from copejax.ops.kernels.cope import (
     cope_term_QK,
     pair_scores,
 )
-from copejax.ops.kernels.cope_terms import gate_logits_QK
+from copejax.ops.kernels.cope_terms import (
+    gate_logits_QK,
+    join_params,
+    split_params,
+    term_table_QR,
+)
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import (
     add_present,
@@ -44,6 +58,7 @@ from copejax.ops.kernels.pullbacks import (
     terms_vjp,
     write_key_tile_sums,
 )
+from copejax.ops.kernels.rows_matmul import rows_pullback
 from copejax.ops.kernels.tiles import (
     MASKED_LOGIT,
     Plan,
@@ -76,28 +91,37 @@ def gate_pull_QH(
 def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     """dq and the terms' per-query gradients of one query tile, key tiles newest first;
     writes the count and ``S`` entering each carry group and the rows' ``D`` (module
-    docstring)."""
+    docstring), and adds the position term's parameters' gradients to the (b, n) row of
+    float32 outputs with atomic adds: the cotangent of the queries' table, summed over the
+    walk, is pulled back to q and the rows once (:func:`~copejax.ops.kernels.cope_terms.
+    term_table_QR`)."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    cope_p_refs, gk_ref, (dq_ref, *rest) = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
-    dqv_refs, (c_out_ref, s_out_ref, total_ref) = rest[:-3], rest[-3:]
+    static = plan.cope
+    cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), static)
+    count = static.num_params
+    dq_ref, *outs = rest[count:]  # past the zeros aliased to the parameters' gradients
+    dqv_refs, (c_out_ref, s_out_ref, total_ref) = outs[: -3 - count], outs[-3 - count : -count]
+    dcope_refs = outs[-count:]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
     q_QH, do_QW, lse_Q, delta_Q = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
-    cope_params = tuple(r[...] for r in cope_p_refs)
+    kind, dim = static.position_term, q_QH.shape[-1]
+    rows_RH, others = split_params(kind, tuple(r[...] for r in cope_p_refs))
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
-    scale = 1.0 / math.sqrt(q_QH.shape[-1])
+    scale = 1.0 / math.sqrt(dim)
     first, end = plan.key_tiles(qi)
+    table_QR = term_table_QR(kind, q_QH, rows_RH)  # the queries': the same for every pair
 
     def pair(step: jax.Array, state: tuple) -> tuple:
         kj = end - 1 - step
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple) -> tuple:
-            dq_QH, dqv, c_Q, s_Q, sm_QH, last = state
+            dq_QH, dqv, c_Q, s_Q, sm_QH, table_sums, last = state
             row, group = plan.entry_row(kj, last)  # c and S entering the group
             c_out_ref[row, :] = c_Q[None, :]
             s_out_ref[row, :] = s_Q[None, :]
@@ -106,46 +130,57 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             k_values = [None if r is None else r[keys] for r in kv_refs]
             gk_KH = None if gk_ref is None else gk_ref[keys, :]
 
-            def scores(logits_QK, q_QH, c_Q, qv):
+            def scores(logits_QK, q_QH, c_Q, qv, term):
                 inputs = (params, qv, k_values, q_pos_Q, k_pos_K)
                 return pair_scores(
                     plan,
                     logits_QK,
                     q_QH,
-                    cope_params,
+                    term,
                     c_Q=c_Q,
                     allowed_QK=allowed_QK,
                     inputs=inputs,
                     gk_KH=gk_KH,
                     backward=True,
-                    query_side=True,
                 )
 
             logits_QK = content_logits_QK(q_QH, k_KH)
-            primals = (logits_QK, q_QH, c_Q, q_values)
+            primals = (logits_QK, q_QH, c_Q, q_values, (table_QR, others))
             (s_QK, total_Q), pull = jax.vjp(scores, *primals)
             _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
             # the gate total's cotangent X enters below, by SM (module docstring)
-            d_logits, d_q, d_c, d_qv = pull((ds_QK, jnp.zeros_like(total_Q)))
+            d_logits, d_q, d_c, d_qv, d_term = pull((ds_QK, jnp.zeros_like(total_Q)))
             d_logits = (d_logits * scale).astype(k_KH.dtype)
             d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
             d_q = d_q + d_c[:, None] * sm_QH
-            if not plan.cope.unit_gates:
+            if not static.unit_gates:
                 sm_QH = sm_QH + gate_pull_QH(logits_QK, q_QH, k_KH, gk_KH, allowed_QK)
             dqv = add_present(dqv, d_qv)
-            return dq_QH + d_q, dqv, c_Q + total_Q, s_Q + d_c, sm_QH, group
+            table_sums = jax.tree.map(jnp.add, table_sums, d_term)
+            return dq_QH + d_q, dqv, c_Q + total_Q, s_Q + d_c, sm_QH, table_sums, group
 
         live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
     zeros_QH = jnp.zeros(q_QH.shape, jnp.float32)
-    init = (zeros_QH, [zeros_Q for _ in dqv_refs], zeros_Q, zeros_Q, zeros_QH, jnp.int32(-1))
-    dq_QH, dqv, _, s_Q, _, _ = jax.lax.fori_loop(0, end - first, pair, init)
+    # the cotangents of the table and of the other parameters, summed over the walk
+    table_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (table_QR, others))
+    init = (zeros_QH, [zeros_Q for _ in dqv_refs], zeros_Q, zeros_Q, zeros_QH, table_sums)
+    dq_QH, dqv, _, s_Q, _, (d_table_QR, d_others), _ = jax.lax.fori_loop(
+        0, end - first, pair, (*init, jnp.int32(-1))
+    )
+    d_rows_RH = None
+    if d_table_QR is not None:
+        d_q_QH, d_rows_RH = rows_pullback(q_QH, rows_RH, d_table_QR)
+        dq_QH = dq_QH + d_q_QH
     dq_ref[...] = dq_QH.astype(dq_ref.dtype)
     total_ref[...] = s_Q
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value
+    grads = join_params(kind, d_rows_RH, d_others)
+    for ref, value in zip(dcope_refs, grads, strict=True):
+        pltriton.atomic_add(ref, (slice(None), slice(None)), value)
 
 
 def capped_weight(uncapped_QK: jax.Array, cap: float) -> jax.Array:
@@ -156,17 +191,16 @@ def capped_weight(uncapped_QK: jax.Array, cap: float) -> jax.Array:
 
 def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     """dk, dv, the gate keys' gradient, the terms' per-key gradients and parameters of one
-    carry group's key tiles, newest first, and the group's part of the position term's
-    parameters' gradients (module docstring): whole-row refs, the counts and S entering the
-    group as inputs aliased to the last two outputs, D an input."""
+    carry group's key tiles, newest first (module docstring; the position term's
+    parameters' gradients are the dq kernel's): whole-row refs, the counts and S entering
+    the group as inputs aliased to the last two outputs, D an input."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     cope_p_refs, gk_ref, rest = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
     _, _, total_ref, dk_ref, dv_ref, *grad_refs = rest
     c_ref, s_ref = grad_refs[-2:]  # read and written in place
-    count = plan.cope.num_params
-    grad_refs, dcope_refs = grad_refs[: -2 - count], grad_refs[-2 - count : -2]
+    grad_refs = grad_refs[:-2]
     dgk_ref = grad_refs.pop() if gk_ref is not None else None
     num_dkv = sum(h[2] for h in has)
     dkv_refs, dp_refs = grad_refs[:num_dkv], grad_refs[num_dkv:]
@@ -176,7 +210,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     scale = 1.0 / math.sqrt(k_ref.shape[-1])
     scan = gpu_scan()
 
-    def key_tile(step: jax.Array, d_cope: tuple, first: jax.Array, end: jax.Array) -> tuple:
+    def key_tile(step: jax.Array, first: jax.Array, end: jax.Array) -> None:
         program_barrier(plan.interpret)  # the previous key tile's carry stores, visible
         kj = end - 1 - step
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
@@ -191,7 +225,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             q_seg_Q = qseg_ref[queries]
 
             def compute(state: tuple) -> tuple:
-                (dk_KH, dv_KW, dkv, dparams), dgk_KH, d_cope = state
+                (dk_KH, dv_KW, dkv, dparams), dgk_KH = state
                 allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
                 q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
                 q_values = [None if r is None else r[queries] for r in qv_refs]
@@ -219,11 +253,10 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     else (None, None)
                 )
 
-                def scores(logits_QK, p_QK, cope_p, b_QK):
-                    # the term's parameters differentiated (on the tensor cores: query_side)
-                    term_QK = cope_term_QK(
-                        static, q_QH, cope_p, p_QK, backward=True, query_side=True
-                    )
+                def scores(logits_QK, p_QK, b_QK):
+                    # with unit gates p is no input: a custom vjp none of whose inputs is
+                    # differentiated lowers nowhere
+                    term_QK = cope_term_QK(static, q_QH, cope_params, p_QK, backward=not unit)
                     s_QK = logits_QK + term_QK
                     if b_QK is not None:
                         s_QK = s_QK + b_QK
@@ -238,14 +271,14 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 d_gk = None
                 if unit:  # constant positions: no d_c, no gates to pull back
                     s_QK, pull_scores = jax.vjp(
-                        lambda lg, cp, b: scores(lg, p_QK, cp, b), logits_QK, cope_params, bias_QK
+                        lambda lg, b: scores(lg, p_QK, b), logits_QK, bias_QK
                     )
                     probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-                    d_logits, d_cp, d_bias_QK = pull_scores(ds_QK)
+                    d_logits, d_bias_QK = pull_scores(ds_QK)
                 else:
-                    s_QK, pull_scores = jax.vjp(scores, logits_QK, p_QK, cope_params, bias_QK)
+                    s_QK, pull_scores = jax.vjp(scores, logits_QK, p_QK, bias_QK)
                     probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
-                    d_logits, d_pos_QK, d_cp, d_bias_QK = pull_scores(ds_QK)
+                    d_logits, d_pos_QK, d_bias_QK = pull_scores(ds_QK)
                     cap = static.p_max - 1.0
                     d_c_Q = jnp.sum(d_pos_QK * capped_weight(uncapped_QK, cap), axis=1)
                     s_Q = s_ref[queries]
@@ -262,24 +295,24 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     dkv, dparams = add_present(dkv, d_kv), add_present(dparams, d_p)
                 if d_gk is not None:
                     dgk_KH = dgk_KH + d_gk
-                d_cope = tuple(a + g for a, g in zip(d_cope, d_cp, strict=True))
-                return (dk_KH, dv_KW, dkv, dparams), dgk_KH, d_cope
+                return (dk_KH, dv_KW, dkv, dparams), dgk_KH
 
             live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             return jax.lax.cond(live, compute, lambda s: s, state)
 
         sum_refs = (dkv_refs, [r.at[0] for r in dp_refs])
         dgk_KH = None if gk_KH is None else jnp.zeros(gk_KH.shape, jnp.float32)
-        init = (key_tile_sums(plan, k_KH, v_KW, sum_refs), dgk_KH, d_cope)
+        init = (key_tile_sums(plan, k_KH, v_KW, sum_refs), dgk_KH)
         q_first_tile, q_end_tile = plan.query_tiles(kj)
-        sums, dgk_KH, d_cope = jax.lax.fori_loop(q_first_tile, q_end_tile, pair, init)
+        sums, dgk_KH = jax.lax.fori_loop(q_first_tile, q_end_tile, pair, init)
         write_key_tile_sums(sums, dk_ref, dv_ref, (dkv_refs, dp_refs), (keys, pl.ds(kj, 1)))
         if dgk_ref is not None:
             dgk_ref[keys, :] = dgk_KH.astype(dgk_ref.dtype)
-        return d_cope
 
     first, end = plan.group_tiles(pl.program_id(2))
-    zeros = tuple(jnp.zeros(x.shape, jnp.float32) for x in cope_params)
-    d_cope = jax.lax.fori_loop(0, end - first, lambda s, d: key_tile(s, d, first, end), zeros)
-    for ref, value in zip(dcope_refs, d_cope, strict=True):
-        ref[...] = value
+
+    def walk(step: jax.Array, carry: tuple) -> tuple:
+        key_tile(step, first, end)
+        return carry
+
+    jax.lax.fori_loop(0, end - first, walk, ())

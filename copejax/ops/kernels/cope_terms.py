@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from copejax.ops.kernels.padding import MIN_BLOCK, power_of_two
-from copejax.ops.kernels.tiles import dot_exact_f32, pieces_dot
+from copejax.ops.kernels.rows_matmul import rows_matmul
 
 POSITION_TERMS = ("interpolate", "alibi", "mlp")
 # Eigen's float erf: x * alpha(x^2) / beta(x^2) on [-4, 4], highest power first.
@@ -282,86 +282,64 @@ def _mlp_backward(units: int, input_scale: float, residuals: tuple, g_QK: jax.Ar
 mlp_units_vjp.defvjp(_mlp_forward, _mlp_backward)
 
 
-def _rows_matmul(q_QH: jax.Array, rows_RH: jax.Array, query_side: bool = False) -> jax.Array:
-    """q . rows^T in float32 (no TF32 for a position term): bfloat16 queries are exact in
-    bfloat16, so three bfloat16 matmuls of the rows' pieces on the tensor cores
-    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`); float32 queries at HIGHEST.
-    ``query_side``: q and the rows are differentiated (the dq kernel), by
-    :func:`rows_matmul_vjp`'s pull-back."""
-    if q_QH.dtype == jnp.bfloat16:
-        if query_side:
-            return rows_matmul_vjp(q_QH, rows_RH)
-        return dot_exact_f32(rows_RH, q_QH, (1, 1), exact_left=True)
-    return jax.lax.dot_general(
-        q_QH.astype(jnp.float32),
-        rows_RH,
-        (((1,), (1,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+def split_params(kind: str, params: tuple) -> tuple[jax.Array | None, tuple]:
+    """(the rows the queries multiply: e (P, H) or W_out (F, H), None for "alibi"; the
+    other parameters: (m_11,) for "alibi", (vec_2F,) for "mlp", () for "interpolate")."""
+    if kind == "alibi":
+        return None, tuple(params)
+    return params[0], tuple(params[1:])
 
 
-@jax.custom_vjp
-def rows_matmul_vjp(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
-    """bfloat16 q . rows^T with a pull-back on the tensor cores: d rows = ct^T q in three
-    bfloat16 matmuls (q exact), d q = ct rows in six (rows in two bfloat16 pieces, 16 bits:
-    d q ends in bfloat16); autodiff would run both as float32 FMA loops."""
-    return pieces_dot(rows_RH, q_QH, (1, 1), True)
+def join_params(kind: str, rows: Any, others: tuple) -> tuple:
+    """The parameters (or their gradients) in :func:`split_params`' order, joined again."""
+    return tuple(others) if kind == "alibi" else (rows, *others)
 
 
-def _rows_forward(q_QH: jax.Array, rows_RH: jax.Array) -> tuple:
-    return pieces_dot(rows_RH, q_QH, (1, 1), True), (q_QH, rows_RH)
+def term_table_QR(
+    kind: str, q_QH: jax.Array, rows_RH: jax.Array | None, *, query_side: bool = False
+) -> jax.Array | None:
+    """The term's per-query table, float32: ``z = q e^T`` (Q, P) for "interpolate", ``q
+    W_out^T`` (Q, F) for "mlp", None for "alibi". It is the only part of the term that reads
+    q, so a kernel whose queries stay put (the dq kernel) sums its cotangent over the walk
+    and pulls that back to q and the rows once (:func:`rows_pullback`)."""
+    if kind == "alibi":
+        return None
+    return rows_matmul(q_QH, rows_RH, query_side)
 
 
-def _rows_backward(saved: tuple, ct_QR: jax.Array) -> tuple[jax.Array, jax.Array]:
-    q_QH, rows_RH = saved
-    d_rows_RH = pieces_dot(ct_QR, q_QH, (0, 0), False)
-    hi_RH = rows_RH.astype(jnp.bfloat16)
-    mid_RH = (rows_RH - hi_RH.astype(jnp.float32)).astype(jnp.bfloat16)
-    d_q_QH = pieces_dot(ct_QR, hi_RH, (1, 0), False) + pieces_dot(ct_QR, mid_RH, (1, 0), False)
-    return d_q_QH.astype(q_QH.dtype), d_rows_RH
-
-
-rows_matmul_vjp.defvjp(_rows_forward, _rows_backward)
-
-
-def position_term_QK(
+def table_term_QK(
     kind: str,
-    q_QH: jax.Array,
-    params: tuple,
+    table_QR: jax.Array | None,
+    others: tuple,
     p_QK: jax.Array,
     *,
     units: int = 0,
     input_scale: float = 1.0,
     backward: bool = False,
-    query_side: bool = False,
 ) -> jax.Array:
     """The position term of one pair, float32 (Q, K), from the capped positions ``p_QK``.
 
     Args:
       kind: one of :data:`POSITION_TERMS`.
-      q_QH: the tile's queries.
-      params: the head's operands (see the module): (e_PH,), (m_11,) or (W_out_FH, vec_2F).
+      table_QR: the queries' table (:func:`term_table_QR`).
+      others: the parameters besides the rows (:func:`split_params`).
       p_QK: the pair's positions in [0, p_max - 1].
       units, input_scale: the MLP's hidden units and the scale of its input (1 / p_max).
       backward: the caller differentiates the term (the custom pull-backs of the
         interpolation and the MLP: one of their inputs must be differentiated).
-      query_side: the caller differentiates q and the parameters (the dq kernel).
     """
     if kind == "interpolate":
-        (e_PH,) = params
         interpolate = interpolate_vjp if backward else interpolate_QK
-        return interpolate(_rows_matmul(q_QH, e_PH, query_side), p_QK)
+        return interpolate(table_QR, p_QK)
     if kind == "alibi":
-        (m_11,) = params
+        (m_11,) = others
         return m_11 * p_QK
-    w_out_FH, vec_2F = params
-    qw_QF = _rows_matmul(q_QH, w_out_FH, query_side)
+    (vec_2F,) = others
     units_fn = mlp_units_vjp if backward else mlp_units_QK
-    return units_fn(qw_QF, p_QK, vec_2F, units, input_scale)
+    return units_fn(table_QR, p_QK, vec_2F, units, input_scale)
 
 
 def gate_logits_QK(q_QH: jax.Array, gk_KH: jax.Array) -> jax.Array:
     """sep-keys' and val-gates' gate logits ``q . k' / sqrt(H)``, float32 like the naive
     path's (``copejax.positions.cope``: both operands in float32)."""
-    return _rows_matmul(q_QH, gk_KH.astype(jnp.float32)) * (1.0 / math.sqrt(q_QH.shape[-1]))
+    return rows_matmul(q_QH, gk_KH.astype(jnp.float32)) * (1.0 / math.sqrt(q_QH.shape[-1]))

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope import (
     cope_positions_QK,
     cope_refs,
+    cope_table,
     cope_term_QK,
     pair_scores,
 )
@@ -95,13 +96,12 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 plan,
                 logits_QK,
                 q_QH,
-                cope_params,
+                cope_table(plan.cope, q_QH, cope_params, query_side=True),
                 c_Q=c_Q1,
                 allowed_QK=allowed_QK,
                 inputs=inputs,
                 gk_KH=gk_KH,
                 backward=True,
-                query_side=True,
             )
 
         logits_QK = content_logits_QK(q_QH, k_KH)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from copejax.ops.kernels.cope import cope_refs, pair_scores
+from copejax.ops.kernels.cope import cope_refs, cope_table, pair_scores
 from copejax.ops.kernels.operands import query_dims, term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
@@ -103,7 +103,7 @@ def _forward_kernel(
                 plan,
                 content_logits_QK(q_QH, k_KH),
                 q_QH,
-                read_refs(cope_p_refs),
+                cope_table(plan.cope, q_QH, read_refs(cope_p_refs)),
                 c_Q=c_acc[...],
                 allowed_QK=allowed_QK,
                 inputs=inputs,

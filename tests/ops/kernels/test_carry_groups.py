@@ -142,7 +142,7 @@ def test_model_on_one_carry_group_equals_naive(position: str) -> None:
 def test_backward_keeps_carries_per_group_not_per_key_tile(scheme: str) -> None:
     """The lowered backward holds the carries as (B, N, rows, T) with rows the groups plus a
     spare, padded to a power of two, not one row per key tile (five here, eight rows), and
-    CoPE's table gradient per group, not per query tile."""
+    CoPE's table gradient once per batch row and head."""
     x = _inputs(jnp.bfloat16)
     table = jnp.asarray(np.random.default_rng(3).normal(size=(8, x["q"].shape[-1])), jnp.float32)
     options = {"normalizer": "stickbreaking", "include_self": False}
@@ -165,5 +165,7 @@ def test_backward_keeps_carries_per_group_not_per_key_tile(scheme: str) -> None:
             text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
         assert f"tensor<{batch}x{heads}x{rows}x80xf32>" in text, groups
         assert groups == 5 or f"tensor<{batch}x{heads}x8x80xf32>" not in text, groups
-        if scheme == "cope":  # the (padded) table's gradient: one partial sum per group
-            assert re.search(rf"tensor<{batch}x{heads}x{groups}x\d+x{dim}xf32>", text), groups
+        if scheme == "cope":  # the (padded) table's gradient: one sum per batch row and head
+            # (the dq kernel's atomic adds), no partial sum per group or query tile
+            assert re.search(rf"tensor<{batch}x{heads}x\d+x{dim}xf32>", text), groups
+            assert not re.search(rf"tensor<{batch}x{heads}x\d+x\d+x{dim}xf32>", text), groups

@@ -9,8 +9,8 @@ MXU: :func:`copejax.ops.kernels.stick.tile_sum`), and the interpolation is
 a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value and
 derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
 gather. ``z`` (Q, P) reads only the queries (:func:`cope_table`): the GPU's forward and dq
-kernels take it once per query tile, before their walk; the dk / dv kernels and the TPU's
-(one program per pair) once per pair.
+kernels take it once per query tile, before their walk, and the TPU's dq kernel at a query
+tile's first step, into VMEM; the dk / dv kernels and the TPU's forward once per pair.
 
 The paper's other variants: gates from a second key-side operand, ``sigmoid(q_i . k'_j /
 sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s
@@ -28,9 +28,9 @@ per key tile (the TPU kernels, :mod:`copejax.ops.kernels.tpu_cope`, the same boo
 the carries of the head's queries in VMEM). Supported: every gate ("keys",
 "sep_keys", "values") and position term ("interpolate" with a table shared by the heads or one
 per head, "alibi", "mlp"), ``scale_position_term`` and ``force_unit_gates``. The term's
-parameters' gradients come from the dq kernels: on a GPU each sums the cotangent of its
-queries' table over its walk, pulls it back to q and the parameters once, and adds those to
-one float32 array per batch row and head with atomic adds; a TPU's sums them per head. Shape
+parameters' gradients come from the dq kernels: each sums the cotangent of its queries' table
+over its walk and pulls it back to q and the parameters once; on a GPU it adds those to one
+float32 array per batch row and head with atomic adds, on a TPU to one per head in VMEM. Shape
 letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
 """
 

@@ -235,6 +235,8 @@ def tpu_backward_calls(
             out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, *x.shape[1:]), f32))
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2 + [pltpu.VMEM((sq, dim), f32)]  # c, S, SM
         scratch += [pltpu.VMEM(x.shape[1:], f32) for x in cope]
+        if plan.cope.position_term != "alibi":  # the queries' table and its cotangent's sum
+            scratch += [pltpu.VMEM((sq, cope[0].shape[1]), f32)] * 2
     if relative is not None:  # rev, and the slab (B, X, H) aliased to zeros, in HBM
         dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
         slab = jnp.zeros((batch, *relative[1].shape), f32)

@@ -14,7 +14,11 @@ tile:
   pulls on their counts ``d_c`` and SM, the running sum of the gates' pull on dq
   (:func:`~copejax.ops.kernels.cope_backward.gate_pull_QH`) in scratch, and writes each
   row's total ``D``, and sums the position term's parameters' gradients over the head's
-  query tiles, walked in order (the query axis "arbitrary"), into one (P, H) per head;
+  query tiles, walked in order (the query axis "arbitrary"), into one (P, H) per head. The
+  queries' table ``z = q e^T`` (:func:`~copejax.ops.kernels.cope.cope_table`) is taken at a
+  query tile's first step into VMEM, with the sum of its cotangent over the walk beside it,
+  pulled back to dq and the parameters at the last step
+  (:func:`~copejax.ops.kernels.rows_matmul.rows_pullback`);
 - the dk / dv kernel (:mod:`copejax.ops.kernels.tpu_backward`, with :func:`cope_pair`) walks
   the key tiles newest first (both tile axes "arbitrary"), with c and S for every query of the
   head in VMEM, (count_q, Q) each, as stick-breaking's carries
@@ -22,9 +26,9 @@ tile:
   queries' rows in the order the dq kernel did, and sums the gate keys' gradient (sep-keys,
   val-gates) per key tile like dk.
 
-VMEM: 8 bytes per query of the head (256 KiB at T = 16384 with query tiles of 64: the 16 MiB
-of v4 / v5e hold about T = 800K). Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`;
-P the table rows.
+VMEM: two (Q, P) float32 tables per query tile, and 8 bytes per query of the head (256 KiB
+at T = 16384 with query tiles of 64: the 16 MiB of v4 / v5e hold about T = 800K). Shape
+letters as in :mod:`copejax.ops.kernels.tpu_forward`; P the table rows.
 """
 
 from __future__ import annotations
@@ -38,12 +42,13 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope import (
     cope_positions_QK,
     cope_refs,
-    cope_table,
     cope_term_QK,
     pair_scores,
 )
 from copejax.ops.kernels.cope_backward import capped_weight, gate_pull_QH
+from copejax.ops.kernels.cope_terms import split_params, term_table_QR
 from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.rows_matmul import rows_pullback
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, softmax_ds
 from copejax.ops.kernels.tpu_params import NT, key_step, read_refs, read_terms, step_live
@@ -63,17 +68,24 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
     cope_p_refs, gk_ref, outs = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
     num_q, count = sum(h[1] for h in has), plan.cope.num_params
+    kind = plan.cope.position_term
+    tables = 0 if kind == "alibi" else 2  # the queries' table and its cotangent's sum
     dq_ref, dqv_refs, total_out = outs[0], outs[1 : 1 + num_q], outs[1 + num_q]
     dp_outs = outs[2 + num_q : 2 + num_q + count]
+    outs, table_refs = outs[: len(outs) - tables], outs[len(outs) - tables :]
     dq_acc, *dqv_accs, c_acc, s_acc, sm_acc = outs[2 + num_q + count : len(outs) - count]
     dp_accs = outs[len(outs) - count :]
+    rows_acc, others_accs = split_params(kind, tuple(dp_accs))
+    rows_ref, others = split_params(kind, tuple(cope_p_refs))
     qi, step = pl.program_id(2), pl.program_id(3)
     kj = key_step(plan, step, newest_first=True)
 
     @pl.when(step == 0)
     def _init() -> None:
-        for acc in (dq_acc, *dqv_accs, c_acc, s_acc, sm_acc):
+        for acc in (dq_acc, *dqv_accs, c_acc, s_acc, sm_acc, *table_refs[1:]):
             acc[...] = jnp.zeros(acc.shape, F32)
+        if table_refs:  # the term reads q only through it: once per query tile
+            table_refs[0][...] = term_table_QR(kind, q_ref[...], rows_ref[...])
 
     @pl.when((qi == 0) & (step == 0))  # the parameters' sums run over the head's query tiles
     def _init_params() -> None:
@@ -90,13 +102,13 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         q_QH, k_KH, v_KW = q_ref[...], k_ref[...], v_ref[...]
         gk_KH = None if gk_ref is None else gk_ref[...]
 
-        def scores(logits_QK, q_QH, cope_params, c_Q1, qv):
+        def scores(logits_QK, q_QH, term, c_Q1, qv):
             inputs = (params, qv, k_values, q_pos, k_pos)
             return pair_scores(
                 plan,
                 logits_QK,
                 q_QH,
-                cope_table(plan.cope, q_QH, cope_params, query_side=True),
+                term,
                 c_Q=c_Q1,
                 allowed_QK=allowed_QK,
                 inputs=inputs,
@@ -105,19 +117,22 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             )
 
         logits_QK = content_logits_QK(q_QH, k_KH)
-        primals = (logits_QK, q_QH, read_refs(cope_p_refs), c_acc[...], q_values)
+        term = (table_refs[0][...] if table_refs else None, read_refs(others))
+        primals = (logits_QK, q_QH, term, c_acc[...], q_values)
         (s_QK, total_Q1), pull = jax.vjp(scores, *primals)
         dp_QK = jax.lax.dot_general(do_ref[...], v_KW, NT, preferred_element_type=F32)
         _, ds_QK = softmax_ds(s_QK, allowed_QK, load_row(lse_ref), dp_QK, load_row(delta_ref))
         # the gate total's cotangent X enters by SM (cope_backward's docstring)
-        d_logits, d_q, d_params, d_c, d_qv = pull((ds_QK, jnp.zeros_like(total_Q1)))
+        d_logits, d_q, (d_table, d_others), d_c, d_qv = pull((ds_QK, jnp.zeros_like(total_Q1)))
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         d_logits = (d_logits * scale).astype(k_KH.dtype)
         d_q = d_q.astype(F32) + jax.lax.dot(d_logits, k_KH, preferred_element_type=F32)
         dq_acc[...] += d_q + d_c * sm_acc[...]
         if not plan.cope.unit_gates:
             sm_acc[...] += gate_pull_QH(logits_QK, q_QH, k_KH, gk_KH, allowed_QK)
-        for acc, g in zip(dp_accs, d_params, strict=True):
+        if table_refs:
+            table_refs[1][...] += d_table
+        for acc, g in zip(others_accs, d_others, strict=True):
             acc[...] += g
         for acc, g in zip(dqv_accs, [g for g in d_qv if g is not None], strict=True):
             acc[...] += g
@@ -126,6 +141,10 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish() -> None:
+        if table_refs:  # the table's cotangent, summed over the walk, pulled back once
+            d_q, d_rows = rows_pullback(q_ref[...], rows_ref[...], table_refs[1][...])
+            dq_acc[...] += d_q
+            rows_acc[...] += d_rows
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
             store_row(ref, acc[...])

@@ -8,9 +8,9 @@ suffix sum is a float32 prefix sum on a GPU (a matmul with a triangular ones mat
 MXU: :func:`copejax.ops.kernels.stick.tile_sum`), and the interpolation is
 a sum over the P table rows of ``z_i[r] max(0, 1 - |p_ij - r|)``, the same value and
 derivative as :func:`copejax.ops.interpolate.interpolate_last_axis` (0 at integer p), with no
-gather. ``z`` (Q, P) reads only the queries (:func:`cope_table`): the GPU's forward and dq
-kernels take it once per query tile, before their walk, and the TPU's dq kernel at a query
-tile's first step, into VMEM; the dk / dv kernels and the TPU's forward once per pair.
+gather. ``z`` (Q, P) reads only the queries (:func:`cope_table`): the forward and dq kernels
+take it once per query tile (on a GPU before their walk, on a TPU at the query tile's first
+step, into VMEM); the dk / dv kernels once per pair.
 
 The paper's other variants: gates from a second key-side operand, ``sigmoid(q_i . k'_j /
 sqrt(H))`` with sep-keys' ``k' = W x`` or val-gates' ``v`` (:class:`CopeTerm`'s

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from copejax.ops.kernels.cope import cope_refs, cope_table, pair_scores
+from copejax.ops.kernels.cope import cope_refs, pair_scores
+from copejax.ops.kernels.cope_terms import split_params, term_table_QR
 from copejax.ops.kernels.operands import query_dims, term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
@@ -67,7 +68,8 @@ def _forward_kernel(
     """One grid step of the softmax forward; with CoPE (``plan.cope``) the key tiles are
     walked newest first, the count of the newer tiles' gates is carried in scratch (and not
     kept: the backward replays it, :mod:`copejax.ops.kernels.tpu_cope`), and the scores are
-    CoPE's (:func:`copejax.ops.kernels.cope.pair_scores`); with Shaw's term (``relative``) the
+    CoPE's (:func:`copejax.ops.kernels.cope.pair_scores`, the queries' table taken at the
+    first step into scratch); with Shaw's term (``relative``) the
     scores add it (:mod:`copejax.ops.kernels.tpu_relative`: ``rev`` after the terms, its
     band and semaphore last in the scratch)."""
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
@@ -79,8 +81,10 @@ def _forward_kernel(
         rest = rest[1:-2]
     cope = plan.cope is not None
     cope_p_refs, gk_ref, rest = cope_refs(rest, plan.cope) if cope else ([], None, rest)
-    o_ref, lse_ref, max_ref, sum_ref, acc_ref, *c_acc = rest
-    c_acc = c_acc[0] if cope else None
+    o_ref, lse_ref, max_ref, sum_ref, acc_ref, *cope_scratch = rest
+    c_acc, table_ref = [*cope_scratch, None, None][:2]  # the count; the queries' table
+    if cope:
+        rows_ref, others = split_params(plan.cope.position_term, tuple(cope_p_refs))
     qi, step = pl.program_id(2), pl.program_id(3)
     kj = key_step(plan, step, newest_first=cope)
 
@@ -89,6 +93,8 @@ def _forward_kernel(
         init_softmax((max_ref, sum_ref, acc_ref))
         if cope:
             c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
+        if table_ref is not None:  # the term reads q only through it: once per query tile
+            table_ref[...] = term_table_QR(plan.cope.position_term, q_ref[...], rows_ref[...])
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -103,7 +109,7 @@ def _forward_kernel(
                 plan,
                 content_logits_QK(q_QH, k_KH),
                 q_QH,
-                cope_table(plan.cope, q_QH, read_refs(cope_p_refs)),
+                (None if table_ref is None else table_ref[...], read_refs(others)),
                 c_Q=c_acc[...],
                 allowed_QK=allowed_QK,
                 inputs=inputs,
@@ -187,6 +193,8 @@ def tpu_forward_call(
             extra.append(by_query_heads(gate_k_BSGH))
             term_specs.append(specs[1])
         scratch.append(column)
+        if plan.cope.position_term != "alibi":  # the queries' table
+            scratch.append(pltpu.VMEM((sq, cope[0].shape[1]), jnp.float32))
     if relative is not None:  # rev in HBM after the terms; its band and semaphore
         extra, term_specs = [relative[1]], [*term_specs, ANY]
         scratch += relative_scratch(relative[0], dim, slab=False)

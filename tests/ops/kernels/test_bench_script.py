@@ -152,6 +152,16 @@ def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> No
     # a position-only bias, takes the engine from 512 keys on.
     first = {label for label, _, _ in groups[0][2]}
     assert {"fox kernel", "fox blockwise", "alibi dot_product_attention"} <= first
+    # The CLI's own layer (T = 2048, GPT-2 small's heads), so that auto can take a kernel at
+    # the CLI's length: after the CLI arms and the lever, its schemes' kernels beside their
+    # rules' paths.
+    at = [i for i, (_, what) in enumerate(tasks) if what[:2] == bench_kernels_gpu.CLI_LAYER]
+    assert len(at) == 1 and at[0] > max(i for i, (kind, _) in enumerate(tasks) if kind == "cli")
+    lever = [i for i, (_, what) in enumerate(tasks) if "fox blockwise 512" in str(what)]
+    assert lever == [at[0] - 1]
+    labels = {label for label, _, _ in tasks[at[0]][1][2]}
+    assert {"dpa", "fox kernel", "stickbreaking kernel", "cope kernel"} <= labels
+    assert {"cope blockwise", "fox blockwise", "stickbreaking blockwise"} <= labels
 
 
 def test_a_layer_group_past_its_time_costs_its_own_rows_only() -> None:

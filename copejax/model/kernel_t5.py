@@ -8,7 +8,10 @@ bucket is monotone in ``d = j - i`` (within each sign, bidirectional), so if the
 smallest and largest distance, ``min k - max q`` and ``max k - min q``, share a bucket, every
 pair between does (with both signs in the range the two buckets differ). Those tiles then
 compute no bucket at all (on an H100, the (Q, K) min and max that found them before took
-~400 shuffles per tile) and read the row once. Shape letters: Q / K the tile's queries / keys.
+~400 shuffles per tile) and read the row once. The other tiles loop over the buckets between
+the two (from 0 where a bidirectional tile holds both signs) instead of all of them: near the
+diagonal of a causal sequence with 64-key tiles, 27, 31 and 6 of the default 32. Shape
+letters: Q / K the tile's queries / keys.
 """
 
 from __future__ import annotations
@@ -50,14 +53,20 @@ class T5Tile:
         return self.bucket(k_1K - q_Q1)
 
     def bounds(self, q_x: jax.Array, k_x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The buckets of the tile's extreme distances, (low, high): equal only when every
-        pair of the tile reads that bucket. Computed on (1, 1) arrays, not scalars (Mosaic
+        """(low, high): every pair of the tile reads a bucket in [low, high], and they are
+        equal only when every pair reads that bucket. The buckets of the tile's extreme
+        distances, except that bidirectional buckets of distances of both signs start at
+        bucket(0) = 0 (the negative side's). Computed on (1, 1) arrays, not scalars (Mosaic
         lowers vector maths)."""
         q_low, q_high = jnp.min(q_x, keepdims=True), jnp.max(q_x, keepdims=True)
         k_low, k_high = jnp.min(k_x, keepdims=True), jnp.max(k_x, keepdims=True)
-        first = self.bucket(k_low.reshape(1, 1) - q_high.reshape(1, 1))
-        last = self.bucket(k_high.reshape(1, 1) - q_low.reshape(1, 1))
-        return jnp.min(jnp.minimum(first, last)), jnp.max(jnp.maximum(first, last))
+        nearest = k_low.reshape(1, 1) - q_high.reshape(1, 1)
+        farthest = k_high.reshape(1, 1) - q_low.reshape(1, 1)
+        first, last = self.bucket(nearest), self.bucket(farthest)
+        low = jnp.minimum(first, last)
+        if self.bidirectional:
+            low = jnp.where((nearest < 0) & (farthest > 0), 0.0, low)
+        return jnp.min(low), jnp.max(jnp.maximum(first, last))
 
     @staticmethod
     def positions(tile: TermTile) -> tuple[jax.Array, jax.Array]:

@@ -117,12 +117,12 @@ def tile_shape(tile: TermTile) -> tuple[int, int]:
 
 
 def table_lookup(index_QK: jax.Array, table_P: jax.Array) -> jax.Array:
-    """``table_P[index_QK]`` as a one-hot sum over the P rows (a static loop of compares and
-    selects), which every Pallas backend lowers, unlike a gather; its derivative sums the
-    cotangent of the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: P
-    elementwise passes over the tile, so meant for small tables; a tile whose pairs all read
-    one row reads that row once (:func:`indexed_lookup`, whose bounds here are the index's
-    min and max over the tile)."""
+    """``table_P[index_QK]`` as a one-hot sum over the rows (a loop of compares and selects),
+    which every Pallas backend lowers, unlike a gather; its derivative sums the cotangent of
+    the pairs of each row, ``d table[p] = sum_{index = p} g``. Cost: an elementwise pass over
+    the tile per row between the index's min and max over the tile, so meant for small
+    tables; a tile whose pairs all read one row reads that row once
+    (:func:`indexed_lookup`)."""
     # float indices (small integers): an integer input would get a float0 tangent, which
     # no Pallas backend lowers; and Mosaic reduces floats
     return indexed_lookup(_given, _min_max, (index_QK.astype(jnp.float32),), table_P)
@@ -138,9 +138,10 @@ def _min_max(index_QK: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 # (float arrays of the tile) -> the (Q, K) float row index of each pair.
 IndexFn = Callable[..., jax.Array]
-# (the same arrays) -> float scalars (low, high) bounding the tile's indices: equal when
-# every pair reads row low. Cheap bounds (T5's from the positions' extremes,
-# copejax.model.kernel_t5) skip the index on such tiles altogether.
+# (the same arrays) -> float scalars (low, high): every pair's index lies in [low, high], and
+# they are equal when every pair reads row low. Cheap bounds (T5's from the positions'
+# extremes, copejax.model.kernel_t5) skip the index on such tiles altogether; the other tiles
+# loop over the rows between them only.
 BoundsFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -160,10 +161,21 @@ def indexed_lookup(
     # reads them, with the iota made out here (no new constant array in a branch)
     value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
 
-    def every_row() -> jax.Array:
-        return _every_row(index_fn(*inputs), param_scalars(table_P, rows_P))
+    def rows_between() -> jax.Array:
+        index_QK = index_fn(*inputs)
 
-    return jax.lax.cond(low == high, lambda: _tile_zeros(inputs) + value, every_row)
+        def row(r: jax.Array, out_QK: jax.Array) -> jax.Array:
+            value = jnp.sum(jnp.where(rows_P == r, table_P, 0.0))
+            return out_QK + jnp.where(index_QK == r.astype(jnp.float32), value, 0.0)
+
+        return jax.lax.fori_loop(*_row_range(low, high), row, index_QK * 0.0)
+
+    return jax.lax.cond(low == high, lambda: _tile_zeros(inputs) + value, rows_between)
+
+
+def _row_range(low: jax.Array, high: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[first, end) of the rows a tile reads, from its float bounds."""
+    return low.astype(jnp.int32), high.astype(jnp.int32) + 1
 
 
 def _tile_zeros(inputs: tuple) -> jax.Array:
@@ -210,14 +222,16 @@ def indexed_lookup_pull(
     rows_P = rows_P.astype(jnp.float32)
     total = jnp.sum(g_QK)
 
-    def every_row() -> jax.Array:
+    def rows_between() -> jax.Array:
         index_QK = index_fn(*inputs)
-        d_P = table_P * 0.0
-        for p in range(table_P.shape[-1]):
-            d_P = d_P + jnp.where(rows_P == p, jnp.sum(jnp.where(index_QK == p, g_QK, 0.0)), 0.0)
-        return d_P
 
-    return jax.lax.cond(low == high, lambda: jnp.where(rows_P == low, total, 0.0), every_row)
+        def row(r: jax.Array, d_P: jax.Array) -> jax.Array:
+            row_sum = jnp.sum(jnp.where(index_QK == r.astype(jnp.float32), g_QK, 0.0))
+            return d_P + jnp.where(rows_P == r.astype(jnp.float32), row_sum, 0.0)
+
+        return jax.lax.fori_loop(*_row_range(low, high), row, table_P * 0.0)
+
+    return jax.lax.cond(low == high, lambda: jnp.where(rows_P == low, total, 0.0), rows_between)
 
 
 def pulled_by_hand(bias: TileBias) -> bool:

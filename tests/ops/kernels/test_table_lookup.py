@@ -54,8 +54,9 @@ def test_t5_tile_pulls_its_table_as_autodiff_does() -> None:
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_t5_tile_equals_the_table_read_at_every_pairs_bucket(bidirectional: bool) -> None:
     """The one-bucket test reads only the positions' extremes: it must take the one-row path
-    exactly where every pair shares a bucket, whatever the positions (packed documents
-    restart them; keys after the queries; both signs of j - i bidirectionally)."""
+    exactly where every pair shares a bucket, and bound every pair's bucket elsewhere (the
+    rows the lookup loops over), whatever the positions (packed documents restart them;
+    keys after the queries; both signs of j - i bidirectionally)."""
     tile_fn = T5Tile(bidirectional=bidirectional, buckets=8, max_distance=16)
     rng = np.random.default_rng(3)
     table = jnp.asarray(rng.normal(size=8), jnp.float32)
@@ -75,3 +76,5 @@ def test_t5_tile_equals_the_table_read_at_every_pairs_bucket(bidirectional: bool
         np.testing.assert_allclose(pulled, want, rtol=1e-5, atol=1e-5)
         low, high = tile_fn.bounds(*tile_fn.positions(tile))
         assert (low == high) == (bucket_QK.min() == bucket_QK.max())
+        # the rows the other tiles loop over: every pair's bucket among them
+        assert low <= bucket_QK.min() and bucket_QK.max() <= high, (q[0], k[0])

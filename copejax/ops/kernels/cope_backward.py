@@ -93,8 +93,8 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     writes the count and ``S`` entering each carry group and the rows' ``D`` (module
     docstring), and adds the position term's parameters' gradients to the (b, n) row of
     float32 outputs with atomic adds: the cotangent of the queries' table, summed over the
-    walk, is pulled back to q and the rows once (:func:`~copejax.ops.kernels.cope_terms.
-    term_table_QR`)."""
+    walk, is pulled back to q and the rows once
+    (:func:`~copejax.ops.kernels.rows_matmul.rows_pullback`)."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)

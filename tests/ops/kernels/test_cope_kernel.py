@@ -108,3 +108,56 @@ def test_lowers_to_triton() -> None:
     text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text
+
+
+def _kernel_jaxprs(jaxpr: jax.extend.core.Jaxpr) -> dict:
+    """Each pallas_call's kernel jaxpr by its name, sub-jaxprs searched too."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            params = eqn.params
+            name = getattr(params.get("name_and_src_info"), "name", None) or params.get("name")
+            found[name] = params["jaxpr"]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found.update(_kernel_jaxprs(sub))
+    return found
+
+
+def _matmuls(jaxpr: jax.extend.core.Jaxpr, in_walk: bool = False) -> tuple[int, int]:
+    """(dot_generals outside any loop, inside one): a kernel's once-per-program matmuls and
+    its walk's per-pair ones."""
+    once = per_pair = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            once, per_pair = (once, per_pair + 1) if in_walk else (once + 1, per_pair)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            a, b = _matmuls(sub, in_walk or eqn.primitive.name in ("while", "scan"))
+            once, per_pair = once + a, per_pair + b
+    return once, per_pair
+
+
+def test_the_queries_table_is_taken_once_per_query_tile_on_a_gpu() -> None:
+    """Per tile pair, CoPE adds no matmul to the GPU forward's walk and one (the gates' pull)
+    to the dq kernel's: both take the table ``q e^T`` once (three bfloat16 pieces), and the dq
+    kernel pulls its cotangent back once (nine). The dk / dv kernel adds the table's three
+    per pair (its query tile changes) and no pull-back (the parameters are the dq kernel's).
+    Counted in the kernels' jaxprs, against the nope kernels'."""
+    x = _with_table(_inputs(jnp.bfloat16))
+
+    def counts(**options) -> dict:
+        def loss(x):
+            y = on_layout(x, block_q=16, block_k=16, interpret=False, **options)
+            return jnp.sum(y.astype(jnp.float32))
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(x).jaxpr
+        return {name: _matmuls(kernel) for name, kernel in _kernel_jaxprs(jaxpr).items()}
+
+    nope = counts(backend="triton")
+    cope = counts(backend="triton", cope=CopeTerm(x["table"], CopeStatic(P_MAX)))
+    assert set(cope) == {f"copejax_attention_{k}" for k in ("forward", "dq", "dkdv")}
+    added = {name: (cope[name][0], cope[name][1] - nope[name][1]) for name in cope}
+    assert added == {
+        "copejax_attention_forward": (3, 0),
+        "copejax_attention_dq": (12, 1),
+        "copejax_attention_dkdv": (0, 3),
+    }

@@ -135,23 +135,21 @@ def cope_term_QK(
     p_QK: jax.Array,
     *,
     backward: bool = False,
-    query_side: bool = False,
 ) -> jax.Array:
     """CoPE's position term of one pair at positions ``p_QK`` (scaled by 1 / sqrt(H) with
-    ``scale_position_term``), float32 (Q, K); ``query_side``: q and the parameters are
-    differentiated."""
-    term = cope_table(static, q_QH, params, query_side=query_side)
+    ``scale_position_term``), float32 (Q, K)."""
+    term = cope_table(static, q_QH, params)
     return cope_table_term_QK(static, *term, p_QK, q_QH.shape[-1], backward=backward)
 
 
 def cope_table(
-    static: CopeStatic, q_QH: jax.Array, params: tuple, *, query_side: bool = False
+    static: CopeStatic, q_QH: jax.Array, params: tuple
 ) -> tuple[jax.Array | None, tuple]:
     """(the queries' table, the parameters besides its rows): the part of the term that reads
-    q (:func:`~copejax.ops.kernels.cope_terms.term_table_QR`; ``query_side``: q and the rows
-    differentiated), the same for every key tile of a query tile."""
+    q (:func:`~copejax.ops.kernels.cope_terms.term_table_QR`), the same for every key tile of
+    a query tile."""
     rows, others = split_params(static.position_term, params)
-    return term_table_QR(static.position_term, q_QH, rows, query_side=query_side), others
+    return term_table_QR(static.position_term, q_QH, rows), others
 
 
 def cope_table_term_QK(

@@ -295,16 +295,14 @@ def join_params(kind: str, rows: Any, others: tuple) -> tuple:
     return tuple(others) if kind == "alibi" else (rows, *others)
 
 
-def term_table_QR(
-    kind: str, q_QH: jax.Array, rows_RH: jax.Array | None, *, query_side: bool = False
-) -> jax.Array | None:
+def term_table_QR(kind: str, q_QH: jax.Array, rows_RH: jax.Array | None) -> jax.Array | None:
     """The term's per-query table, float32: ``z = q e^T`` (Q, P) for "interpolate", ``q
     W_out^T`` (Q, F) for "mlp", None for "alibi". It is the only part of the term that reads
     q, so a kernel whose queries stay put (the dq kernel) sums its cotangent over the walk
     and pulls that back to q and the rows once (:func:`rows_pullback`)."""
     if kind == "alibi":
         return None
-    return rows_matmul(q_QH, rows_RH, query_side)
+    return rows_matmul(q_QH, rows_RH)
 
 
 def table_term_QK(

@@ -12,15 +12,13 @@ import jax.numpy as jnp
 from copejax.ops.kernels.tiles import dot_exact_f32, pieces_dot
 
 
-def rows_matmul(q_QH: jax.Array, rows_RH: jax.Array, query_side: bool = False) -> jax.Array:
+def rows_matmul(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
     """q . rows^T in float32 (no TF32 for a position term): bfloat16 queries are exact in
     bfloat16, so three bfloat16 matmuls of the rows' pieces on the tensor cores
-    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`); float32 queries at HIGHEST.
-    ``query_side``: q and the rows are differentiated (the dq kernel), by
-    :func:`rows_matmul_vjp`'s pull-back."""
+    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`); float32 queries at HIGHEST. A kernel
+    whose queries stay put takes it once and pulls its summed cotangent back by
+    :func:`rows_pullback`."""
     if q_QH.dtype == jnp.bfloat16:
-        if query_side:
-            return rows_matmul_vjp(q_QH, rows_RH)
         return dot_exact_f32(rows_RH, q_QH, (1, 1), exact_left=True)
     return jax.lax.dot_general(
         q_QH.astype(jnp.float32),
@@ -31,33 +29,13 @@ def rows_matmul(q_QH: jax.Array, rows_RH: jax.Array, query_side: bool = False) -
     )
 
 
-@jax.custom_vjp
-def rows_matmul_vjp(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
-    """bfloat16 q . rows^T with a pull-back on the tensor cores: d rows = ct^T q in three
-    bfloat16 matmuls (q exact), d q = ct rows in six (rows in two bfloat16 pieces, 16 bits:
-    d q ends in bfloat16); autodiff would run both as float32 FMA loops."""
-    return pieces_dot(rows_RH, q_QH, (1, 1), True)
-
-
-def _rows_forward(q_QH: jax.Array, rows_RH: jax.Array) -> tuple:
-    return pieces_dot(rows_RH, q_QH, (1, 1), True), (q_QH, rows_RH)
-
-
-def _rows_backward(saved: tuple, ct_QR: jax.Array) -> tuple[jax.Array, jax.Array]:
-    q_QH, rows_RH = saved
-    d_q_QH, d_rows_RH = rows_pullback(q_QH, rows_RH, ct_QR)
-    return d_q_QH.astype(q_QH.dtype), d_rows_RH
-
-
-rows_matmul_vjp.defvjp(_rows_forward, _rows_backward)
-
-
 def rows_pullback(
     q_QH: jax.Array, rows_RH: jax.Array, ct_QR: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The pull-back of ``q . rows^T`` (:func:`rows_matmul`) of a float32 cotangent, both
     float32: (d q, d rows). bfloat16 q: ``ct^T q`` in three bfloat16 matmuls (q exact) and
-    ``ct rows`` in six (rows in two bfloat16 pieces, 16 bits); float32 q at HIGHEST."""
+    ``ct rows`` in six (rows in two bfloat16 pieces, 16 bits), on the tensor cores where
+    autodiff would run float32 FMA loops; float32 q at HIGHEST."""
     if q_QH.dtype != jnp.bfloat16:
         _, pull = jax.vjp(rows_matmul, q_QH.astype(jnp.float32), rows_RH)
         return pull(ct_QR)

@@ -299,7 +299,8 @@ def term_table_QR(kind: str, q_QH: jax.Array, rows_RH: jax.Array | None) -> jax.
     """The term's per-query table, float32: ``z = q e^T`` (Q, P) for "interpolate", ``q
     W_out^T`` (Q, F) for "mlp", None for "alibi". It is the only part of the term that reads
     q, so a kernel whose queries stay put (the dq kernel) sums its cotangent over the walk
-    and pulls that back to q and the rows once (:func:`rows_pullback`)."""
+    and pulls that back to q and the rows once
+    (:func:`~copejax.ops.kernels.rows_matmul.rows_pullback`)."""
     if kind == "alibi":
         return None
     return rows_matmul(q_QH, rows_RH)

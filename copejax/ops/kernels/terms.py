@@ -157,8 +157,8 @@ def indexed_lookup(
     hand, :func:`indexed_lookup_pull`)."""
     low, high = bounds_fn(*inputs)
     rows_P = jax.lax.broadcasted_iota(jnp.int32, table_P.shape, table_P.ndim - 1)
-    # the row's value before the branch; the table's P entries (P sums) in the branch that
-    # reads them, with the iota made out here (no new constant array in a branch)
+    # the row's value before the branch; in the other branch one masked sum of the table per
+    # row the loop reads, with the iota made out here (no new constant array in a branch)
     value = jnp.sum(jnp.where(rows_P.astype(jnp.float32) == low, table_P, 0.0))
 
     def rows_between() -> jax.Array:

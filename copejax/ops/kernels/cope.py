@@ -149,7 +149,7 @@ def cope_table(
     q (:func:`~copejax.ops.kernels.cope_terms.term_table_QR`), the same for every key tile of
     a query tile."""
     rows, others = split_params(static.position_term, params)
-    return term_table_QR(static.position_term, q_QH, rows), others
+    return term_table_QR(q_QH, rows), others
 
 
 def cope_table_term_QK(

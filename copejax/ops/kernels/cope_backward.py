@@ -114,7 +114,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(dim)
     first, end = plan.key_tiles(qi)
-    table_QR = term_table_QR(kind, q_QH, rows_RH)  # the queries': the same for every pair
+    table_QR = term_table_QR(q_QH, rows_RH)  # the queries': the same for every pair
 
     def pair(step: jax.Array, state: tuple) -> tuple:
         kj = end - 1 - step

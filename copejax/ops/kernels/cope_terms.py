@@ -295,15 +295,14 @@ def join_params(kind: str, rows: Any, others: tuple) -> tuple:
     return tuple(others) if kind == "alibi" else (rows, *others)
 
 
-def term_table_QR(kind: str, q_QH: jax.Array, rows_RH: jax.Array | None) -> jax.Array | None:
-    """The term's per-query table, float32: ``z = q e^T`` (Q, P) for "interpolate", ``q
-    W_out^T`` (Q, F) for "mlp", None for "alibi". It is the only part of the term that reads
+def term_table_QR(q_QH: jax.Array, rows_RH: jax.Array | None) -> jax.Array | None:
+    """The term's per-query table, float32, from :func:`split_params`' rows: ``z = q e^T``
+    (Q, P) for "interpolate", ``q W_out^T`` (Q, F) for "mlp", None where there are no rows
+    ("alibi"). It is the only part of the term that reads
     q, so a kernel whose queries stay put (the dq kernel) sums its cotangent over the walk
     and pulls that back to q and the rows once
     (:func:`~copejax.ops.kernels.rows_matmul.rows_pullback`)."""
-    if kind == "alibi":
-        return None
-    return rows_matmul(q_QH, rows_RH)
+    return None if rows_RH is None else rows_matmul(q_QH, rows_RH)
 
 
 def table_term_QK(

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from copejax.ops.kernels.cope_terms import split_params
 from copejax.ops.kernels.operands import query_dims, term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan
@@ -235,8 +236,9 @@ def tpu_backward_calls(
             out_shape.append(jax.ShapeDtypeStruct((batch, heads, 1, *x.shape[1:]), f32))
         scratch += [pltpu.VMEM((sq, 1), f32)] * 2 + [pltpu.VMEM((sq, dim), f32)]  # c, S, SM
         scratch += [pltpu.VMEM(x.shape[1:], f32) for x in cope]
-        if plan.cope.position_term != "alibi":  # the queries' table and its cotangent's sum
-            scratch += [pltpu.VMEM((sq, cope[0].shape[1]), f32)] * 2
+        rows = split_params(plan.cope.position_term, cope)[0]
+        if rows is not None:  # the queries' table and its cotangent's sum
+            scratch += [pltpu.VMEM((sq, rows.shape[1]), f32)] * 2
     if relative is not None:  # rev, and the slab (B, X, H) aliased to zeros, in HBM
         dq_body, num_outs = functools.partial(dq_body, relative=relative[0]), 1
         slab = jnp.zeros((batch, *relative[1].shape), f32)

@@ -69,14 +69,14 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     cope_p_refs, gk_ref, outs = cope_refs(list(refs[11 + num_term_refs :]), plan.cope)
     num_q, count = sum(h[1] for h in has), plan.cope.num_params
     kind = plan.cope.position_term
-    tables = 0 if kind == "alibi" else 2  # the queries' table and its cotangent's sum
+    rows_ref, others = split_params(kind, tuple(cope_p_refs))
+    tables = 0 if rows_ref is None else 2  # the queries' table and its cotangent's sum
     dq_ref, dqv_refs, total_out = outs[0], outs[1 : 1 + num_q], outs[1 + num_q]
     dp_outs = outs[2 + num_q : 2 + num_q + count]
     outs, table_refs = outs[: len(outs) - tables], outs[len(outs) - tables :]
     dq_acc, *dqv_accs, c_acc, s_acc, sm_acc = outs[2 + num_q + count : len(outs) - count]
     dp_accs = outs[len(outs) - count :]
     rows_acc, others_accs = split_params(kind, tuple(dp_accs))
-    rows_ref, others = split_params(kind, tuple(cope_p_refs))
     qi, step = pl.program_id(2), pl.program_id(3)
     kj = key_step(plan, step, newest_first=True)
 
@@ -85,7 +85,7 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         for acc in (dq_acc, *dqv_accs, c_acc, s_acc, sm_acc, *table_refs[1:]):
             acc[...] = jnp.zeros(acc.shape, F32)
         if table_refs:  # the term reads q only through it: once per query tile
-            table_refs[0][...] = term_table_QR(kind, q_ref[...], rows_ref[...])
+            table_refs[0][...] = term_table_QR(q_ref[...], rows_ref[...])
 
     @pl.when((qi == 0) & (step == 0))  # the parameters' sums run over the head's query tiles
     def _init_params() -> None:

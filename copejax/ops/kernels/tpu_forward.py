@@ -94,7 +94,7 @@ def _forward_kernel(
         if cope:
             c_acc[...] = jnp.zeros(c_acc.shape, jnp.float32)
         if table_ref is not None:  # the term reads q only through it: once per query tile
-            table_ref[...] = term_table_QR(plan.cope.position_term, q_ref[...], rows_ref[...])
+            table_ref[...] = term_table_QR(q_ref[...], rows_ref[...])
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -193,8 +193,9 @@ def tpu_forward_call(
             extra.append(by_query_heads(gate_k_BSGH))
             term_specs.append(specs[1])
         scratch.append(column)
-        if plan.cope.position_term != "alibi":  # the queries' table
-            scratch.append(pltpu.VMEM((sq, cope[0].shape[1]), jnp.float32))
+        rows = split_params(plan.cope.position_term, cope)[0]
+        if rows is not None:  # the queries' table
+            scratch.append(pltpu.VMEM((sq, rows.shape[1]), jnp.float32))
     if relative is not None:  # rev in HBM after the terms; its band and semaphore
         extra, term_specs = [relative[1]], [*term_specs, ANY]
         scratch += relative_scratch(relative[0], dim, slab=False)

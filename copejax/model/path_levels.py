@@ -11,8 +11,8 @@ in the first, and PaTH's logit is, with every H symmetric,
 
 with ``u^(l)_i = H_s ... H_i q_i`` (s: the start of i's half) and ``k'^(l)_j = H_e ... H_{j+1}
 k_j`` (e: the end of j's half): plain attention of the second half's queries to the first
-half's keys, which the fused kernels run with ``Plan.chunk`` = the half (the queries of
-the one older chunk; :mod:`copejax.ops.kernels.chunked`). Climbing a level joins two
+half's keys, which the fused kernels run on those rows alone, the queries from token E of
+the parent (``Plan.q_offset``; :mod:`copejax.ops.kernels.offset`). Climbing a level joins two
 halves a, b of a parent, with ``P_a = H_{start} ... H_{end}`` each half's product (a dense
 (H, H) matrix, :func:`chunk_products` at the leaves):
 
@@ -43,8 +43,9 @@ import jax.numpy as jnp
 
 from copejax.ops.kernels.attend import attend_backward, attend_forward
 from copejax.ops.kernels.attention import term_arrays
-from copejax.ops.kernels.chunked import chunked_plan
+from copejax.ops.kernels.offset import offset_plan
 from copejax.ops.kernels.terms import KernelTerm
+from copejax.ops.kernels.tiles import MASKED_LOGIT
 
 
 def chunk_products(w_BTGH: jax.Array, t_BTGC: jax.Array, count: int) -> jax.Array:
@@ -138,11 +139,12 @@ def between_chunks(
     top = levels(length, chunk)
     statics = tuple((t.name, t.bias) for t in terms)
     groups = u_BTNH.shape[2] // kp_BTGH.shape[2]
-    plans = [
-        chunked_plan(
-            chunk << level,
+    plans = [  # a half's queries from token E of the parent, the first half's keys
+        offset_plan(
+            chunk << (level - 1),
+            chunk << (level - 1),
+            offset=chunk << (level - 1),
             groups=groups,
-            chunk=chunk << (level - 1),
             biases=tuple(t.bias for t in terms),
             window=window,
             block_q=block,
@@ -169,25 +171,21 @@ def between_chunks(
         )
 
     def operands(level: int, q_XENH, k_XEGH, v_BTGW, term_values: tuple) -> dict:
-        """Level ``level``'s kernel operands from its rows: the parents as the batch, and the
-        queries of the one chunk the second half sees, twice ((X, 2, N, U, H), the kernels'
-        layout of queries per chunk: the second chunk's are never read)."""
-        parent = chunk << level
-        count = q_XENH.shape[0]
-        # concatenated here rather than through ``whole``: XLA laid that version out with
-        # 350 MiB more temporaries at T = 16384, (B, N, H) = (4, 16, 128)
-        q_XUNH = jnp.concatenate([jnp.zeros_like(q_XENH), q_XENH], axis=1).astype(dtype)
-        q_XNUH = jnp.moveaxis(q_XUNH, 2, 1)
+        """Level ``level``'s kernel operands from its rows: the parents as the batch, their
+        second halves' queries from token E (the Plan's offset) against their first halves'
+        keys and values."""
+        second = lambda x: None if x is None else halves(level, x)[:, 1]
+        first = lambda x: None if x is None else halves(level, x)[:, 0]
         values = [
-            KernelTerm(*s, p, *(None if x is None else x.reshape(count, parent, -1) for x in qk))
-            for s, (p, *qk) in zip(statics, term_values, strict=True)
+            KernelTerm(*s, p, second(q_values), first(k_values))
+            for s, (p, q_values, k_values) in zip(statics, term_values, strict=True)
         ]
-        k_XUGH = jnp.concatenate([k_XEGH, jnp.zeros_like(k_XEGH)], axis=1).astype(dtype)
+        half = chunk << (level - 1)
         return {
-            "q": jnp.stack([q_XNUH, jax.lax.stop_gradient(q_XNUH)], axis=1),
-            "k": k_XUGH,
-            "v": v_BTGW.reshape(count, parent, *v_BTGW.shape[2:]),
-            "terms": [term_arrays(t, parent) for t in values],
+            "q": q_XENH.astype(dtype),
+            "k": k_XEGH.astype(dtype),
+            "v": halves(level, v_BTGW)[:, 0],
+            "terms": [term_arrays(t, half) for t in values],
             "cope": None,
             "sink": None,
         }
@@ -195,11 +193,27 @@ def between_chunks(
     def halves(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, 2, E, ...)
         return x_BT.reshape(-1, 2, chunk << (level - 1), *x_BT.shape[2:])
 
-    def per_level(level: int, x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, U, ...)
-        return x_BT.reshape(-1, chunk << level, *x_BT.shape[2:])
+    def level_ints(level: int, ints: dict) -> dict:  # the second halves' and the first's
+        return {key: halves(level, x)[:, int(key.startswith("q_"))] for key, x in ints.items()}
 
     def rows(level: int, o_BTNW: jax.Array, lse_BTN: jax.Array) -> tuple:  # kernels' layout
-        return per_level(level, o_BTNW), jnp.moveaxis(per_level(level, lse_BTN), 1, 2)
+        """The second halves' rows: (X, E, N, W) and (X, N, E)."""
+        return halves(level, o_BTNW)[:, 1], jnp.moveaxis(halves(level, lse_BTN)[:, 1], 1, 2)
+
+    def merge(level: int, o_BTNW, lse_BTN, new_XENW: jax.Array, new_XNE: jax.Array) -> tuple:
+        """The level's output for the second halves merged into every row's so far (level
+        1: the first halves' rows start with no key)."""
+        new_XEN = jnp.moveaxis(new_XNE, 1, 2)
+        if o_BTNW is None:
+            o_X2ENW = jnp.stack([jnp.zeros_like(new_XENW), new_XENW], axis=1)
+            lse_X2EN = jnp.stack([jnp.full_like(new_XEN, MASKED_LOGIT), new_XEN], axis=1)
+        else:
+            o_X2ENW, lse_X2EN = halves(level, o_BTNW), halves(level, lse_BTN)
+            o_XENW, lse_XEN = merge_softmaxes(o_X2ENW[:, 1], lse_X2EN[:, 1], new_XENW, new_XEN)
+            o_X2ENW = jnp.stack([o_X2ENW[:, 0], o_XENW], axis=1)
+            lse_X2EN = jnp.stack([lse_X2EN[:, 0], lse_XEN], axis=1)
+        shape = (-1, length, *new_XENW.shape[2:])
+        return o_X2ENW.reshape(shape), lse_X2EN.reshape(shape[:-1])
 
     @jax.custom_vjp
     def run(tensors: tuple, ints: dict, term_values: tuple) -> tuple[jax.Array, jax.Array]:
@@ -212,14 +226,8 @@ def between_chunks(
         for level, plan in enumerate(plans, start=1):
             kept.append(read_rows(level, u_BTNH, kp_BTGH))
             arrays = operands(level, *kept[-1], v_BTGW, term_values)
-            level_ints = {key: per_level(level, value) for key, value in ints.items()}
-            (o_XUNW, lse_XNU), _ = attend_forward(plan, arrays, level_ints)
-            o_BTNW, lse_BTN = merge_softmaxes(
-                o_BTNW,
-                lse_BTN,
-                o_XUNW.reshape(u_BTNH.shape[:3] + o_XUNW.shape[-1:]),
-                jnp.moveaxis(lse_XNU, 1, 2).reshape(u_BTNH.shape[:3]),
-            )
+            (o_XENW, lse_XNE), _ = attend_forward(plan, arrays, level_ints(level, ints))
+            o_BTNW, lse_BTN = merge(level, o_BTNW, lse_BTN, o_XENW, lse_XNE)
             if level < top:
                 u_BTNH, kp_BTGH, p_BMGHH = climb(u_BTNH, kp_BTGH, p_BMGHH)
                 # the next level after this one's merge: else XLA runs every level's kernel
@@ -272,10 +280,9 @@ def between_chunks(
             arrays, pull_arrays = jax.vjp(
                 lambda *a, level=level: operands(level, *a), q_XENH, k_XEGH, v_BTGW, term_values
             )
-            level_ints = {key: per_level(level, value) for key, value in ints.items()}
             stats = rows(level, o_BTNW, lse_BTN)
             grads = attend_backward(
-                plan, (arrays, level_ints, *stats), rows(level, do_BTNW, dlse_BTN)
+                plan, (arrays, level_ints(level, ints), *stats), rows(level, do_BTNW, dlse_BTN)
             )
             grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, arrays)
             dq_XENH, dk_XEGH, dv, dt = pull_arrays(grads)

@@ -17,13 +17,13 @@ custom VJP (``selective_attention``), and on a TPU their Mosaic counterparts
 table per tile pair (``relative``: the band maths, ``relative_kernels``: the kernel bodies,
 ``relative_calls``: their launches; the dk / dv launch both use is ``dkdv_launch``); GPT-OSS's
 attention sink is folded into every softmax kernel's output and log-sum-exp, with its gradient
-(``sink``); PaTH's pairs across key chunks run the same kernels with queries per chunk
-(``chunked``). A call's tiles, padding and Plan come from ``padding``. On a TPU
-(``backend="tpu"``) the Mosaic TPU kernels run the softmax, stick-breaking, CoPE, selective
-attention, Shaw's tables and the chunks with the same terms: the forward (``tpu_forward``), the
-backward (``tpu_dq``, ``tpu_backward``), the online softmax the softmax and selective forwards
-share (``tpu_softmax``), stick-breaking's, CoPE's and Shaw's parts (``tpu_stick``,
-``tpu_cope``, ``tpu_relative``), per-query rows (``tpu_rows``) and their layouts, grid and
-VMEM budget (``tpu_params``). This package imports only ``copejax.ops`` and
+(``sink``); a later block of queries against an earlier block of keys (PaTH's levels) runs
+the same kernels with a query offset (``offset``). A call's tiles, padding and Plan come from
+``padding``. On a TPU (``backend="tpu"``) the Mosaic TPU kernels run the softmax,
+stick-breaking, CoPE, selective attention, Shaw's tables and the query offset with the same
+terms: the forward (``tpu_forward``), the backward (``tpu_dq``, ``tpu_backward``), the online
+softmax the softmax and selective forwards share (``tpu_softmax``), stick-breaking's, CoPE's
+and Shaw's parts (``tpu_stick``, ``tpu_cope``, ``tpu_relative``), per-query rows
+(``tpu_rows``) and their layouts, grid and VMEM budget (``tpu_params``). This package imports only ``copejax.ops`` and
 JAX; the schemes' terms are built by the model layer (``copejax.model.kernel_terms``).
 """

@@ -1,8 +1,8 @@
 """The fused kernels as one differentiable function: the forward kernel, the backward
 kernels, and the ``jax.custom_vjp`` that wires them (issue 45).
 
-:func:`attend` is what :func:`copejax.ops.kernels.attention.fused_attention` and PaTH's
-chunks (:mod:`copejax.ops.kernels.chunked`) call. Its halves, :func:`attend_forward` and
+:func:`attend` is what :func:`copejax.ops.kernels.attention.fused_attention` and
+:func:`copejax.ops.kernels.offset.offset_attention` call. Its halves, :func:`attend_forward` and
 :func:`attend_backward`, are public so that a caller can run several calls' backward from
 residuals of its own: PaTH's levels (:mod:`copejax.model.path_levels`) keep one output and
 log-sum-exp for all their calls instead of one per call. Which kernels run: Shaw's tables on
@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from copejax.ops.kernels.backward import backward_calls
 from copejax.ops.kernels.forward import forward_call
-from copejax.ops.kernels.operands import query_dims
 from copejax.ops.kernels.relative import RelativeStatic
 from copejax.ops.kernels.relative_calls import relative_backward_calls, relative_forward_call
 from copejax.ops.kernels.sink import fold_sink, sink_gradient
@@ -42,7 +41,8 @@ def attend(
 
     Returns (o_BTNW float32, lse_BNT float32), both differentiable: a cotangent of the
     log-sum-exp enters the backward as ``D_i - dL_i`` (``dL_i / ds_ij = P_ij``), which is
-    how PaTH's chunks (:mod:`copejax.ops.kernels.chunked`) merge two softmaxes of a row.
+    how a call with a query offset (:mod:`copejax.ops.kernels.offset`) joins a larger
+    softmax of its rows.
     """
 
     @jax.custom_vjp
@@ -140,7 +140,7 @@ def attend_backward(
         )
         if rel is not None:  # the reversed table's gradient
             d_cope, d_relative_PH = None, d_cope["relative"]
-    (batch, length), heads = k_BTGH.shape[:2], query_dims(plan, q_BTNH.shape)[2]
+    (batch, length), heads = k_BTGH.shape[:2], q_BTNH.shape[2]
     kv_heads = k_BTGH.shape[2]
 
     def per_kv_head(x_BTNW: jax.Array, like: jax.Array) -> jax.Array:

@@ -189,17 +189,23 @@ def fused_attention(
     return y_BTNW[:, :length].astype(v_BTGW.dtype)
 
 
-def term_arrays(term: KernelTerm, padded: int) -> dict[str, jax.Array | None]:
-    """A term's arrays as the kernels read them: (N, P) params, (B, N, T) values."""
+def term_arrays(
+    term: KernelTerm, padded: int, padded_k: int | None = None
+) -> dict[str, jax.Array | None]:
+    """A term's arrays as the kernels read them: (N, P) params, (B, N, T) values; the
+    per-query ones padded to ``padded`` tokens, the per-key ones to ``padded_k`` (None: the
+    same)."""
     out = {"params": None, "q": None, "k": None}
     if term.params_NP is not None:  # rows padded to a power of two (Triton's block shapes)
         size = term.params_NP.shape[1]
         out["params"] = jnp.pad(
             term.params_NP.astype(jnp.float32), ((0, 0), (0, power_of_two(size) - size))
         )
+    lengths = {"q": padded, "k": padded if padded_k is None else padded_k}
     for key, values_BTN in (("q", term.q_values_BTN), ("k", term.k_values_BSN)):
         if values_BTN is not None:
-            out[key] = jnp.moveaxis(pad_tokens(values_BTN.astype(jnp.float32), padded, 0), 2, 1)
+            padded_BTN = pad_tokens(values_BTN.astype(jnp.float32), lengths[key], 0)
+            out[key] = jnp.moveaxis(padded_BTN, 2, 1)
     return out
 
 

@@ -34,8 +34,6 @@ from copejax.ops.kernels.dkdv_launch import dkdv_operand_specs, dkdv_outputs, te
 from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
 from copejax.ops.kernels.operands import (
     per_head_specs,
-    query_dims,
-    query_spec,
     term_operands,
     term_refs,
     zeros_after,
@@ -97,22 +95,9 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     first, end = plan.key_tiles(qi)
     dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
     zeros_QH = jnp.zeros((plan.size_q, q_ref.shape[-1]), jnp.float32)
-    if plan.chunk is None:
-        walk = functools.partial(pair, q_ref[...])
-        dq_QH, dqv = jax.lax.fori_loop(first, end, walk, (zeros_QH, dqv))
-        dq_ref[...] = dq_QH.astype(dq_ref.dtype)
-    else:  # the key tiles of each chunk with that chunk's queries, into its dq rows
-        per = plan.chunk // plan.size_k
-
-        def chunk_walk(m: jax.Array, dqv: list) -> list:
-            low = jnp.maximum(first, m * per)
-            high = jnp.maximum(low, jnp.minimum(end, (m + 1) * per))
-            walk = functools.partial(pair, q_ref[m])
-            dq_QH, dqv = jax.lax.fori_loop(low, high, walk, (zeros_QH, dqv))
-            dq_ref[m] = dq_QH.astype(dq_ref.dtype)
-            return dqv
-
-        dqv = jax.lax.fori_loop(0, q_ref.shape[0], chunk_walk, dqv)
+    walk = functools.partial(pair, q_ref[...])
+    dq_QH, dqv = jax.lax.fori_loop(first, end, walk, (zeros_QH, dqv))
+    dq_ref[...] = dq_QH.astype(dq_ref.dtype)
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value
 
@@ -161,16 +146,16 @@ def backward_calls(
       CoPE's gradients {"params": per parameter (N, R, C), "gate_k": (B, S, N, H) float32
       per query head or None}, or None without CoPE).
     """
-    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
+    batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
-    groups, sq, sk = plan.groups, plan.size_q, plan.size_k
+    groups, sq = plan.groups, plan.size_q
     ints_in = [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     f32 = jnp.float32
 
     # dq: programs over query tiles; keys, values and key ints whole.
     has, term_in, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
     specs = [
-        query_spec(plan, q_BTNH.shape, sq, lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0)),
         pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, sq, None, width), lambda b, n, i: (b, i, n, 0)),
@@ -180,7 +165,7 @@ def backward_calls(
         pl.BlockSpec((None, sq), lambda b, n, i: (b, i)),
     ] + [pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))] * 3
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
-    out_specs = [query_spec(plan, q_BTNH.shape, sq, lambda b, n, i: (b, i, n, 0))]
+    out_specs = [pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0))]
     out_specs += [pl.BlockSpec((None, None, sq), lambda b, n, i: (b, n, i)) for _ in q_terms]
     out_shape = [jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype)]
     out_shape += [jax.ShapeDtypeStruct((batch, heads, length_q), f32) for _ in q_terms]
@@ -233,15 +218,7 @@ def backward_calls(
     # dk, dv: programs over key tiles; queries, output cotangents and query ints whole.
     whole = plan.stick or plan.cope is not None  # one program per carry group (whole rows)
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=not whole)
-    q_spec = None
-    if plan.chunk is not None:  # the queries of the key tile's chunk
-        chunk_tiles = plan.chunk // sk
-        q_spec = pl.BlockSpec(
-            (None, None, None, length_q, dim), lambda b, n, j: (b, j // chunk_tiles, n, 0, 0)
-        )
-    specs = dkdv_operand_specs(
-        plan, q_spec, length_q=length_q, dim=dim, width=width, whole_keys=whole
-    )
+    specs = dkdv_operand_specs(plan, length_q=length_q, dim=dim, width=width, whole_keys=whole)
     sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
     out_specs, out_shape = dkdv_outputs(
         plan, terms, **sizes, dtypes=(k_BSGH.dtype, v_BSGW.dtype), whole_keys=whole

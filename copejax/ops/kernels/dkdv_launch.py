@@ -17,23 +17,20 @@ from copejax.ops.kernels.tiles import Plan
 
 def dkdv_operand_specs(
     plan: Plan,
-    q_spec: pl.BlockSpec | None,
     *,
     length_q: int,
     dim: int,
     width: int,
     whole_keys: bool = False,
 ) -> list[pl.BlockSpec]:
-    """The specs of (q, k, v, dO, lse, D, the query ints, the key ints): every query (``q_spec``,
-    None: (T, H) of the program's head), the program's key tile of keys and values (its
+    """The specs of (q, k, v, dO, lse, D, the query ints, the key ints): every query ((T, H) of
+    the program's head), the program's key tile of keys and values (its
     key/value head; ``whole_keys``: all of them, for programs that walk several key tiles),
     all output cotangents, log-sum-exps and D, all query ints and the key tile's key ints."""
     groups = plan.groups
     sk, tile = (length_q, lambda j: 0) if whole_keys else (plan.size_k, lambda j: j)
-    if q_spec is None:
-        q_spec = pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0))
     return [
-        q_spec,
+        pl.BlockSpec((None, length_q, None, dim), lambda b, n, j: (b, 0, n, 0)),
         pl.BlockSpec((None, sk, None, dim), lambda b, n, j: (b, tile(j), n // groups, 0)),
         pl.BlockSpec((None, sk, None, width), lambda b, n, j: (b, tile(j), n // groups, 0)),
         pl.BlockSpec((None, length_q, None, width), lambda b, n, j: (b, 0, n, 0)),

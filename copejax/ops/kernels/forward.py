@@ -22,8 +22,6 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.cope import cope_forward_kernel
 from copejax.ops.kernels.operands import (
     per_head_specs,
-    query_dims,
-    query_spec,
     term_operands,
     term_refs,
 )
@@ -39,7 +37,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     p_refs, qv_refs, kv_refs = term_refs(list(term), has)
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
-    q_QH = q_ref[...] if plan.chunk is None else None
+    q_QH = q_ref[...]
     q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
@@ -53,8 +51,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
-            q_tile_QH = q_QH if plan.chunk is None else q_ref[k_first // plan.chunk]
-            s_QK = scores_QK(plan, q_tile_QH, k_ref[keys, :], allowed_QK, inputs)
+            s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
             rescale_Q = jnp.exp(max_Q - new_max_Q)
@@ -75,7 +72,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     seen_Q = sum_Q > 0
     safe_sum_Q = jnp.where(seen_Q, sum_Q, 1.0)
     o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
-    # A query with no allowed key (padding) gets 0 (or with key chunks MASKED_LOGIT): the
+    # A query with no allowed key (padding) gets 0 (or with a query offset MASKED_LOGIT): the
     # backward's weights there are 0.
     lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), plan.unseen_lse)
 
@@ -94,8 +91,7 @@ def forward_call(
     """Runs the forward kernel on padded inputs.
 
     Args:
-      q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles); with
-        ``plan.chunk`` the queries per key chunk, (B, M, N, T, H).
+      q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles).
       ints: int32 (B, T) "q_pos", "q_seg" and (B, S) "k_pos", "k_seg", "k_rank".
       terms: per term {"params": (N, P) | None, "q": (B, N, T) | None, "k": (B, N, S) | None}.
       cope: CoPE's parameters per head, (N, R, C) each, with ``plan.cope``
@@ -108,12 +104,12 @@ def forward_call(
       float32 for the backward's ``D_i = dO_i . o_i`` (stick-breaking's gradient subtracts
       from D, where a bfloat16 output's rounding would show).
     """
-    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
+    batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     grid = (batch, heads, plan.count_q)
     groups = plan.groups
     in_specs = [
-        query_spec(plan, q_BTNH.shape, plan.size_q, lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, plan.size_q, None, dim), lambda b, n, i: (b, i, n, 0)),
         pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, length_k, None, width), lambda b, n, i: (b, 0, n // groups, 0)),
         pl.BlockSpec((None, plan.size_q), lambda b, n, i: (b, i)),

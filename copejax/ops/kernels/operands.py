@@ -5,8 +5,6 @@ from."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -50,32 +48,6 @@ def term_operands(
                 whole = term[key].shape[2]
                 specs.append(pl.BlockSpec((None, None, whole), lambda b, n, i: (b, n, 0)))
     return tuple(has), operands, specs
-
-
-def query_dims(plan: Plan, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(B, T, N, H) of the queries: (B, T, N, H) themselves, or with ``plan.chunk`` the queries
-    per key chunk, (B, M, N, T, H)."""
-    if plan.chunk is None:
-        batch, length, heads, dim = shape
-    else:
-        batch, _, heads, length, dim = shape
-    return batch, length, heads, dim
-
-
-def query_spec(
-    plan: Plan, shape: tuple[int, ...], rows: int, index: Callable[..., tuple]
-) -> pl.BlockSpec:
-    """The queries' (or their gradient's) block spec for a grid (b, n, tile): ``rows`` of one
-    head of (B, T, N, H) at ``index`` (which gives (b, t, n, 0)), or with ``plan.chunk`` those
-    rows of every key chunk of (B, M, N, T, H), read per key tile inside the kernel."""
-    if plan.chunk is None:
-        return pl.BlockSpec((None, rows, None, shape[-1]), index)
-
-    def chunked(*grid: int) -> tuple:
-        b, t, n, _ = index(*grid)
-        return (b, 0, n, t, 0)
-
-    return pl.BlockSpec((None, shape[1], None, rows, shape[-1]), chunked)
 
 
 def per_head_specs(arrays: tuple) -> list[pl.BlockSpec]:

@@ -93,16 +93,27 @@ def token_ints(
     segment_ids_BT: jax.Array,
     k_rank_BT: jax.Array | None,
     padded: int,
+    *,
+    k_segment_ids_BS: jax.Array | None = None,
+    padded_k: int | None = None,
 ) -> dict[str, jax.Array]:
-    """The kernels' int32 (B, padded) operands: "q_pos", "k_pos", "q_seg", "k_seg" and
-    "k_rank" (each key's rank in its segment; zeros when None, no sink tokens)."""
-    segments_BT = segment_ids_BT.astype(jnp.int32)
-    lowest = jnp.min(segments_BT)  # padding gets ids no real token has, unequal q and k
-    rank_BT = jnp.zeros_like(segments_BT) if k_rank_BT is None else k_rank_BT
+    """The kernels' int32 operands: "q_pos", "q_seg" (B, padded) and "k_pos", "k_seg",
+    "k_rank" (each key's rank in its segment; zeros when None, no sink tokens) (B,
+    padded_k). The keys' segment ids and length are the queries' unless given (a call whose
+    queries and keys are different tokens: :mod:`copejax.ops.kernels.offset`)."""
+    q_segments_BT = segment_ids_BT.astype(jnp.int32)
+    k_segments_BS = q_segments_BT if k_segment_ids_BS is None else k_segment_ids_BS
+    k_segments_BS = k_segments_BS.astype(jnp.int32)
+    padded_k = padded if padded_k is None else padded_k
+    # padding gets ids no real token has, unequal for queries and keys
+    lowest = jnp.min(q_segments_BT)
+    if k_segment_ids_BS is not None:
+        lowest = jnp.minimum(lowest, jnp.min(k_segments_BS))
+    rank_BS = jnp.zeros_like(k_segments_BS) if k_rank_BT is None else k_rank_BT
     return {
         "q_pos": pad_tokens(q_positions_BT.astype(jnp.int32), padded),
-        "k_pos": pad_tokens(k_positions_BT.astype(jnp.int32), padded),
-        "q_seg": pad_tokens(segments_BT, padded, lowest - 1),
-        "k_seg": pad_tokens(segments_BT, padded, lowest - 2),
-        "k_rank": pad_tokens(rank_BT.astype(jnp.int32), padded, NOT_A_SINK),
+        "k_pos": pad_tokens(k_positions_BT.astype(jnp.int32), padded_k),
+        "q_seg": pad_tokens(q_segments_BT, padded, lowest - 1),
+        "k_seg": pad_tokens(k_segments_BS, padded_k, lowest - 2),
+        "k_rank": pad_tokens(rank_BS.astype(jnp.int32), padded_k, NOT_A_SINK),
     }

@@ -138,7 +138,7 @@ def relative_backward_calls(
     )(*residuals, *term_in, table_PH, de_zeros)
 
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
-    specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
+    specs = dkdv_operand_specs(plan, length_q=length_q, dim=dim, width=width)
     sizes = {"batch": batch, "heads": heads, "length_k": length_k, "dim": dim, "width": width}
     out_specs, out_shape = dkdv_outputs(plan, terms, **sizes)
     body = functools.partial(relative_dkdv_kernel, plan=plan, static=static, has=has)

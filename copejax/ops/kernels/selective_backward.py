@@ -277,7 +277,7 @@ def selective_backward_calls(
     grouped = plan.groups > 1
     has, term_in, term_specs = term_operands(plan, terms, q_block=False, k_block=True)
     q_terms = [t for t in terms if t["q"] is not None]
-    specs = dkdv_operand_specs(plan, None, length_q=length_q, dim=dim, width=width)
+    specs = dkdv_operand_specs(plan, length_q=length_q, dim=dim, width=width)
     specs += term_specs
     kv_head = head // plan.groups
     specs += [  # the selecting head's q and k, the keys' segment starts

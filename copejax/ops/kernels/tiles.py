@@ -45,9 +45,10 @@ class Plan:
         (:class:`copejax.ops.kernels.cope.CopeStatic`), else None.
       backend: "triton" (:mod:`copejax.ops.kernels.forward`, lowered to Triton on a GPU) or
         "tpu" (:mod:`copejax.ops.kernels.tpu_forward`, lowered to Mosaic TPU).
-      chunk: PaTH's key chunks (:mod:`copejax.ops.kernels.chunked`): a query sees only the
-        keys of the chunks of ``chunk`` keys before its own (a multiple of both tiles), with
-        queries given per key chunk; None: every key.
+      q_offset: the token of query row 0 (key row j is token j): 0 for self-attention, else
+        a later block of queries against an earlier block of keys
+        (:mod:`copejax.ops.kernels.offset`; PaTH's levels), whose rows are parts of larger
+        softmaxes. Every method that takes a query tile or its first row adds it.
       carry_starts: stick-breaking's carry groups on a GPU
         (:mod:`copejax.ops.kernels.carry_groups`): each group's first key tile, then
         count_k; () elsewhere.
@@ -66,7 +67,7 @@ class Plan:
     include_self: bool = True
     cope: Any = None
     backend: str = "triton"
-    chunk: int | None = None
+    q_offset: int = 0
     carry_starts: tuple[int, ...] = ()
 
     @property
@@ -122,30 +123,36 @@ class Plan:
     @property
     def unseen_lse(self) -> float:
         """The log-sum-exp written for a query with no allowed key: 0 (its output is 0 and
-        its backward weights are 0 either way), or with key chunks ``MASKED_LOGIT``, so that
-        the caller's merge with the rest of the row gives it no weight."""
-        return 0.0 if self.chunk is None else MASKED_LOGIT
+        its backward weights are 0 either way), or with a query offset ``MASKED_LOGIT``, so
+        that the caller's merge with the rest of the row gives it no weight."""
+        return MASKED_LOGIT if self.q_offset else 0.0
+
+    def token(self, row: jax.Array) -> jax.Array:
+        """The token of query row ``row``: the row itself, or after ``q_offset`` tokens."""
+        return row + self.q_offset if self.q_offset else row
 
     def key_tiles(self, qi: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[first, end) of the key tiles query tile qi may see: every older tile (and the
         diagonal one), or with a window and no sinks the band that meets the window."""
-        q_last = qi * self.size_q + self.size_q - 1
-        end = jnp.minimum(_div(q_last, self.size_k) + 1, self.count_k)
-        if self.chunk is not None:  # the key tiles before the query tile's chunk
-            end = _div(qi * self.size_q, self.chunk) * (self.chunk // self.size_k)
+        q_first = self.token(qi * self.size_q)
+        end = jnp.minimum(_div(q_first + self.size_q - 1, self.size_k) + 1, self.count_k)
         if self.window is None or self.sinks:
             return jnp.int32(0), end
-        first = _div(jnp.maximum(qi * self.size_q - self.window + 1, 0), self.size_k)
+        first = _div(jnp.maximum(q_first - self.window + 1, 0), self.size_k)
         return first, end
 
     def query_tiles(self, kj: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[first, end) of the query tiles that may see key tile kj."""
-        first = _div(kj * self.size_k, self.size_q)
-        if self.chunk is not None:  # the query tiles after the key tile's chunk
-            first = (_div(kj * self.size_k, self.chunk) + 1) * (self.chunk // self.size_q)
+        k_first = kj * self.size_k
+        if self.q_offset:  # the row of query token k_first, if any
+            k_first = jnp.maximum(k_first - self.q_offset, 0)
+        first = _div(k_first, self.size_q)
         if self.window is None or self.sinks:
             return first, jnp.int32(self.count_q)
         k_last = kj * self.size_k + self.size_k - 1
+        if self.q_offset:  # the rows after the last one that may see k_last (>= 0 for _div)
+            after = jnp.maximum(k_last + self.window - 1 - self.q_offset + self.size_q, 0)
+            return first, jnp.minimum(_div(after, self.size_q), self.count_q)
         end = jnp.minimum(_div(k_last + self.window - 1, self.size_q) + 1, self.count_q)
         return first, end
 
@@ -159,7 +166,9 @@ class Plan:
     ) -> jax.Array:
         """Whether the pair may hold an allowed (query, key): its keys are not all after its
         queries, the two tiles' segment id ranges meet, and with a window some key is in
-        the band or is a sink. A boolean scalar; False skips the pair's work."""
+        the band or is a sink. A boolean scalar; False skips the pair's work. ``q_first``:
+        the query tile's first row (:meth:`token` gives its token)."""
+        q_first = self.token(q_first)
         live = k_first <= q_first + self.size_q - 1
         live &= jnp.min(k_segments_K) <= jnp.max(q_segments_Q)
         live &= jnp.max(k_segments_K) >= jnp.min(q_segments_Q)
@@ -179,8 +188,8 @@ class Plan:
         k_rank_K: jax.Array | None,
     ) -> jax.Array:
         """The pair's mask (Q, K) bool; segment ids and ranks as (Q,) and (K,) (GPU) or
-        (Q, 1) and (1, K) (TPU)."""
-        q_index_Q1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (self.size_q, 1), 0)
+        (Q, 1) and (1, K) (TPU); ``q_first`` the query tile's first row."""
+        q_index_Q1 = self.token(q_first) + jax.lax.broadcasted_iota(jnp.int32, (self.size_q, 1), 0)
         k_index_1K = k_first + jax.lax.broadcasted_iota(jnp.int32, (1, self.size_k), 1)
         if self.include_self:
             allowed_QK = k_index_1K <= q_index_Q1

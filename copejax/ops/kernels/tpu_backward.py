@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.cope_terms import split_params
-from copejax.ops.kernels.operands import query_dims, term_refs
+from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_cope import cope_dq_kernel, cope_pair
@@ -39,18 +39,15 @@ from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
     from_query_heads,
-    from_tpu_queries,
     interpret_mode,
     key_step,
     kv_head,
-    query_block,
     read_terms,
     step_live,
     term_operands,
     tile_index,
     tpu_ints,
     tpu_per_head_specs,
-    tpu_queries,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_relative import (
@@ -173,12 +170,11 @@ def tpu_backward_calls(
     with Shaw's ``relative`` (statics, reversed table) the last result is ``{"relative":
     the reversed table's gradient (X, H)}``.
     """
-    batch, _, heads, dim = query_dims(plan, q_BTNH.shape)
+    batch, _, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, sk, f32 = plan.groups, plan.size_q, plan.size_k, jnp.float32
     ints = tpu_ints(ints)
-    operands = [tpu_queries(plan, q_BTNH)]
-    operands += [by_query_heads(x) for x in (k_BSGH, v_BSGW, do_BTNW)]
+    operands = [by_query_heads(x) for x in (q_BTNH, k_BSGH, v_BSGW, do_BTNW)]
     operands += [query_rows(plan, lse_BNT), query_rows(plan, delta_BNT)]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
     terms = tpu_terms(plan, terms)
@@ -191,7 +187,7 @@ def tpu_backward_calls(
         q_rows = lambda b, n, i, j: (b, n, q_tile(i, j), 0)
         kv_rows = lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
         return [
-            query_block(plan, sq, dim, q_rows, lambda b, n, i, j: k_tile(i, j)),
+            pl.BlockSpec((None, None, sq, dim), q_rows),
             pl.BlockSpec((None, None, sk, dim), kv_rows),
             pl.BlockSpec((None, None, sk, width), kv_rows),
             pl.BlockSpec((None, None, sq, width), q_rows),
@@ -208,11 +204,9 @@ def tpu_backward_calls(
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
     q_terms = [i for i, t in enumerate(terms) if t["q"] is not None]
     q_spec, q_shape = row_spec(plan, lambda i, j: i), rows_shape(plan, batch, heads)
-    # dq per key chunk: the block of the grid step's own key tile's chunk (not the clamped
-    # one's), so that every chunk's block is written.
-    out_specs = [query_block(plan, sq, dim, lambda b, n, i, j: (b, n, i, 0), lambda *g: g[3])]
+    out_specs = [pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0))]
     out_specs += [q_spec] * len(q_terms)
-    out_shape = [jax.ShapeDtypeStruct(tpu_queries(plan, q_BTNH).shape, q_BTNH.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(operands[0].shape, q_BTNH.dtype)]
     out_shape += [q_shape] * len(q_terms)
     scratch = [pltpu.VMEM((sq, dim), f32)] + [pltpu.VMEM((sq, 1), f32)] * len(q_terms)
     dq_body, num_outs, extra_in, extra_specs = dq_kernel, 0, [], []
@@ -335,7 +329,7 @@ def tpu_backward_calls(
     for i, g in zip(p_terms, dparams, strict=True):
         grads[i]["params"] = g[:, :, :, 0, :]
     return (
-        from_tpu_queries(plan, dq_BNTH),
+        from_query_heads(dq_BNTH),
         from_query_heads(dk_BNSH),
         from_query_heads(dv_BNSW),
         grads,

@@ -2,7 +2,7 @@
 and the pair it shares with the dk / dv kernel (:mod:`copejax.ops.kernels.tpu_backward`).
 
 Grid (batch row, head, query tile, key tile): dq and the terms' per-query gradients in VMEM
-scratch across the key tiles, written at the last (with key chunks, dq per chunk). With
+scratch across the key tiles, written at the last. With
 Shaw's term (:mod:`copejax.ops.kernels.tpu_relative`) the pair's scores add it, and the dq
 kernel adds its part of dq and writes the table's gradient to its batch row's slab, so only
 its batch axis runs in parallel. Shape letters as in
@@ -66,20 +66,12 @@ def dq_kernel(
     dq_acc, dqv_accs = outs[1 + num_q], outs[2 + num_q :]
     row, qi, kj = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     last = pl.num_programs(3) - 1
-    # With key chunks dq is written per chunk (its queries differ): reset at a chunk's first
-    # key tile, written at its last; the terms' per-query gradients sum over every chunk.
-    tiles = plan.count_k if plan.chunk is None else plan.chunk // plan.size_k
-    place = jax.lax.rem(kj, jnp.int32(tiles))  # kj >= 0: no sign op (see tiles._div)
-    chunk_first, chunk_last = place == 0, (place == tiles - 1) | (kj == last)
 
     @pl.when(kj == 0)
     def _init() -> None:
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
         for acc in dqv_accs:
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-    @pl.when(chunk_first)
-    def _init_chunk() -> None:
-        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
@@ -105,11 +97,8 @@ def dq_kernel(
             for acc, g in zip(dqv_accs, [g for g in grads if g is not None], strict=True):
                 acc[...] += g
 
-    @pl.when(chunk_last)
-    def _finish_chunk() -> None:
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
-
     @pl.when(kj == last)
     def _finish() -> None:
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
         for ref, acc in zip(dqv_refs, dqv_accs, strict=True):
             store_row(ref, acc[...])

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.cope import cope_refs, pair_scores
 from copejax.ops.kernels.cope_terms import split_params, term_table_QR
-from copejax.ops.kernels.operands import query_dims, term_refs
+from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.tiles import Plan, content_logits_QK, scores_QK
 from copejax.ops.kernels.tpu_params import (
     ANY,
@@ -36,7 +36,6 @@ from copejax.ops.kernels.tpu_params import (
     interpret_mode,
     key_step,
     kv_head,
-    query_block,
     read_refs,
     read_terms,
     step_live,
@@ -44,7 +43,6 @@ from copejax.ops.kernels.tpu_params import (
     tile_index,
     tpu_ints,
     tpu_per_head_specs,
-    tpu_queries,
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_relative import (
@@ -146,7 +144,7 @@ def tpu_forward_call(
     Returns:
       (o_BTNW float32, lse_BNT float32 (with stick-breaking minus the log remainder)).
     """
-    batch, length_q, heads, dim = query_dims(plan, q_BTNH.shape)
+    batch, length_q, heads, dim = q_BTNH.shape
     width, groups = v_BSGW.shape[-1], plan.groups
     sq, sk = plan.size_q, plan.size_k
     newest_first = plan.stick or plan.cope is not None  # the carries sum over newer tiles
@@ -156,9 +154,7 @@ def tpu_forward_call(
 
     ints = tpu_ints(ints)
     specs = [
-        query_block(
-            plan, sq, dim, lambda b, n, i, j: (b, n, i, 0), lambda b, n, i, j: k_tile(i, j)
-        ),
+        pl.BlockSpec((None, None, sq, dim), lambda b, n, i, j: (b, n, i, 0)),
         pl.BlockSpec(
             (None, None, sk, dim), lambda b, n, i, j: (b, kv_head(n, groups), k_tile(i, j), 0)
         ),
@@ -210,7 +206,7 @@ def tpu_forward_call(
         compiler_params=compiler_params(),
         name="copejax_attention_forward_tpu",
     )(
-        tpu_queries(plan, q_BTNH),
+        by_query_heads(q_BTNH),
         by_query_heads(k_BSGH),
         by_query_heads(v_BSGW),
         ints["q_pos"],

@@ -63,8 +63,6 @@ unmeasured.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -122,7 +120,7 @@ def tile_index(
         walked = key_step(plan, walked, newest_first)
     first, end = plan.key_tiles(outer) if keys else plan.query_tiles(outer)
     count = plan.count_k if keys else plan.count_q
-    # With key chunks a range may be empty (end <= first, first up to count): any valid tile.
+    # With a query offset and a window a range may be empty (end <= first): any valid tile.
     return jnp.clip(jnp.clip(walked, first, jnp.maximum(end - 1, first)), 0, count - 1)
 
 
@@ -158,34 +156,6 @@ def kv_head(n: jax.Array, groups: int) -> jax.Array:
 def by_query_heads(x_BTNX: jax.Array) -> jax.Array:
     """(B, T, N, X) -> (B, N, T, X): the TPU kernels' layout."""
     return jnp.moveaxis(x_BTNX, 2, 1)
-
-
-def tpu_queries(plan: Plan, q_BTNH: jax.Array) -> jax.Array:
-    """The queries in the TPU kernels' layout: (B, N, T, H); with key chunks (queries per
-    chunk, ``plan.chunk``) they come as (B, M, N, T, H) already."""
-    return by_query_heads(q_BTNH) if plan.chunk is None else q_BTNH
-
-
-def from_tpu_queries(plan: Plan, x_BNTH: jax.Array) -> jax.Array:
-    """:func:`tpu_queries`' inverse (the queries' gradient)."""
-    return from_query_heads(x_BNTH) if plan.chunk is None else x_BNTH
-
-
-def query_block(
-    plan: Plan, rows: int, dim: int, index: Callable, key_tile: Callable
-) -> pl.BlockSpec:
-    """A block of ``rows`` queries of one head at ``index`` (b, n, outer, walked) -> (b, n,
-    tile, 0); with key chunks, of the chunk of ``key_tile`` (b, n, outer, walked)'s keys."""
-    if plan.chunk is None:
-        return pl.BlockSpec((None, None, rows, dim), index)
-    tiles = plan.chunk // plan.size_k
-
-    def chunked(b: jax.Array, n: jax.Array, i: jax.Array, j: jax.Array) -> tuple:
-        # truncating division: floor division's sign test has no Mosaic lowering off a TPU
-        chunk = jax.lax.div(jnp.asarray(key_tile(b, n, i, j), jnp.int32), jnp.int32(tiles))
-        return (b, chunk, *index(b, n, i, j)[1:])
-
-    return pl.BlockSpec((None, None, None, rows, dim), chunked)
 
 
 def from_query_heads(x_BNTX: jax.Array) -> jax.Array:

@@ -45,7 +45,7 @@ def softmax_step(s_QK: jax.Array, allowed_QK: jax.Array, v_KW: jax.Array, scratc
 
 def finish_softmax(plan: Plan, o_ref: jax.Array, lse_ref: jax.Array, scratch: Scratch) -> None:
     """The output (in ``o_ref``'s dtype) and the log-sum-exp. A query with no allowed key
-    (padding) gets output 0 and ``plan.unseen_lse`` (with key chunks MASKED_LOGIT): the
+    (padding) gets output 0 and ``plan.unseen_lse`` (with a query offset MASKED_LOGIT): the
     backward's weights there are 0."""
     max_ref, sum_ref, acc_ref = scratch
     sum_Q1 = sum_ref[...]

@@ -149,13 +149,19 @@ def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> No
     assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=pairs, roundings=4)
 
 
-@pytest.mark.parametrize(("window", "sinks"), [(None, 0), (9, 0), (9, 2), (40, 0)])
-def test_tile_walks_skip_exactly_the_empty_pairs(window: int | None, sinks: int) -> None:
+@pytest.mark.parametrize(
+    ("window", "sinks", "offset"),
+    [(None, 0, 0), (9, 0, 0), (9, 2, 0), (40, 0, 0), (None, 0, 32), (9, 0, 32), (9, 2, 32)],
+)
+def test_tile_walks_skip_exactly_the_empty_pairs(
+    window: int | None, sinks: int, offset: int
+) -> None:
     """The forward / dq walks (key tiles of a query tile) and the dk / dv walks (query tiles
     of a key tile) compute the same tile pairs: those that meet the causal band (and the
     window's, or hold a sink) and whose segment ranges meet. So no pair with an allowed
-    entry is skipped, and pairs outside the window's band or across segments are."""
-    plan = Plan(16, 8, 5, 10, window, sinks, 1, (), True)
+    entry is skipped, and pairs outside the window's band or across segments are. With a
+    query offset (:mod:`copejax.ops.kernels.offset`) query row r is token ``offset + r``."""
+    plan = Plan(16, 8, (80 - offset) // 16, 10, window, sinks, 1, (), True, q_offset=offset)
     segments = np.r_[[0] * 30, [1] * 25, [2] * 25].astype(np.int32)
     rank = np.r_[np.arange(30), np.arange(25), np.arange(25)].astype(np.int32)
     allowed = mask_BTS(segments[None], window, sinks, rank[None])[0]
@@ -163,7 +169,8 @@ def test_tile_walks_skip_exactly_the_empty_pairs(window: int | None, sinks: int)
     for qi in range(plan.count_q):
         first, end = (int(x) for x in plan.key_tiles(jnp.int32(qi)))
         for kj in range(plan.count_k):
-            qs, ks = np.arange(qi * 16, qi * 16 + 16), np.arange(kj * 8, kj * 8 + 8)
+            qs = np.arange(offset + qi * 16, offset + qi * 16 + 16)  # tokens
+            ks = np.arange(kj * 8, kj * 8 + 8)
             args = (jnp.int32(qi * 16), jnp.int32(kj * 8), segments[qs], segments[ks], rank[ks])
             live = first <= kj < end and bool(plan.live(*args))
             q_first, q_end = (int(x) for x in plan.query_tiles(jnp.int32(kj)))
@@ -177,7 +184,7 @@ def test_tile_walks_skip_exactly_the_empty_pairs(window: int | None, sinks: int)
             if allowed[np.ix_(qs, ks)].any():
                 assert live
                 np.testing.assert_array_equal(plan.allowed_QK(*args), allowed[np.ix_(qs, ks)])
-            skipped += (kj * 8 <= qi * 16 + 15) and not live
+            skipped += (kj * 8 <= qs[-1]) and not live
     assert skipped > 0  # segment 2's queries skip segment 0's keys at least
 
 

@@ -1,8 +1,9 @@
 """PaTH on the fused kernels (Yang et al. 2025, arXiv 2505.16381), in interpret mode.
 
-- ``chunked_attention`` (the kernels with ``Plan.chunk``) against dense attention whose query
-  depends on the key's chunk: output and log-sum-exp against NumPy (float64); gradients, the
-  log-sum-exp's cotangent included, against ``jax.grad`` of the dense float32 maths.
+- ``offset_attention`` (the kernels with ``Plan.q_offset``: later queries against earlier
+  keys) against dense attention under the token indices' mask: output and log-sum-exp
+  against NumPy (float64); gradients, the log-sum-exp's cotangent included, against
+  ``jax.grad`` of the dense float32 maths.
 - ``path_attention`` (:mod:`copejax.model.kernel_path`: kernels between chunks, XLA within)
   against PaTH's logits from explicit products of the matrices ``I - beta w w^T`` in NumPy
   (float64); gradients of q, k, v, w and beta against ``jax.grad`` of the naive path's walk
@@ -26,8 +27,8 @@ from copejax.model import kernel_path
 from copejax.model.kernel_path import path_attention
 from copejax.model.transformer import Transformer
 from copejax.ops.engine_blocks import BlockTerm
-from copejax.ops.kernels.chunked import chunked_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
+from copejax.ops.kernels.offset import offset_attention
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import MASKED_LOGIT
 from copejax.positions.path import path_logits_BNQK
@@ -67,37 +68,39 @@ def _decay_BNTS(c_BTN, xp=jnp):
     return c_BNT[:, :, :, None] - c_BNT[:, :, None, :]
 
 
-# ------------------------------------------------------------------ chunked attention
+# ------------------------------------------------------------------ offset attention
+
+OFFSET, KEYS = 16, 24  # queries: tokens 16..39 (two tiles, one padded); keys: tokens 0..23
 
 
-def _per_chunk_queries(chunk: int, seed: int = 3) -> jax.Array:
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.normal(size=(B, -(-T // chunk), T, N, H)), jnp.float32)
-
-
-def _chunked(
-    q_BMTNH,
+def _offset(
     x: dict,
     *,
-    chunk: int,
+    offset: int = OFFSET,
+    length_k: int = KEYS,
     window: int | None,
     tokens: tuple = (POSITIONS_BT, SEGMENTS_BT),
     blocks: tuple[int, int] = (TILE, TILE),
     **kwargs,
 ):
-    """chunked_attention with the decay term, the queries passed in its (B, M, N, T, H)
-    layout; ``tokens``: (positions, segment ids) (B, T), ``blocks``: (block_q, block_k);
-    ``kwargs``: interpret, backend."""
+    """offset_attention of the queries of tokens ``offset`` on to the keys of tokens before
+    ``length_k``, with the decay term; ``tokens``: (positions, segment ids) (B, T),
+    ``blocks``: (block_q, block_k); ``kwargs``: interpret, backend."""
     positions_BT, segments_BT = (jnp.asarray(a) for a in tokens)
-    return chunked_attention(
-        jnp.swapaxes(q_BMTNH, 2, 3),
-        x["k"],
-        x["v"],
-        chunk=chunk,
-        q_positions_BT=positions_BT,
-        k_positions_BT=positions_BT,
-        segment_ids_BT=segments_BT,
-        terms=[_decay_term(x["c"])],
+    c_BTN = x["c"]
+    term = KernelTerm(
+        "decay", _decay, q_values_BTN=c_BTN[:, offset:], k_values_BSN=c_BTN[:, :length_k]
+    )
+    return offset_attention(
+        x["q"][:, offset:],
+        x["k"][:, :length_k],
+        x["v"][:, :length_k],
+        offset=offset,
+        q_positions_BT=positions_BT[:, offset:],
+        k_positions_BS=positions_BT[:, :length_k],
+        q_segment_ids_BT=segments_BT[:, offset:],
+        k_segment_ids_BS=segments_BT[:, :length_k],
+        terms=[term],
         window=window,
         block_q=blocks[0],
         block_k=blocks[1],
@@ -105,22 +108,26 @@ def _chunked(
     )
 
 
-def _chunked_dense(
-    q_BMTNH, x: dict, *, chunk: int, window: int | None, segments_BT=SEGMENTS_BT, xp=jnp
+def _offset_dense(
+    x: dict,
+    *,
+    offset: int = OFFSET,
+    length_k: int = KEYS,
+    window: int | None,
+    segments_BT=SEGMENTS_BT,
+    xp=jnp,
 ):
-    """Dense attention of query i to the keys of older chunks, with i's row of the key's
-    chunk: (output (B, T, N, H), log-sum-exp (B, T, N) with MASKED_LOGIT where no key)."""
-    length, heads, dim = q_BMTNH.shape[2:]
-    chunk_T = np.arange(length) // chunk
+    """Dense attention of tokens ``offset`` on to the keys before ``length_k`` under the
+    causal, segment and window mask of token indices: (output (B, T - offset, N, H),
+    log-sum-exp (B, T - offset, N) with MASKED_LOGIT where no key)."""
+    heads, dim = x["q"].shape[2:]
     allowed_BTS = mask_BTS(segments_BT, window, 0, np.zeros_like(segments_BT))
-    allowed_BTS &= chunk_T[None, :, None] > chunk_T
+    allowed = allowed_BTS[:, None, offset:, :length_k]
     f32 = xp.float64 if xp is np else xp.float32
-    q, k, v, c = (xp.asarray(x_, f32) for x_ in (q_BMTNH, x["k"], x["v"], x["c"]))
-    k, v = (xp.repeat(a, heads // x["k"].shape[2], axis=2) for a in (k, v))
-    # query i as key j's chunk sees it
-    q_BTSNH = q[:, chunk_T[None, :], np.arange(length)[:, None]]
-    s = xp.einsum("btsnh,bsnh->bnts", q_BTSNH, k) / np.sqrt(dim) + _decay_BNTS(c, xp)
-    allowed = allowed_BTS[:, None]
+    q, k, v, c = (xp.asarray(x[key], f32) for key in ("q", "k", "v", "c"))
+    k, v = (xp.repeat(a[:, :length_k], heads // x["k"].shape[2], axis=2) for a in (k, v))
+    decay_BNTS = _decay_BNTS(c, xp)[:, :, offset:, :length_k]
+    s = xp.einsum("btnh,bsnh->bnts", q[:, offset:], k) / np.sqrt(dim) + decay_BNTS
     s = xp.where(allowed, s, MASKED_LOGIT)
     top = xp.max(s, axis=-1, keepdims=True)
     p = xp.where(allowed, xp.exp(s - top), 0.0)
@@ -132,56 +139,52 @@ def _chunked_dense(
     return out, xp.moveaxis(lse, 1, 2)
 
 
-def test_chunked_attention_equals_numpy() -> None:
+def test_offset_attention_equals_numpy() -> None:
+    """Queries from token 16 against keys up to token 23: the diagonal inside the key block,
+    a window, and segment 2's queries (tokens 32..39), which see no key here."""
     x = _inputs(jnp.float32)
-    q_BMTNH = _per_chunk_queries(16)
-    run = jax.jit(functools.partial(_chunked, chunk=16, window=20))
-    out, lse = run(q_BMTNH, x)
+    out, lse = jax.jit(functools.partial(_offset, window=20))(x)
     x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
-    q64 = np.asarray(q_BMTNH, np.float64)
-    want_out, want_lse = _chunked_dense(q64, x64, chunk=16, window=20, xp=np)
+    want_out, want_lse = _offset_dense(x64, window=20, xp=np)
     assert_close(out, want_out, dtype="float32", summands=T, roundings=0)
     seen = want_lse > MASKED_LOGIT / 2
-    assert seen.any() and (~seen).any()  # chunk 0 and segment 2's first rows see no key
+    assert seen.any() and (~seen).any()
     np.testing.assert_array_equal(np.asarray(lse) > MASKED_LOGIT / 2, seen)
     assert_close(lse[seen], want_lse[seen], dtype="float32", summands=T, roundings=0)
 
 
-def test_chunked_attention_gradients_with_the_lse_cotangent() -> None:
+@pytest.mark.parametrize(("offset", "length_k"), [(OFFSET, KEYS), (32, 32)])
+def test_offset_attention_gradients_with_the_lse_cotangent(offset: int, length_k: int) -> None:
+    """Gradients of q, k, v and the term's values; (32, 32): every key before every query,
+    PaTH's levels' case."""
     x = _inputs(jnp.float32)
-    q_BMTNH = _per_chunk_queries(16)
     rng = np.random.default_rng(7)
-    cot_out = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
-    cot_lse = jnp.asarray(rng.normal(size=(B, T, N)), jnp.float32)
+    cot_out = jnp.asarray(rng.normal(size=(B, T - offset, N, H)), jnp.float32)
+    cot_lse = jnp.asarray(rng.normal(size=(B, T - offset, N)), jnp.float32)
 
     def loss(run):
-        def value(q_BMTNH, x):
-            out, lse = run(q_BMTNH, x, chunk=16, window=None)
+        def value(x):
+            out, lse = run(x, offset=offset, length_k=length_k, window=None)
             seen = lse > MASKED_LOGIT / 2  # a constant where no key: no cotangent there
             return jnp.sum(out * cot_out) + jnp.sum(jnp.where(seen, lse, 0.0) * cot_lse)
 
-        return jax.grad(value, argnums=(0, 1))
+        return jax.grad(value)
 
-    (dq, dx), (dq_ref, dx_ref) = (
-        jax.jit(loss(_chunked))(q_BMTNH, x),
-        loss(_chunked_dense)(q_BMTNH, x),
-    )
-    assert_close(dq, dq_ref, dtype="float32", summands=T, roundings=0)
-    for key in ("k", "v", "c"):
+    dx, dx_ref = jax.jit(loss(_offset))(x), loss(_offset_dense)(x)
+    for key in ("q", "k", "v", "c"):
         assert_close(dx[key], dx_ref[key], dtype="float32", summands=T, roundings=0)
 
 
-def test_chunked_attention_lowers_to_triton() -> None:
-    """The chunk-indexed query loads and dq stores have a Triton lowering (from the CPU)."""
+def test_offset_attention_lowers_to_triton() -> None:
+    """The three kernels with a query offset have a Triton lowering (from the CPU)."""
     x = {key: value.astype(jnp.bfloat16) for key, value in _inputs(jnp.float32).items()}
-    q_BMTNH = _per_chunk_queries(16).astype(jnp.bfloat16)
+    x["c"] = x["c"].astype(jnp.float32)
 
-    def loss(q_BMTNH):
-        out, lse = _chunked(q_BMTNH, x, chunk=16, window=20, interpret=False)
+    def loss(q_BTNH):
+        out, lse = _offset({**x, "q": q_BTNH}, window=20, interpret=False)
         return jnp.sum(out) + jnp.sum(jnp.where(lse > MASKED_LOGIT / 2, lse, 0.0))
 
-    lowered = lower_for_gpu(jax.jit(jax.grad(loss)), q_BMTNH)
-    text = lowered.as_text()
+    text = lower_for_gpu(jax.jit(jax.grad(loss)), x["q"]).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text
 
@@ -189,27 +192,28 @@ def test_chunked_attention_lowers_to_triton() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"chunk": 24}, "chunk must be a power of two"),
-        ({"chunk": 16, "block_q": 32}, "must be a multiple of the tiles"),
-        ({"chunk": 32}, "need 2 chunks of queries, got 3"),
-        ({"chunk": 16, "backend": "tpu"}, "must be a multiple of the tiles"),
+        ({"offset": 0}, "offset must be a positive integer, got 0"),
+        ({"offset": 2.0}, "offset must be a positive integer, got 2.0"),
+        ({"offset": 4, "window": 0}, "window must be a positive integer"),
+        ({"offset": 4, "k": jnp.zeros((B, T, 3, H))}, "G must divide N"),
     ],
 )
-def test_chunked_attention_refuses_bad_arguments(kwargs: dict, message: str) -> None:
+def test_offset_attention_refuses_bad_arguments(kwargs: dict, message: str) -> None:
     x = _inputs(jnp.float32)
+    k = kwargs.pop("k", x["k"])
     args = {
         "q_positions_BT": jnp.asarray(POSITIONS_BT),
-        "k_positions_BT": jnp.asarray(POSITIONS_BT),
-        "segment_ids_BT": jnp.asarray(SEGMENTS_BT),
+        "k_positions_BS": jnp.asarray(POSITIONS_BT),
+        "q_segment_ids_BT": jnp.asarray(SEGMENTS_BT),
+        "k_segment_ids_BS": jnp.asarray(SEGMENTS_BT),
         "block_q": TILE,
         "block_k": TILE,
     }
     with pytest.raises(ValueError, match=message):
-        q_BMNTH = jnp.swapaxes(_per_chunk_queries(16), 2, 3)
-        chunked_attention(q_BMNTH, x["k"], x["v"], **{**args, **kwargs})
+        offset_attention(x["q"], k, x["v"], **{**args, **kwargs})
 
 
-# ------------------------------------------------------------------ PaTH through the chunks
+# ------------------------------------------------------------------ PaTH through the levels
 
 
 def _path_scores_numpy(x: dict) -> np.ndarray:
@@ -307,7 +311,8 @@ def test_path_attention_gradients_equal_the_naive_walk(dtype: str) -> None:
     y, pull = jax.vjp(jax.jit(kernel), x)
     y_ref, pull_ref = jax.vjp(functools.partial(_path_naive, window=12), x)
     (grads,), (grads_ref,) = jax.jit(pull)(cot), pull_ref(cot)
-    # bfloat16: q, k, v and the queries per chunk are rounded before the kernels' matmuls.
+    # bfloat16: q, k, v and each level's queries and keys are rounded before the kernels'
+    # matmuls.
     assert_close(y, y_ref, dtype=dtype, summands=2 * T, roundings=3)
     for key in ("q", "k", "v", "w", "beta", "c"):
         assert grads[key].dtype == x[key].dtype

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[3]
 LIBTPU_DIR = ROOT / ".libtpu"
 # One scheme per kernel family: the softmax alone, per-query values with table parameters,
 # stick-breaking with parameters, CoPE's carried count, selective attention with per-query
-# values, PaTH's chunked queries, TAPE's value columns, XL's wider queries, FIRE's MLP, Shaw's
-# table (its bands by DMA, the lane rotations, the gradient slab).
+# values, PaTH's levels (a query offset), TAPE's value columns, XL's wider queries, FIRE's MLP,
+# Shaw's table (its bands by DMA, the lane rotations, the gradient slab).
 FAMILIES = (
     "nope",
     "fox+t5",

@@ -24,6 +24,7 @@ stick-breaking, CoPE, selective attention, Shaw's tables and the query offset wi
 terms: the forward (``tpu_forward``), the backward (``tpu_dq``, ``tpu_backward``), the online
 softmax the softmax and selective forwards share (``tpu_softmax``), stick-breaking's, CoPE's
 and Shaw's parts (``tpu_stick``, ``tpu_cope``, ``tpu_relative``), per-query rows
-(``tpu_rows``) and their layouts, grid and VMEM budget (``tpu_params``). This package imports only ``copejax.ops`` and
-JAX; the schemes' terms are built by the model layer (``copejax.model.kernel_terms``).
+(``tpu_rows``) and their layouts, grid and VMEM budget (``tpu_params``). This package imports
+only ``copejax.ops`` and JAX; the schemes' terms are built by the model layer
+(``copejax.model.kernel_terms``).
 """

@@ -95,6 +95,11 @@ SCAN_SCHEMES = ("stickbreaking", "cope")
 # memory, fewer and longer dk / dv programs), one per key tile beside it (O(T^2 / 64), one
 # program per key tile: copejax.ops.kernels.carry_groups).
 PER_TILE_CARRIES = {**KERNEL, "kernel_carry_groups": 2**30}
+# And the softmax kernels' full pairs (every entry allowed: below the diagonal, one segment,
+# inside any window) without the mask's compares and selects by default, masked beside it:
+# 42-45% fewer non-matrix instructions per full pair in nope's PTX (kernel_ptx.md).
+MASKED_TILES = {**KERNEL, "kernel_full_tiles": False}
+MASKED_TILES_SCHEMES = ("nope", "alibi", "t5", "fox")
 LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
@@ -149,7 +154,8 @@ def warps_arms() -> tuple:
     """Each kernel scheme with the default warps and with 8, the schemes with within-tile
     sums with those as tensor-core matmuls instead of prefix sums
     (``copejax.ops.kernels.triton_params.scan_for_tracing``) and those with a carry
-    checkpoint per key tile (``PER_TILE_CARRIES``), beside cuDNN's nope."""
+    checkpoint per key tile (``PER_TILE_CARRIES``), and nope's, ALiBi's, T5's and FoX's with
+    every pair masked (``MASKED_TILES``), beside cuDNN's nope."""
     arms = [("dpa", "dpa", {})]
     for scheme in WARPS_SCHEMES:
         arms.append((f"{scheme} kernel", scheme, KERNEL))
@@ -158,6 +164,8 @@ def warps_arms() -> tuple:
             arms.append((f"{scheme} kernel matmul sums", scheme, {**KERNEL, "kernel_scan": False}))
         if scheme in SCAN_SCHEMES:
             arms.append((f"{scheme} kernel per-tile carries", scheme, PER_TILE_CARRIES))
+        if scheme in MASKED_TILES_SCHEMES:
+            arms.append((f"{scheme} kernel masked tiles", scheme, MASKED_TILES))
     return tuple(arms)
 
 

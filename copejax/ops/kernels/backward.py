@@ -69,9 +69,8 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     def pair(q_QH: jax.Array, kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             dq_QH, dqv = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_KH, k_pos_K = k_ref[keys, :], kpos_ref[keys]
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
@@ -89,8 +88,8 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             return dq_QH, pull_query_values(plan, ds_QK, inputs, dqv)
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state)
 
     first, end = plan.key_tiles(qi)
     dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
@@ -119,7 +118,13 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         )
 
     key_tile_program(
-        refs, plan=plan, has=has, num_term_refs=num_term_refs, num_extra=0, grads=grads
+        refs,
+        plan=plan,
+        has=has,
+        num_term_refs=num_term_refs,
+        num_extra=0,
+        grads=grads,
+        mask_free=True,
     )
 
 

@@ -46,21 +46,22 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             max_Q, sum_Q, acc_QW = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
+            p_QK = jnp.exp(s_QK - new_max_Q[:, None])
+            if allowed_QK is not None:
+                p_QK = jnp.where(allowed_QK, p_QK, 0.0)
             rescale_Q = jnp.exp(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return new_max_Q, sum_Q * rescale_Q + jnp.sum(p_QK, axis=1), acc_QW
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state)
 
     first, end = plan.key_tiles(qi)
     init = (

@@ -34,7 +34,8 @@ class QueryTile(NamedTuple):
     Attributes:
       rows: the tile's slice of the per-query refs (lse, D, carries).
       q_QH, do_QW: its queries and output cotangents.
-      allowed_QK: the pair's mask.
+      allowed_QK: the pair's mask, or None where every entry is allowed (with
+        ``mask_free``, :meth:`copejax.ops.kernels.tiles.Plan.run_pair`).
       inputs: (params, q values, k values, q positions, k positions), as
         :func:`copejax.ops.kernels.tiles.scores_QK` reads them.
     """
@@ -42,7 +43,7 @@ class QueryTile(NamedTuple):
     rows: pl.Slice
     q_QH: jax.Array
     do_QW: jax.Array
-    allowed_QK: jax.Array
+    allowed_QK: jax.Array | None
     inputs: tuple
 
 
@@ -59,13 +60,15 @@ def key_tile_program(
     num_extra: int,
     grads: PairGrads,
     kj: jax.Array | None = None,
+    mask_free: bool = False,
 ) -> None:
     """The dk / dv kernel body for refs (q, k, v, dO, lse, D, the five int refs, the terms'
     refs, ``num_extra`` refs of the kernel's own, then the outputs dk, dv, the terms' per-key
     gradients and parameter partial sums); ``grads`` gives each pair's W and dS. One key
     tile: the program's (its refs' blocks are the tile's), or ``kj`` of whole-row refs
     (keys, key ints and per-key outputs (S, ...), parameter sums (count_k, P): a program that
-    walks several key tiles, stick-breaking's carry groups)."""
+    walks several key tiles, stick-breaking's carry groups). ``mask_free``: ``grads`` takes
+    a tile whose mask is None (every entry allowed) on full pairs."""
     q_ref, k_ref, v_ref, do_ref = refs[:4]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
@@ -88,9 +91,8 @@ def key_tile_program(
         queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
         q_seg_Q = qseg_ref[queries]
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             dk_KH, dv_KW, dkv, dparams = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             q_QH, do_QW, q_pos_Q = q_ref[queries, :], do_ref[queries, :], qpos_ref[queries]
             q_values = [None if r is None else r[queries] for r in qv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
@@ -101,8 +103,8 @@ def key_tile_program(
             dkv, dparams = pull_key_values_and_params(plan, ds_QK, inputs, dkv, dparams)
             return dk_KH, dv_KW, dkv, dparams
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state, mask_free=mask_free)
 
     first, end = plan.query_tiles(kj)
     sum_refs = (dkv_refs, dp_refs)

@@ -10,6 +10,9 @@ Shape letters: B batch, T tokens.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +21,22 @@ from copejax.ops.kernels.tpu_params import LANES
 
 MIN_BLOCK = 16  # Triton's smallest matmul tile
 NOT_A_SINK = 2**30  # the rank given to padding keys
+_FULL_TILES: list[bool] = []  # full_tiles_for_tracing's stack
+
+
+@contextlib.contextmanager
+def full_tiles_for_tracing(full_tiles: bool | None) -> Iterator[None]:
+    """Plans made inside run full pairs without the mask (True, the default) or masked like
+    every other pair (False; None: the default): the GPU benchmark's lever
+    (``Plan.full_tiles``), which only a GPU can say pays."""
+    if full_tiles is None:
+        yield
+        return
+    _FULL_TILES.append(full_tiles)
+    try:
+        yield
+    finally:
+        _FULL_TILES.pop()
 
 
 def check_window(window: int | None) -> None:
@@ -59,6 +78,7 @@ def tiled_plan(
     if interpret is None:
         interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
+    fields.setdefault("full_tiles", _FULL_TILES[-1] if _FULL_TILES else True)
     return Plan(
         size_q=size_q,
         size_k=size_k,

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,6 +50,11 @@ class Plan:
         a later block of queries against an earlier block of keys
         (:mod:`copejax.ops.kernels.offset`; PaTH's levels), whose rows are parts of larger
         softmaxes. Every method that takes a query tile or its first row adds it.
+      full_tiles: the GPU softmax kernels (:mod:`copejax.ops.kernels.forward`,
+        :mod:`~copejax.ops.kernels.backward`) run a pair whose every (query, key) is allowed
+        (:meth:`full`) without the mask's (Q, K) compares and selects; False: every live
+        pair masked (a benchmark lever, :func:`~copejax.ops.kernels.padding.
+        full_tiles_for_tracing`).
       carry_starts: stick-breaking's carry groups on a GPU
         (:mod:`copejax.ops.kernels.carry_groups`): each group's first key tile, then
         count_k; () elsewhere.
@@ -68,6 +74,7 @@ class Plan:
     cope: Any = None
     backend: str = "triton"
     q_offset: int = 0
+    full_tiles: bool = True
     carry_starts: tuple[int, ...] = ()
 
     @property
@@ -179,6 +186,43 @@ class Plan:
             live &= near
         return live
 
+    def full(
+        self,
+        q_first: jax.Array,
+        k_first: jax.Array,
+        q_segments_Q: jax.Array,
+        k_segments_K: jax.Array,
+    ) -> jax.Array:
+        """Whether every (query, key) of the pair is allowed: every key at or before the
+        first query (before it without ``include_self``), one segment for all of them, and
+        with a window every key inside every query's band. A boolean scalar; ``q_first`` the
+        query tile's first row. Padding never makes a full pair (its segment ids are its
+        own)."""
+        q_first = self.token(q_first)
+        k_last = k_first + self.size_k - 1
+        full = k_last <= q_first if self.include_self else k_last < q_first
+        segment = jnp.min(q_segments_Q)
+        full &= jnp.max(q_segments_Q) == segment
+        full &= (jnp.min(k_segments_K) == segment) & (jnp.max(k_segments_K) == segment)
+        if self.window is not None:
+            full &= q_first + self.size_q - 1 - k_first < self.window
+        return full
+
+    def run_pair(
+        self, mask_args: tuple, compute: Callable, state: Any, *, mask_free: bool = True
+    ) -> Any:
+        """``compute(state, allowed_QK)`` on a live pair, ``state`` unchanged on a dead one
+        (``lax.cond``): ``mask_args`` = (first query row, first key, segment ids (Q,) and
+        (K,), ranks (K,)). With ``full_tiles`` and ``mask_free`` (``compute`` takes None) a
+        full pair (:meth:`full`) passes None for the mask: every entry allowed, its compares
+        and selects skipped."""
+        masked = lambda s: compute(s, self.allowed_QK(*mask_args))
+        body = masked
+        if self.full_tiles and mask_free:
+            full = self.full(*mask_args[:4])
+            body = lambda s: jax.lax.cond(full, lambda t: compute(t, None), masked, s)
+        return jax.lax.cond(self.live(*mask_args), body, lambda s: s, state)
+
     def allowed_QK(
         self,
         q_first: jax.Array,
@@ -227,7 +271,8 @@ def scores_QK(
     allowed_QK: jax.Array,
     term_inputs: tuple[list, list, list, jax.Array, jax.Array],
 ) -> jax.Array:
-    """Content logits plus every term's bias on allowed pairs, MASKED_LOGIT elsewhere.
+    """Content logits plus every term's bias on allowed pairs, MASKED_LOGIT elsewhere
+    (``allowed_QK`` None: every pair allowed, :meth:`Plan.run_pair`).
 
     ``term_inputs``: (params, q values, k values, q positions, k positions) of the tile.
     """
@@ -235,17 +280,19 @@ def scores_QK(
     if plan.biases:
         arrays, positions = term_inputs[:3], term_inputs[3:]
         scores = scores + tile_bias_QK(plan.biases, arrays, *positions)
-    return jnp.where(allowed_QK, scores, MASKED_LOGIT)
+    return scores if allowed_QK is None else jnp.where(allowed_QK, scores, MASKED_LOGIT)
 
 
 def softmax_ds(
     s_QK: jax.Array, allowed_QK: jax.Array, lse_Q: jax.Array, dp_QK: jax.Array, delta_Q: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a pair from its scores, FlashAttention-2's backward: ``P = exp(s - L)`` on
-    allowed pairs, ``dS = P (dP - D)``; float32 (Q, K), the per-query L and D as (Q,) (the
-    GPU kernels) or (Q, 1) columns (the TPU's)."""
+    allowed pairs (``allowed_QK`` None: all), ``dS = P (dP - D)``; float32 (Q, K), the
+    per-query L and D as (Q,) (the GPU kernels) or (Q, 1) columns (the TPU's)."""
     lse_Q1, delta_Q1 = (x if x.ndim == 2 else x[:, None] for x in (lse_Q, delta_Q))
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - lse_Q1), 0.0)
+    p_QK = jnp.exp(s_QK - lse_Q1)
+    if allowed_QK is not None:
+        p_QK = jnp.where(allowed_QK, p_QK, 0.0)
     return p_QK, p_QK * (dp_QK - delta_Q1)
 
 

@@ -200,6 +200,23 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
     for scheme in ("stickbreaking", "cope"):
         assert arms[f"{scheme} kernel per-tile carries"]["kernel_carry_groups"] >= 2**20
     assert "fox kernel per-tile carries" not in arms
+    # the full pairs' lever: nope's, ALiBi's and FoX's kernels with every pair masked
+    assert arms["alibi kernel masked tiles"] == {
+        "attention_impl": "kernel",
+        "kernel_full_tiles": False,
+    }
+    assert "cope kernel masked tiles" not in arms
+    from copejax.ops.kernels.padding import full_tiles_for_tracing, tiled_plan
+
+    fields = {"window": None, "sink_tokens": 0, "groups": 1, "biases": ()}
+    plan = lambda: tiled_plan(
+        64, block_q=16, block_k=16, backend="triton", interpret=True, **fields
+    )
+    with full_tiles_for_tracing(False):
+        assert not plan().full_tiles
+        with full_tiles_for_tracing(None):
+            assert not plan().full_tiles
+    assert plan().full_tiles
     from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
 
     with scan_for_tracing(False):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
+from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm, pair_grid, table_lookup
 from copejax.ops.kernels.tiles import Plan
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
@@ -159,13 +161,14 @@ def test_tile_walks_skip_exactly_the_empty_pairs(
     """The forward / dq walks (key tiles of a query tile) and the dk / dv walks (query tiles
     of a key tile) compute the same tile pairs: those that meet the causal band (and the
     window's, or hold a sink) and whose segment ranges meet. So no pair with an allowed
-    entry is skipped, and pairs outside the window's band or across segments are. With a
+    entry is skipped, and pairs outside the window's band or across segments are. A pair
+    the kernels run without the mask (``Plan.full``) has every entry allowed. With a
     query offset (:mod:`copejax.ops.kernels.offset`) query row r is token ``offset + r``."""
     plan = Plan(16, 8, (80 - offset) // 16, 10, window, sinks, 1, (), True, q_offset=offset)
     segments = np.r_[[0] * 30, [1] * 25, [2] * 25].astype(np.int32)
     rank = np.r_[np.arange(30), np.arange(25), np.arange(25)].astype(np.int32)
     allowed = mask_BTS(segments[None], window, sinks, rank[None])[0]
-    skipped = 0
+    skipped, full = 0, 0
     for qi in range(plan.count_q):
         first, end = (int(x) for x in plan.key_tiles(jnp.int32(qi)))
         for kj in range(plan.count_k):
@@ -185,7 +188,45 @@ def test_tile_walks_skip_exactly_the_empty_pairs(
                 assert live
                 np.testing.assert_array_equal(plan.allowed_QK(*args), allowed[np.ix_(qs, ks)])
             skipped += (kj * 8 <= qs[-1]) and not live
+            if bool(plan.full(*args[:4])):
+                assert live and allowed[np.ix_(qs, ks)].all(), (qi, kj)
+                full += 1
+            elif sinks == 0:  # with sinks a pair may be all allowed through them
+                assert not allowed[np.ix_(qs, ks)].all(), (qi, kj)
     assert skipped > 0  # segment 2's queries skip segment 0's keys at least
+    # no (16, 8) pair fits inside a window of 9
+    assert (full > 0) == (window is None or window >= 16 + 8 - 1)
+
+
+def _kernel_matmuls(jaxpr: jax.extend.core.Jaxpr, in_kernel: bool = False) -> int:
+    """How many dot_generals the jaxpr's kernels (pallas_call bodies) hold, loops and
+    branches included."""
+    found = sum(in_kernel and eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns)
+    for eqn in jaxpr.eqns:
+        inside = in_kernel or eqn.primitive.name == "pallas_call"
+        subs = jax.extend.core.jaxprs_in_params(eqn.params)
+        found += sum(_kernel_matmuls(sub, inside) for sub in subs)
+    return found
+
+
+def test_full_pairs_run_without_the_mask_to_the_same_values() -> None:
+    """Row 0 is one document, so its pairs below the diagonal are full (``Plan.full``): the
+    GPU softmax kernels run them in a second body, without the mask's compares and selects
+    (twice the matmuls in the kernels' jaxprs). Masking every pair instead (the benchmark's
+    lever) gives the same values and gradients."""
+    x = _inputs(jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, N, H)), jnp.float32)
+    run = functools.partial(_kernel, window=None, sinks=0)
+    outs, matmuls = [], []
+    for full in (True, False):
+        with full_tiles_for_tracing(full):
+            y, pull = jax.vjp(run, x)
+            outs.append((y, pull(cot)[0]))
+            loss = lambda x: jnp.sum(run(x) * cot)
+            matmuls.append(_kernel_matmuls(jax.make_jaxpr(jax.grad(loss))(x).jaxpr))
+    assert matmuls == [18, 9]  # forward 2, dq 3 and dk / dv 4 per pair, once or twice
+    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        assert_close(got, want, dtype="float32", summands=1, roundings=0)
 
 
 def test_lowers_to_triton() -> None:

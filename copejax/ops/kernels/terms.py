@@ -86,10 +86,14 @@ def tile_bias_QK(
     with respect to ``arrays`` = (params, q values, k values), a list entry per term (None
     where the term has no such array)."""
     params, q_values, k_values = arrays
-    total_QK = jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[-1]), jnp.float32)
+    total_QK = None  # not zeros plus the first: the GPU code keeps an add of 0.0 (x + 0 is
+    # not x for x = -0)
     for bias, p, qv, kv in zip(biases, params, q_values, k_values, strict=True):
         tile = TermTile(q_positions_Q, k_positions_K, qv, kv)
-        total_QK = total_QK + bias(p, tile).astype(jnp.float32)
+        bias_QK = jnp.broadcast_to(bias(p, tile).astype(jnp.float32), tile_shape(tile))
+        total_QK = bias_QK if total_QK is None else total_QK + bias_QK
+    if total_QK is None:
+        return jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[-1]), jnp.float32)
     return total_QK
 
 

@@ -42,14 +42,15 @@ from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
-from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK, softmax_ds
+from copejax.ops.kernels.tiles import LOG2E, Plan, dot_f32, scores_QK, softmax_ds
 from copejax.ops.kernels.triton_params import compiler_params
 
 
 def _pair_grads(plan: Plan, q_QH, k_KH, v_KW, *, do_QW, lse_Q, delta_Q, allowed_QK, inputs):
     """(P, dS) of one pair, float32 (Q, K); ``inputs`` as :func:`scores_QK` reads them."""
-    s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-    return softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
+    s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs, unit=LOG2E)  # as the forward's
+    dp_QK = dot_f32(do_QW, v_KW, (1, 1))
+    return softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, log2=True)
 
 
 def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:

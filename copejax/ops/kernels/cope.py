@@ -54,7 +54,7 @@ from copejax.ops.kernels.cope_terms import (
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32, exp_gpu
 from copejax.ops.kernels.triton_params import gpu_scan
 
 __all__ = [  # CopeStatic and CopeTerm live with the term's maths; callers import them here
@@ -249,8 +249,8 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
                 gk_KH=None if gk_ref is None else gk_ref[keys, :],
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
-            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            p_QK = jnp.where(allowed_QK, exp_gpu(s_QK - new_max_Q[:, None]), 0.0)
+            rescale_Q = exp_gpu(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             sum_Q = sum_Q * rescale_Q + jnp.sum(p_QK, axis=1)

@@ -64,6 +64,7 @@ from copejax.ops.kernels.tiles import (
     Plan,
     content_logits_QK,
     dot_f32,
+    exp_gpu,
     softmax_ds,
 )
 from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
@@ -147,7 +148,8 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             logits_QK = content_logits_QK(q_QH, k_KH)
             primals = (logits_QK, q_QH, c_Q, q_values, (table_QR, others))
             (s_QK, total_Q), pull = jax.vjp(scores, *primals)
-            _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dot_f32(do_QW, v_KW, (1, 1)), delta_Q)
+            dp_QK = dot_f32(do_QW, v_KW, (1, 1))
+            _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, exp=exp_gpu)
             # the gate total's cotangent X enters below, by SM (module docstring)
             d_logits, d_q, d_c, d_qv, d_term = pull((ds_QK, jnp.zeros_like(total_Q)))
             d_logits = (d_logits * scale).astype(k_KH.dtype)
@@ -273,11 +275,15 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                     s_QK, pull_scores = jax.vjp(
                         lambda lg, b: scores(lg, p_QK, b), logits_QK, bias_QK
                     )
-                    probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+                    probs_QK, ds_QK = softmax_ds(
+                        s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, exp=exp_gpu
+                    )
                     d_logits, d_bias_QK = pull_scores(ds_QK)
                 else:
                     s_QK, pull_scores = jax.vjp(scores, logits_QK, p_QK, bias_QK)
-                    probs_QK, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+                    probs_QK, ds_QK = softmax_ds(
+                        s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, exp=exp_gpu
+                    )
                     d_logits, d_pos_QK, d_bias_QK = pull_scores(ds_QK)
                     cap = static.p_max - 1.0
                     d_c_Q = jnp.sum(d_pos_QK * capped_weight(uncapped_QK, cap), axis=1)

@@ -26,7 +26,7 @@ from copejax.ops.kernels.operands import (
     term_refs,
 )
 from copejax.ops.kernels.stick import stick_forward_kernel
-from copejax.ops.kernels.tiles import Plan, dot_f32, scores_QK
+from copejax.ops.kernels.tiles import LOG2E, Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
 
 
@@ -50,12 +50,12 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             max_Q, sum_Q, acc_QW = state
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
-            s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
+            s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs, unit=LOG2E)
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.exp(s_QK - new_max_Q[:, None])
+            p_QK = jnp.exp2(s_QK - new_max_Q[:, None])
             if allowed_QK is not None:
                 p_QK = jnp.where(allowed_QK, p_QK, 0.0)
-            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            rescale_Q = jnp.exp2(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return new_max_Q, sum_Q * rescale_Q + jnp.sum(p_QK, axis=1), acc_QW
@@ -75,7 +75,8 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
     # A query with no allowed key (padding) gets 0 (or with a query offset MASKED_LOGIT): the
     # backward's weights there are 0.
-    lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), plan.unseen_lse)
+    lse_Q = max_Q * (1.0 / LOG2E) + jnp.log(safe_sum_Q)  # the max in log2 units
+    lse_ref[...] = jnp.where(seen_Q, lse_Q, plan.unseen_lse)
 
 
 def forward_call(

@@ -27,7 +27,14 @@ from copejax.ops.kernels.relative import (
     relative_term_QK,
 )
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32, softmax_ds
+from copejax.ops.kernels.tiles import (
+    MASKED_LOGIT,
+    Plan,
+    content_logits_QK,
+    dot_f32,
+    exp_gpu,
+    softmax_ds,
+)
 
 
 def _scores_QK(
@@ -72,8 +79,8 @@ def relative_forward_kernel(*refs, plan: Plan, static: RelativeStatic, has: tupl
                 plan, static, q_QH, k_ref[keys, :], table_ref=table_ref, rows=rows, inputs=inputs
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
-            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            p_QK = jnp.where(allowed_QK, exp_gpu(s_QK - new_max_Q[:, None]), 0.0)
+            rescale_Q = exp_gpu(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return new_max_Q, sum_Q * rescale_Q + jnp.sum(p_QK, axis=1), acc_QW
@@ -120,7 +127,7 @@ def relative_dq_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, n:
                 plan, static, q_QH, k_KH, table_ref=table_ref, rows=rows, inputs=inputs
             )
             dp_QK = dot_f32(do_QW, v_KW, (1, 1))
-            _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q)
+            _, ds_QK = softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, exp=exp_gpu)
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             dq_QH = dq_QH + relative_grads(
                 static, q_QH, table_ref, rows, de_ref=de_ref, ds_QK=ds_QK
@@ -154,6 +161,6 @@ def relative_dkdv_kernel(*refs, plan: Plan, static: RelativeStatic, has: tuple, 
         )
         dp_QK = dot_f32(tile.do_QW, v_KW, (1, 1))
         lse_Q, delta_Q = lse_ref[tile.rows], delta_ref[tile.rows]
-        return softmax_ds(s_QK, tile.allowed_QK, lse_Q, dp_QK, delta_Q)
+        return softmax_ds(s_QK, tile.allowed_QK, lse_Q, dp_QK, delta_Q, exp=exp_gpu)
 
     key_tile_program(refs, plan=plan, has=has, num_term_refs=n, num_extra=1, grads=grads)

@@ -59,6 +59,7 @@ from copejax.ops.kernels.tiles import (
     Plan,
     content_logits_QK,
     dot_f32,
+    exp_gpu,
 )
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
@@ -138,8 +139,8 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
                 scan=gpu_scan(),
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q[:, None]), 0.0)
-            rescale_Q = jnp.exp(max_Q - new_max_Q)
+            p_QK = jnp.where(allowed_QK, exp_gpu(s_QK - new_max_Q[:, None]), 0.0)
+            rescale_Q = exp_gpu(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return new_max_Q, sum_Q * rescale_Q + jnp.sum(p_QK, axis=1), acc_QW

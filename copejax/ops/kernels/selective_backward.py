@@ -73,7 +73,7 @@ from copejax.ops.kernels.selective_tiles import (
     term_bias,
 )
 from copejax.ops.kernels.terms import pair_grid
-from copejax.ops.kernels.tiles import Plan, content_logits_QK, dot_f32, softmax_ds
+from copejax.ops.kernels.tiles import Plan, content_logits_QK, dot_f32, exp_gpu, softmax_ds
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
 
@@ -101,7 +101,7 @@ def pair_gradients(
         nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan
     )
     dp_QK = dot_f32(do_QW, v_KW, (1, 1))
-    p_QK, ds_QK = softmax_ds(scores_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1)
+    p_QK, ds_QK = softmax_ds(scores_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1, exp=exp_gpu)
     g_QK = r_1K - newer_sum_QK(ds_QK, scan)  # dF = -dS
     scale = 1.0 / math.sqrt(q_QH.shape[-1])
     return p_QK, ds_QK, g_QK * selection_slope_QK(s_QK, nonlinearity) * scale, s_QK

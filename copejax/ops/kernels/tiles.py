@@ -26,6 +26,10 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.terms import TileBias, pair_grid, tile_bias_QK
 
 MASKED_LOGIT = -1e30
+# Scores times LOG2E are in log2 units: exp(s) = exp2(LOG2E s). The GPU softmax kernels
+# keep them so (the scale folded into one multiply) because jnp.exp lowers to libdevice's
+# accurate expf, about six instructions a value, and exp2 to one ex2.approx.
+LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +260,13 @@ def _div(a: jax.Array, b: int) -> jax.Array:
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.int32(b))
 
 
-def content_logits_QK(q_QH: jax.Array, k_KH: jax.Array) -> jax.Array:
-    """q . k / sqrt(H) in float32 (the inputs' dtype into the matmul, float32 out)."""
+def content_logits_QK(q_QH: jax.Array, k_KH: jax.Array, unit: float = 1.0) -> jax.Array:
+    """q . k / sqrt(H) in float32 (the inputs' dtype into the matmul, float32 out), times
+    ``unit`` in the same multiply (:data:`LOG2E`: in log2 units)."""
     logits_QK = jax.lax.dot_general(
         q_QH, k_KH, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
-    return logits_QK * (1.0 / math.sqrt(q_QH.shape[-1]))
+    return logits_QK * (unit / math.sqrt(q_QH.shape[-1]))
 
 
 def scores_QK(
@@ -270,27 +275,50 @@ def scores_QK(
     k_KH: jax.Array,
     allowed_QK: jax.Array,
     term_inputs: tuple[list, list, list, jax.Array, jax.Array],
+    *,
+    unit: float = 1.0,
 ) -> jax.Array:
-    """Content logits plus every term's bias on allowed pairs, MASKED_LOGIT elsewhere
-    (``allowed_QK`` None: every pair allowed, :meth:`Plan.run_pair`).
+    """Content logits plus every term's bias on allowed pairs, times ``unit``
+    (:data:`LOG2E`: in log2 units), MASKED_LOGIT elsewhere (``allowed_QK`` None: every pair
+    allowed, :meth:`Plan.run_pair`).
 
     ``term_inputs``: (params, q values, k values, q positions, k positions) of the tile.
     """
-    scores = content_logits_QK(q_QH, k_KH)
+    scores = content_logits_QK(q_QH, k_KH, unit)
     if plan.biases:
         arrays, positions = term_inputs[:3], term_inputs[3:]
-        scores = scores + tile_bias_QK(plan.biases, arrays, *positions)
+        bias_QK = tile_bias_QK(plan.biases, arrays, *positions)
+        scores = scores + (bias_QK if unit == 1.0 else bias_QK * unit)
     return scores if allowed_QK is None else jnp.where(allowed_QK, scores, MASKED_LOGIT)
 
 
+def exp_gpu(x: jax.Array) -> jax.Array:
+    """``exp(x)`` as the GPU kernels' bodies take it: ``exp2(LOG2E x)``, a multiply and one
+    ex2.approx (relative error about 2^-22), where ``jnp.exp`` lowers to libdevice's
+    accurate expf, about six instructions a value."""
+    return jnp.exp2(x * LOG2E)
+
+
 def softmax_ds(
-    s_QK: jax.Array, allowed_QK: jax.Array, lse_Q: jax.Array, dp_QK: jax.Array, delta_Q: jax.Array
+    s_QK: jax.Array,
+    allowed_QK: jax.Array,
+    lse_Q: jax.Array,
+    dp_QK: jax.Array,
+    delta_Q: jax.Array,
+    *,
+    log2: bool = False,
+    exp: Callable[[jax.Array], jax.Array] = jnp.exp,
 ) -> tuple[jax.Array, jax.Array]:
     """(P, dS) of a pair from its scores, FlashAttention-2's backward: ``P = exp(s - L)`` on
     allowed pairs (``allowed_QK`` None: all), ``dS = P (dP - D)``; float32 (Q, K), the
-    per-query L and D as (Q,) (the GPU kernels) or (Q, 1) columns (the TPU's)."""
+    per-query L and D as (Q,) (the GPU kernels) or (Q, 1) columns (the TPU's). ``log2``:
+    the scores are in log2 units (:data:`LOG2E`), L is not; else ``exp`` (:func:`exp_gpu`
+    in the GPU kernels)."""
     lse_Q1, delta_Q1 = (x if x.ndim == 2 else x[:, None] for x in (lse_Q, delta_Q))
-    p_QK = jnp.exp(s_QK - lse_Q1)
+    if log2:
+        p_QK = jnp.exp2(s_QK - lse_Q1 * LOG2E)
+    else:
+        p_QK = exp(s_QK - lse_Q1)
     if allowed_QK is not None:
         p_QK = jnp.where(allowed_QK, p_QK, 0.0)
     return p_QK, p_QK * (dp_QK - delta_Q1)

@@ -37,6 +37,7 @@ letters as in :mod:`copejax.ops.kernels.forward`; P the table rows (p_max).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -54,7 +55,14 @@ from copejax.ops.kernels.cope_terms import (
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.stick import tile_sum, tile_sum_vjp
 from copejax.ops.kernels.terms import tile_bias_QK
-from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, dot_f32, exp_gpu
+from copejax.ops.kernels.tiles import (
+    MASKED_LOGIT,
+    Plan,
+    content_logits_QK,
+    dot_f32,
+    exp_gpu,
+    sigmoid_gpu,
+)
 from copejax.ops.kernels.triton_params import gpu_scan
 
 __all__ = [  # CopeStatic and CopeTerm live with the term's maths; callers import them here
@@ -78,6 +86,7 @@ def cope_scores_QK(
     gk_KH: jax.Array | None = None,
     backward: bool = False,
     scan: bool = False,
+    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
 ) -> tuple[jax.Array, jax.Array]:
     """(the content logits plus CoPE's term, the tile's gate total per query) of one pair,
     given its content logits, the term's queries' table and other parameters (``term``,
@@ -86,7 +95,8 @@ def cope_scores_QK(
     logits); float32. The kernels take the logits' cotangent through the content matmul
     themselves, in the inputs' dtype; ``backward``: they differentiate it (the gates among
     its inputs unless they are unit gates); ``scan``: the within-tile count by prefix sums
-    (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`). The two stages
+    (the GPU kernels, :func:`copejax.ops.kernels.triton_params.gpu_scan`); ``sigmoid``: the
+    gates' (the GPU kernels: :func:`~copejax.ops.kernels.tiles.sigmoid_gpu`). The two stages
     :func:`cope_positions_QK` and :func:`cope_table_term_QK`."""
     p_QK, total_Q, _ = cope_positions_QK(
         static,
@@ -97,6 +107,7 @@ def cope_scores_QK(
         gk_KH=gk_KH,
         backward=backward,
         scan=scan,
+        sigmoid=sigmoid,
     )
     term_QK = cope_table_term_QK(static, *term, p_QK, q_QH.shape[-1], backward=backward)
     return logits_QK + term_QK, total_Q
@@ -112,6 +123,7 @@ def cope_positions_QK(
     gk_KH: jax.Array | None = None,
     backward: bool = False,
     scan: bool = False,
+    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the capped positions p, the gate total, the uncapped ``sum_{k >= j} g_ik + c_i``)
     of one pair (arguments as :func:`cope_scores_QK`'s)."""
@@ -119,7 +131,7 @@ def cope_positions_QK(
         gates_QK = allowed_QK.astype(jnp.float32)
     else:
         gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
-        gates_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits), 0.0)
+        gates_QK = jnp.where(allowed_QK, sigmoid(gate_logits), 0.0)
     sum_newer = tile_sum_vjp if backward and not static.unit_gates else tile_sum
     within_QK = sum_newer(gates_QK, True, scan)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
@@ -201,6 +213,7 @@ def pair_scores(
         gk_KH=gk_KH,
         backward=backward,
         scan=gpu_scan() and plan.backend == "triton",
+        sigmoid=sigmoid_gpu if plan.backend == "triton" else jax.nn.sigmoid,
     )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])

@@ -33,6 +33,7 @@ O(groups x T) floats per head. Shape letters as in :mod:`copejax.ops.kernels.for
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ from copejax.ops.kernels.tiles import (
     content_logits_QK,
     dot_f32,
     exp_gpu,
+    sigmoid_gpu,
     softmax_ds,
 )
 from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
@@ -76,16 +78,19 @@ def gate_pull_QH(
     k_KH: jax.Array,
     gk_KH: jax.Array | None,
     allowed_QK: jax.Array,
+    *,
+    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
 ) -> jax.Array:
     """M: what a unit cotangent of each query's gate total gives its dq, float32 (Q, H):
     ``sum_j g_ij (1 - g_ij)`` times the gate logit's gradient in q (``k_j / sqrt(H)``, or the
-    gate keys'), rounded as the dq kernel rounds the logits' cotangent."""
+    gate keys'), rounded as the dq kernel rounds the logits' cotangent; ``sigmoid``: the
+    gates' (the GPU kernels: :func:`~copejax.ops.kernels.tiles.sigmoid_gpu`)."""
     if gk_KH is None:
-        g_QK = jnp.where(allowed_QK, jax.nn.sigmoid(logits_QK), 0.0)
+        g_QK = jnp.where(allowed_QK, sigmoid(logits_QK), 0.0)
         scale = 1.0 / math.sqrt(q_QH.shape[-1])
         return dot_f32((g_QK * (1.0 - g_QK) * scale).astype(k_KH.dtype), k_KH, (1, 0))
     gate_logits_QK_, pull = jax.vjp(lambda q: gate_logits_QK(q, gk_KH), q_QH)
-    g_QK = jnp.where(allowed_QK, jax.nn.sigmoid(gate_logits_QK_), 0.0)
+    g_QK = jnp.where(allowed_QK, sigmoid(gate_logits_QK_), 0.0)
     return pull(g_QK * (1.0 - g_QK))[0].astype(jnp.float32)
 
 
@@ -156,7 +161,9 @@ def cope_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             d_q = d_q.astype(jnp.float32) + dot_f32(d_logits, k_KH, (1, 0))
             d_q = d_q + d_c[:, None] * sm_QH
             if not static.unit_gates:
-                sm_QH = sm_QH + gate_pull_QH(logits_QK, q_QH, k_KH, gk_KH, allowed_QK)
+                sm_QH = sm_QH + gate_pull_QH(
+                    logits_QK, q_QH, k_KH, gk_KH, allowed_QK, sigmoid=sigmoid_gpu
+                )
             dqv = add_present(dqv, d_qv)
             table_sums = jax.tree.map(jnp.add, table_sums, d_term)
             return dq_QH + d_q, dqv, c_Q + total_Q, s_Q + d_c, sm_QH, table_sums, group
@@ -244,6 +251,7 @@ def cope_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                         gk_KH=gk_KH,
                         backward=not unit,
                         scan=scan,
+                        sigmoid=sigmoid_gpu,
                     )
                     return (p_QK, total_Q), uncapped_QK
 

@@ -60,6 +60,7 @@ from copejax.ops.kernels.tiles import (
     content_logits_QK,
     dot_f32,
     exp_gpu,
+    sigmoid_gpu,
 )
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
@@ -97,7 +98,7 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
         def compute(acc_K: jax.Array) -> jax.Array:
             keep = keep_QK(q_first, k_first, qseg_ref[queries], k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity), axis=0)
+            return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity, sigmoid_gpu), axis=0)
 
         def band(acc_K: jax.Array) -> jax.Array:  # a query tile (qi < count_q) that sees kj
             live = selection_live(plan, q_first, k_first, qseg_ref[queries], k_seg_K)
@@ -137,6 +138,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
                 allowed_QK,
                 bias_QK=bias_QK,
                 scan=gpu_scan(),
+                sigmoid=sigmoid_gpu,
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.where(allowed_QK, exp_gpu(s_QK - new_max_Q[:, None]), 0.0)

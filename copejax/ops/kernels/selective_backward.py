@@ -73,7 +73,14 @@ from copejax.ops.kernels.selective_tiles import (
     term_bias,
 )
 from copejax.ops.kernels.terms import pair_grid
-from copejax.ops.kernels.tiles import Plan, content_logits_QK, dot_f32, exp_gpu, softmax_ds
+from copejax.ops.kernels.tiles import (
+    Plan,
+    content_logits_QK,
+    dot_f32,
+    exp_gpu,
+    sigmoid_gpu,
+    softmax_ds,
+)
 from copejax.ops.kernels.triton_params import compiler_params, gpu_scan
 
 
@@ -98,7 +105,14 @@ def pair_gradients(
     lse_Q, delta_Q, r_K = stats
     (lse_Q1, r_1K), (delta_Q1, _) = pair_grid(lse_Q, r_K), pair_grid(delta_Q, r_K)
     scores_QK, s_QK = penalized_scores_QK(
-        nonlinearity, q_QH, k_KH, selectors, allowed_QK, bias_QK=bias_QK, scan=scan
+        nonlinearity,
+        q_QH,
+        k_KH,
+        selectors,
+        allowed_QK,
+        bias_QK=bias_QK,
+        scan=scan,
+        sigmoid=sigmoid_gpu,
     )
     dp_QK = dot_f32(do_QW, v_KW, (1, 1))
     p_QK, ds_QK = softmax_ds(scores_QK, allowed_QK, lse_Q1, dp_QK, delta_Q1, exp=exp_gpu)
@@ -196,7 +210,7 @@ def _backward_kernel(
         def selections(state: tuple) -> tuple:  # no allowed pair, but selections: P's part
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            s_QK = selection_QK(logits_QK, keep, nonlinearity)
+            s_QK = selection_QK(logits_QK, keep, nonlinearity, sigmoid_gpu)
             return (*state[:3], state[3] + jnp.sum(s_QK, axis=0), *state[4:])
 
         def masked(state: tuple) -> tuple:
@@ -226,7 +240,9 @@ def _backward_kernel(
         def add(carry: jax.Array) -> jax.Array:
             keep = keep_QK(q_first, k_first, q_seg_Q, k_seg_K, k_starts_K)
             logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            slope_QK = selection_slope_QK(selection_QK(logits_QK, keep, nonlinearity), nonlinearity)
+            slope_QK = selection_slope_QK(
+                selection_QK(logits_QK, keep, nonlinearity, sigmoid_gpu), nonlinearity
+            )
             dqsel_QH = dot_f32(slope_QK.astype(total_KH.dtype), total_KH, (1, 0)) * scale
             pltriton.atomic_add(dq_ref, (queries, selecting, slice(None)), dqsel_QH)
             return carry

@@ -8,6 +8,8 @@ on a GPU, (Q, 1) and (1, K) on a TPU. Shape letters as in :mod:`copejax.ops.kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -53,12 +55,18 @@ def selection_live(
     return live & (jnp.max(k_segments_K) >= jnp.min(q_segments_Q))
 
 
-def selection_QK(logits_QK: jax.Array, keep_QK: jax.Array, nonlinearity: str) -> jax.Array:
-    """S of a tile from the selecting head's scaled logits, float32, zero off ``keep``."""
+def selection_QK(
+    logits_QK: jax.Array,
+    keep_QK: jax.Array,
+    nonlinearity: str,
+    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
+) -> jax.Array:
+    """S of a tile from the selecting head's scaled logits, float32, zero off ``keep``;
+    ``sigmoid``: the GPU kernels take :func:`~copejax.ops.kernels.tiles.sigmoid_gpu`."""
     if nonlinearity == "relu":
         s_QK = jnp.maximum(logits_QK, 0.0)
     else:
-        s_QK = jax.nn.sigmoid(logits_QK)
+        s_QK = sigmoid(logits_QK)
     return jnp.where(keep_QK, s_QK, 0.0)
 
 
@@ -112,16 +120,18 @@ def penalized_scores_QK(
     *,
     bias_QK: jax.Array | None = None,
     scan: bool = False,
+    sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
 ) -> tuple[jax.Array, jax.Array]:
     """(the masked scores ``q . k / sqrt(H) + bias - F``, the selection S) of one pair,
     float32 (Q, K); ``bias_QK``: the other terms' (:func:`term_bias`), or None;
-    ``scan``: F's sums over the tile's selectors as prefix sums (:func:`older_sum_QK`).
+    ``scan``: F's sums over the tile's selectors as prefix sums (:func:`older_sum_QK`);
+    ``sigmoid`` as :func:`selection_QK` takes it.
 
     ``selectors``: (the selecting head's q tile (Q, H) and k tile (K, H), keep (Q, K), the
     prefix P of this query tile at the keys, the sum over the older query tiles' selectors,
     (K,) on a GPU or (1, K) on a TPU), with ``F = P + L @ S``."""
     q_sel_QH, k_sel_KH, keep_QK, prefix_K = selectors
-    s_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity)
+    s_QK = selection_QK(content_logits_QK(q_sel_QH, k_sel_KH), keep_QK, nonlinearity, sigmoid)
     prefix = prefix_K[None, :] if prefix_K.ndim == 1 else prefix_K
     f_QK = prefix + older_sum_QK(s_QK, scan)
     scores_QK = content_logits_QK(q_QH, k_KH) - f_QK

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ from copejax.ops.kernels.pullbacks import (
 from copejax.ops.kernels.tiles import (
     Plan,
     dot_f32,
+    exp_gpu,
     highest_dot,
     pieces_dot,
     scan_sum,
@@ -135,18 +137,24 @@ def _column(x_Q: jax.Array) -> jax.Array:
 
 
 def stick_weights_QK(
-    z_QK: jax.Array, allowed_QK: jax.Array, r_Q: jax.Array, scan: bool = False
+    z_QK: jax.Array,
+    allowed_QK: jax.Array,
+    r_Q: jax.Array,
+    scan: bool = False,
+    *,
+    exp: Callable[[jax.Array], jax.Array] = jnp.exp,
 ) -> tuple:
     """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r,
     (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms); ``scan``: the
-    within-tile sums as :func:`tile_sum`'s prefix sums (the GPU kernels)."""
+    within-tile sums as :func:`tile_sum`'s prefix sums, ``exp``
+    :func:`~copejax.ops.kernels.tiles.exp_gpu` (the GPU kernels)."""
     z_QK = jnp.where(allowed_QK, z_QK, 0.0)
-    e_QK = jnp.exp(-jnp.abs(z_QK))
+    e_QK = exp(-jnp.abs(z_QK))
     log1p_QK = jnp.log1p(e_QK)
     softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
     after_QK = tile_sum(softplus_QK, False, scan)
-    a_QK = jnp.where(allowed_QK, jnp.exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
+    a_QK = jnp.where(allowed_QK, exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
     return a_QK, softplus_QK, e_QK
 
 
@@ -192,7 +200,7 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
-            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan())
+            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
@@ -239,7 +247,9 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
-            a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan())
+            a_QK, softplus_QK, e_QK = stick_weights_QK(
+                z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu
+            )
             v_KW = v_ref[keys, :]
             g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
             dz_QK = stick_dz_QK(
@@ -274,7 +284,9 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
     def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
         z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
         r_Q, u_Q = r_ref[tile.rows], u_ref[tile.rows]
-        a_QK, softplus_QK, e_QK = stick_weights_QK(z_QK, tile.allowed_QK, r_Q, gpu_scan())
+        a_QK, softplus_QK, e_QK = stick_weights_QK(
+            z_QK, tile.allowed_QK, r_Q, gpu_scan(), exp=exp_gpu
+        )
         g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
         dz_QK = stick_dz_QK(
             z_QK,

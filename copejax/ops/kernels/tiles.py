@@ -299,6 +299,20 @@ def exp_gpu(x: jax.Array) -> jax.Array:
     return jnp.exp2(x * LOG2E)
 
 
+@jax.custom_jvp
+def sigmoid_gpu(x: jax.Array) -> jax.Array:
+    """``sigmoid(x)`` as the GPU kernels' bodies take it: ``1 / (1 + exp_gpu(-x))`` (Pallas's
+    Triton lowering of ``jax.nn.sigmoid`` takes libdevice's expf), with the derivative
+    ``s (1 - s)`` of the value, as ``jax.nn.sigmoid``'s."""
+    return 1.0 / (1.0 + exp_gpu(-x))
+
+
+@sigmoid_gpu.defjvp
+def _sigmoid_gpu_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    s = sigmoid_gpu(primals[0])
+    return s, s * (1.0 - s) * tangents[0]
+
+
 def softmax_ds(
     s_QK: jax.Array,
     allowed_QK: jax.Array,

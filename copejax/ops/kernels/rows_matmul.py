@@ -9,13 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.tiles import dot_exact_f32, pieces_dot
+from copejax.ops.kernels.exact_dots import dot_exact_f32, pieces_dot
 
 
 def rows_matmul(q_QH: jax.Array, rows_RH: jax.Array) -> jax.Array:
     """q . rows^T in float32 (no TF32 for a position term): bfloat16 queries are exact in
     bfloat16, so three bfloat16 matmuls of the rows' pieces on the tensor cores
-    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`); float32 queries at HIGHEST. A kernel
+    (:func:`~copejax.ops.kernels.exact_dots.dot_exact_f32`); float32 queries at HIGHEST. A kernel
     whose queries stay put takes it once and pulls its summed cotangent back by
     :func:`rows_pullback`."""
     if q_QH.dtype == jnp.bfloat16:

@@ -21,7 +21,7 @@ two): O(T^2 / Q), no (T, S) buffer. The forward kernel is FlashAttention-2's
 (:mod:`copejax.ops.kernels.forward`) with the penalty added per pair: each program
 recomputes the selecting head's S tile from its q and k tiles (one more Q x K x H matmul)
 and ``L @ S``: three Q x Q x K bfloat16 matmuls of S split in bfloat16 pieces, exact to
-float32 (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`), on a GPU's tensor cores; one
+float32 (:func:`~copejax.ops.kernels.exact_dots.dot_exact_f32`), on a GPU's tensor cores; one
 bfloat16 or TF32 matmul would round the penalties to 3 digits. The backward is
 :mod:`copejax.ops.kernels.selective_backward`.
 

@@ -13,14 +13,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from copejax.ops.kernels.exact_dots import dot_exact_f32
 from copejax.ops.kernels.terms import pair_grid, tile_bias_QK
-from copejax.ops.kernels.tiles import (
-    MASKED_LOGIT,
-    Plan,
-    content_logits_QK,
-    dot_exact_f32,
-    scan_sum,
-)
+from copejax.ops.kernels.tiles import MASKED_LOGIT, Plan, content_logits_QK, scan_sum
 
 
 def keep_QK(

@@ -40,20 +40,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from copejax.ops.kernels.exact_dots import highest_dot, pieces_dot
 from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
-from copejax.ops.kernels.tiles import (
-    Plan,
-    dot_f32,
-    exp_gpu,
-    highest_dot,
-    pieces_dot,
-    scan_sum,
-    scores_QK,
-)
+from copejax.ops.kernels.tiles import Plan, dot_f32, exp_gpu, scan_sum, scores_QK
 from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
 
 
@@ -70,7 +63,7 @@ def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
 def tile_sum(x_QK: jax.Array, inclusive: bool, scan: bool = False) -> jax.Array:
     """Each row's sum over the newer keys of the tile (``inclusive``: and the key itself),
     ``x @ newer_ones_KK``, to float32's precision: on the tensor cores
-    (:func:`~copejax.ops.kernels.tiles.dot_exact_f32`, sums of logs: no TF32), or with
+    (:func:`~copejax.ops.kernels.exact_dots.dot_exact_f32`, sums of logs: no TF32), or with
     ``scan`` as a float32 prefix sum along the keys (``jnp.cumsum``, Triton's scan: no
     matmul, fewer live registers; Mosaic TPU lowers no cumsum), the row total minus the
     prefix. Its derivative (for CoPE's autodiff backward) is one float32 matmul at

@@ -49,6 +49,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_per_head_specs,
     tpu_terms,
+    when_live,
 )
 from copejax.ops.kernels.tpu_relative import (
     RelativeRefs,
@@ -107,8 +108,7 @@ def _dkdv_kernel(
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
-    @pl.when(live)
-    def _compute() -> None:
+    def compute(allowed_QK: jax.Array | None) -> None:  # None: a full softmax pair
         params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         terms, term_grads = (params, q_values, k_values), None
         pair_refs = (*main, qpos_ref, kpos_ref)
@@ -122,7 +122,7 @@ def _dkdv_kernel(
         elif plan.stick:
             p_QK, ds_QK, inputs, added = stick_pair(plan, pair_refs, mask_args, terms, entering)
         else:
-            p_QK, ds_QK, inputs, _ = softmax_pair(plan, pair_refs, mask_args, terms, rel)
+            p_QK, ds_QK, inputs, _ = softmax_pair(plan, pair_refs, allowed_QK, terms, rel)
         for carry, column_Q1 in zip(carries, added if carries else (), strict=True):
             add_row_at(carry, qi, column_Q1)
         q_QH, do_QW = main[0][...], main[3][...]
@@ -143,6 +143,9 @@ def _dkdv_kernel(
             grads = [g for g in g_kv if g is not None] + [g for g in g_params if g is not None]
             for acc, g in zip(accs[2:], grads, strict=True):
                 acc[...] += g
+
+    mask_free = not cope and not plan.stick and rel is None
+    when_live(plan, live, mask_args, compute, mask_free=mask_free)
 
     @pl.when(qi == pl.num_programs(3) - 1)
     def _finish() -> None:

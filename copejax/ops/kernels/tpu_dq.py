@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from copejax.ops.kernels.operands import term_refs
 from copejax.ops.kernels.terms import tile_bias_QK
 from copejax.ops.kernels.tiles import Plan, scores_QK, softmax_ds
-from copejax.ops.kernels.tpu_params import NT, read_terms, step_live
+from copejax.ops.kernels.tpu_params import NT, read_terms, step_live, when_live
 from copejax.ops.kernels.tpu_relative import (
     PairGeometry,
     RelativeRefs,
@@ -32,12 +32,16 @@ from copejax.ops.kernels.tpu_rows import load_row, store_row
 
 
 def softmax_pair(
-    plan: Plan, refs: tuple, mask_args: tuple, terms: tuple, rel: RelativeRefs | None = None
+    plan: Plan,
+    refs: tuple,
+    allowed_QK: jax.Array | None,
+    terms: tuple,
+    rel: RelativeRefs | None = None,
 ) -> tuple[jax.Array, jax.Array, tuple, PairGeometry | None]:
     """(P, dS, term inputs, Shaw's pair geometry or None) of one step's pair, float32
-    (Q, K); ``rel``: Shaw's term's refs."""
+    (Q, K), given its mask (None: a full pair, :func:`~copejax.ops.kernels.tpu_params.
+    when_live`); ``rel``: Shaw's term's refs (with a mask)."""
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref = refs
-    allowed_QK = plan.allowed_QK(*mask_args)
     inputs = (*terms, qpos_ref[...], kpos_ref[...])
     s_QK, geo = scores_QK(plan, q_ref[...], k_ref[...], allowed_QK, inputs), None
     if rel is not None:
@@ -75,11 +79,10 @@ def dq_kernel(
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
-    @pl.when(live)
-    def _compute() -> None:
+    def compute(allowed_QK: jax.Array | None) -> None:  # None: a full pair
         params, q_values, k_values = read_terms(p_refs, qv_refs, kv_refs)
         _, ds_QK, inputs, geo = softmax_pair(
-            plan, (*main, qpos_ref, kpos_ref), mask_args, (params, q_values, k_values), rel
+            plan, (*main, qpos_ref, kpos_ref), allowed_QK, (params, q_values, k_values), rel
         )
         k_KH = main[1][...]
         scale = 1.0 / math.sqrt(k_KH.shape[-1])
@@ -96,6 +99,8 @@ def dq_kernel(
             grads = jax.vjp(bias, q_values)[1](ds_QK)[0]
             for acc, g in zip(dqv_accs, [g for g in grads if g is not None], strict=True):
                 acc[...] += g
+
+    when_live(plan, live, mask_args, compute, mask_free=rel is None)
 
     @pl.when(kj == last)
     def _finish() -> None:

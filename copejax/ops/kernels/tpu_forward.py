@@ -44,6 +44,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_ints,
     tpu_per_head_specs,
     tpu_terms,
+    when_live,
 )
 from copejax.ops.kernels.tpu_relative import (
     RelativeRefs,
@@ -96,9 +97,7 @@ def _forward_kernel(
 
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
 
-    @pl.when(live)
-    def _compute() -> None:
-        allowed_QK = plan.allowed_QK(*mask_args)
+    def compute(allowed_QK: jax.Array | None) -> None:  # None: a full pair
         terms = read_terms(p_refs, qv_refs, kv_refs)
         inputs = (*terms, qpos_ref[...], kpos_ref[...])
         q_QH, k_KH = q_ref[...], k_ref[...]
@@ -119,6 +118,8 @@ def _forward_kernel(
         if rel is not None:
             s_QK = add_relative(rel, s_QK, q_QH, inputs, allowed_QK)[0]
         softmax_step(s_QK, allowed_QK, v_ref[...], (max_ref, sum_ref, acc_ref))
+
+    when_live(plan, live, mask_args, compute, mask_free=not cope and rel is None)
 
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish() -> None:

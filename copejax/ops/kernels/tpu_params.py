@@ -63,6 +63,8 @@ unmeasured.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -132,6 +134,22 @@ def step_live(plan: Plan, qi: jax.Array, kj: jax.Array, refs: tuple) -> tuple[ja
     mask_args = (qi * plan.size_q, kj * plan.size_k, qseg_ref[...], kseg_ref[...], krank_ref[...])
     first, end = plan.key_tiles(qi)
     return (kj >= first) & (kj < end) & plan.live(*mask_args), mask_args
+
+
+def when_live(
+    plan: Plan, live: jax.Array, mask_args: tuple, compute: Callable, *, mask_free: bool
+) -> None:
+    """Runs ``compute(allowed_QK)`` on a live step (:func:`step_live`); with
+    ``plan.full_tiles`` and ``mask_free`` (``compute`` takes None) a full pair
+    (:meth:`~copejax.ops.kernels.tiles.Plan.full`) takes a second body with None for the
+    mask, without its compares and selects."""
+    masked = lambda: compute(plan.allowed_QK(*mask_args))
+    if not (plan.full_tiles and mask_free):
+        pl.when(live)(masked)
+        return
+    full = plan.full(*mask_args[:4])
+    pl.when(live & full)(lambda: compute(None))
+    pl.when(live & jnp.logical_not(full))(masked)
 
 
 def read_refs(refs: list) -> list:

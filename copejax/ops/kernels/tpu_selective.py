@@ -18,7 +18,7 @@ grid of :mod:`copejax.ops.kernels.tpu_forward`, in the layouts of
   starts (B, 1, S) and P at the tile pair, recompute the selecting head's S tile.
 
 ``L @ S`` stays three bfloat16 matmuls of S split in bfloat16 pieces
-(:func:`~copejax.ops.kernels.tiles.bf16_pieces`), as on the GPU: L (0 / 1) is exact in
+(:func:`~copejax.ops.kernels.exact_dots.bf16_pieces`), as on the GPU: L (0 / 1) is exact in
 bfloat16, so three single MXU passes give float32's sum. One float32 matmul at
 ``Precision.HIGHEST`` (Mosaic's ``contract_precision<fp32>``) would be as exact, but the MXU
 multiplies bfloat16, so it splits both operands and takes more passes (six for XLA's

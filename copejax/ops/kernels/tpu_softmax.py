@@ -29,13 +29,18 @@ def init_softmax(scratch: Scratch) -> None:
     acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
 
 
-def softmax_step(s_QK: jax.Array, allowed_QK: jax.Array, v_KW: jax.Array, scratch: Scratch) -> None:
+def softmax_step(
+    s_QK: jax.Array, allowed_QK: jax.Array | None, v_KW: jax.Array, scratch: Scratch
+) -> None:
     """Folds one key tile's scores ``s_QK`` (float32) and values into the softmax: the
-    weights in the values' dtype, their product accumulated in float32."""
+    weights in the values' dtype, their product accumulated in float32; ``allowed_QK`` None:
+    every entry allowed (a full pair, :meth:`~copejax.ops.kernels.tiles.Plan.full`)."""
     max_ref, sum_ref, acc_ref = scratch
     max_Q1 = max_ref[...]
     new_max_Q1 = jnp.maximum(max_Q1, jnp.max(s_QK, axis=1, keepdims=True))
-    p_QK = jnp.where(allowed_QK, jnp.exp(s_QK - new_max_Q1), 0.0)
+    p_QK = jnp.exp(s_QK - new_max_Q1)
+    if allowed_QK is not None:
+        p_QK = jnp.where(allowed_QK, p_QK, 0.0)
     rescale_Q1 = jnp.exp(max_Q1 - new_max_Q1)
     pv_QW = jax.lax.dot(p_QK.astype(v_KW.dtype), v_KW, preferred_element_type=F32)
     acc_ref[...] = acc_ref[...] * rescale_Q1 + pv_QW

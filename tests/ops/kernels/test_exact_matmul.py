@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from copejax.ops.kernels.tiles import _bf16_truncated, bf16_pieces, dot_exact_f32
+from copejax.ops.kernels.exact_dots import _bf16_truncated, bf16_pieces, dot_exact_f32
 
 
 def _values() -> np.ndarray:

@@ -25,6 +25,7 @@ from copejax.model import attention_paths, kernel_terms
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels import attend as kernels_attend
 from copejax.ops.kernels.attention import fused_attention
+from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm, TermTile
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.positions import registry
@@ -37,7 +38,7 @@ from tests.ops.kernels.reference import (
     mask_BTS,
     stick_attention,
 )
-from tests.ops.kernels.test_fused_attention import _decay, _slope, _table
+from tests.ops.kernels.test_fused_attention import _decay, _kernel_matmuls, _slope, _table
 from tests.ops.kernels.tolerances import assert_close
 
 # T: 2 key tiles of 128 (the TPU's smallest multi-tile key block) and 4 query tiles of 64,
@@ -156,6 +157,20 @@ def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, stick
         assert grads[key].dtype == x[key].dtype
         assert_close(grads[key], grads_ref[key], dtype=dtype, summands=summands, roundings=4)
     assert_close(grads["table"], grads_ref["table"], dtype=dtype, summands=pairs, roundings=4)
+
+
+def test_full_pairs_take_a_mask_free_body_on_a_tpu() -> None:
+    """As on a GPU (``test_fused_attention``), the TPU softmax kernels run a full pair (every
+    entry allowed: row 0's older key tile) in a second body without the mask: twice the
+    matmuls in the kernels' jaxprs; masking every pair (the benchmark's lever) keeps one.
+    The values of both bodies are the slow tests' (row 0 holds full pairs)."""
+    x = _inputs(jnp.float32)
+    loss = lambda x: jnp.sum(_kernel(x, window=None, sinks=0))
+    matmuls = []
+    for full in (True, False):
+        with full_tiles_for_tracing(full):
+            matmuls.append(_kernel_matmuls(jax.make_jaxpr(jax.grad(loss))(x).jaxpr))
+    assert matmuls == [18, 9]
 
 
 def test_tile_functions_agree_across_layouts() -> None:

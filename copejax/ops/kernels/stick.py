@@ -129,9 +129,14 @@ def _column(x_Q: jax.Array) -> jax.Array:
     return x_Q[:, None] if x_Q.ndim == 1 else x_Q
 
 
+def _on_allowed(allowed_QK: jax.Array | None, x_QK: jax.Array, fill: float) -> jax.Array:
+    """``x`` on the allowed entries, ``fill`` elsewhere; ``x`` itself on a full pair (None)."""
+    return x_QK if allowed_QK is None else jnp.where(allowed_QK, x_QK, fill)
+
+
 def stick_weights_QK(
     z_QK: jax.Array,
-    allowed_QK: jax.Array,
+    allowed_QK: jax.Array | None,
     r_Q: jax.Array,
     scan: bool = False,
     *,
@@ -140,20 +145,21 @@ def stick_weights_QK(
     """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r,
     (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms); ``scan``: the
     within-tile sums as :func:`tile_sum`'s prefix sums, ``exp``
-    :func:`~copejax.ops.kernels.tiles.exp_gpu` (the GPU kernels)."""
-    z_QK = jnp.where(allowed_QK, z_QK, 0.0)
+    :func:`~copejax.ops.kernels.tiles.exp_gpu` (the GPU kernels); ``allowed_QK`` None: a
+    full pair (:meth:`~copejax.ops.kernels.tiles.Plan.run_pair`)."""
+    z_QK = _on_allowed(allowed_QK, z_QK, 0.0)
     e_QK = exp(-jnp.abs(z_QK))
     log1p_QK = jnp.log1p(e_QK)
-    softplus_QK = jnp.where(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
+    softplus_QK = _on_allowed(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
     after_QK = tile_sum(softplus_QK, False, scan)
-    a_QK = jnp.where(allowed_QK, exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
+    a_QK = _on_allowed(allowed_QK, exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
     return a_QK, softplus_QK, e_QK
 
 
 def stick_dz_QK(
     z_QK: jax.Array,
-    allowed_QK: jax.Array,
+    allowed_QK: jax.Array | None,
     *,
     e_QK: jax.Array,
     g_QK: jax.Array,
@@ -161,13 +167,14 @@ def stick_dz_QK(
     u_Q: jax.Array,
     scan: bool = False,
 ) -> jax.Array:
-    """The score gradient of one pair (module docstring), from exp(-|z|) and G."""
-    z_QK = jnp.where(allowed_QK, z_QK, 0.0)
+    """The score gradient of one pair (module docstring), from exp(-|z|) and G;
+    ``allowed_QK`` None: a full pair."""
+    z_QK = _on_allowed(allowed_QK, z_QK, 0.0)
     within_QK = tile_sum(g_QK, True, scan)
     older_QK = _column(delta_Q) - _column(u_Q) - within_QK
     sigmoid_QK = jnp.where(z_QK >= 0, 1.0, e_QK) / (1.0 + e_QK)
     sigmoid_neg_QK = jnp.where(z_QK >= 0, e_QK, 1.0) / (1.0 + e_QK)
-    return jnp.where(allowed_QK, g_QK * sigmoid_neg_QK - sigmoid_QK * older_QK, 0.0)
+    return _on_allowed(allowed_QK, g_QK * sigmoid_neg_QK - sigmoid_QK * older_QK, 0.0)
 
 
 def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
@@ -187,9 +194,8 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
         kj = end - 1 - step
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             r_Q, acc_QW = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
@@ -198,8 +204,8 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
             acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state)
 
     init = (
         jnp.zeros((plan.size_q,), jnp.float32),
@@ -230,12 +236,11 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
         kj = end - 1 - step
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             r_Q, u_Q, dq_QH, dqv, last = state
             row, group = plan.entry_row(kj, last)  # the carries entering the group
             r_out_ref[row, :] = r_Q[None, :]
             u_out_ref[row, :] = u_Q[None, :]
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_KH, k_pos_K = k_ref[keys, :], kpos_ref[keys]
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
@@ -253,8 +258,8 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             r_Q = r_Q + jnp.sum(softplus_QK, axis=1)
             return r_Q, u_Q + jnp.sum(g_QK, axis=1), dq_QH, dqv, group
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state)
 
     zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
     zeros_QH = jnp.zeros(q_QH.shape, jnp.float32)

@@ -126,12 +126,17 @@ def cope_positions_QK(
     sigmoid: Callable[[jax.Array], jax.Array] = jax.nn.sigmoid,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(the capped positions p, the gate total, the uncapped ``sum_{k >= j} g_ik + c_i``)
-    of one pair (arguments as :func:`cope_scores_QK`'s)."""
+    of one pair (arguments as :func:`cope_scores_QK`'s; ``allowed_QK`` None: a full pair,
+    :meth:`~copejax.ops.kernels.tiles.Plan.run_pair`)."""
     if static.unit_gates:
-        gates_QK = allowed_QK.astype(jnp.float32)
+        gates_QK = (
+            jnp.ones_like(logits_QK) if allowed_QK is None else allowed_QK.astype(jnp.float32)
+        )
     else:
         gate_logits = logits_QK if gk_KH is None else gate_logits_QK(q_QH, gk_KH)
-        gates_QK = jnp.where(allowed_QK, sigmoid(gate_logits), 0.0)
+        gates_QK = sigmoid(gate_logits)
+        if allowed_QK is not None:
+            gates_QK = jnp.where(allowed_QK, gates_QK, 0.0)
     sum_newer = tile_sum_vjp if backward and not static.unit_gates else tile_sum
     within_QK = sum_newer(gates_QK, True, scan)
     c_Q1 = c_Q[:, None] if c_Q.ndim == 1 else c_Q
@@ -217,6 +222,8 @@ def pair_scores(
     )
     if plan.biases:
         s_QK = s_QK + tile_bias_QK(plan.biases, inputs[:3], *inputs[3:])
+    if allowed_QK is None:  # a full pair
+        return s_QK, total_Q
     return jnp.where(allowed_QK, s_QK, MASKED_LOGIT), total_Q
 
 
@@ -245,9 +252,8 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
         kj = end - 1 - step
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
-        def compute(state: tuple) -> tuple:
+        def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
             max_Q, sum_Q, acc_QW, c_Q = state
-            allowed_QK = plan.allowed_QK(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             logits_QK = content_logits_QK(q_QH, k_ref[keys, :])
@@ -262,15 +268,17 @@ def cope_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> No
                 gk_KH=None if gk_ref is None else gk_ref[keys, :],
             )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
-            p_QK = jnp.where(allowed_QK, exp_gpu(s_QK - new_max_Q[:, None]), 0.0)
+            p_QK = exp_gpu(s_QK - new_max_Q[:, None])
+            if allowed_QK is not None:
+                p_QK = jnp.where(allowed_QK, p_QK, 0.0)
             rescale_Q = exp_gpu(max_Q - new_max_Q)
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW * rescale_Q[:, None] + dot_f32(p_QK.astype(v_KW.dtype), v_KW, (1, 0))
             sum_Q = sum_Q * rescale_Q + jnp.sum(p_QK, axis=1)
             return new_max_Q, sum_Q, acc_QW, c_Q + total_Q
 
-        live = plan.live(q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
-        return jax.lax.cond(live, compute, lambda s: s, state)
+        mask_args = (q_first, k_first, q_seg_Q, k_seg_K, k_rank_K)
+        return plan.run_pair(mask_args, compute, state)
 
     zeros_Q = jnp.zeros((plan.size_q,), jnp.float32)
     init = (zeros_Q - 1e30, zeros_Q, jnp.zeros((plan.size_q, v_ref.shape[-1]), jnp.float32))

@@ -137,13 +137,39 @@ def _matmuls(jaxpr: jax.extend.core.Jaxpr, in_walk: bool = False) -> tuple[int, 
     return once, per_pair
 
 
+def test_full_pairs_run_without_the_mask_in_the_forward_kernel() -> None:
+    """CoPE's GPU forward runs a full pair (every gate and score allowed: row 0's older
+    tiles) in a second body without the mask (twice its per-pair matmuls); its backward
+    kernels keep one (they spill already). Masking every pair gives the same values and
+    gradients."""
+    x = _with_table(_inputs(jnp.float32))
+    cot = jnp.asarray(np.random.default_rng(6).normal(size=x["q"].shape), jnp.float32)
+
+    def run(x):
+        return on_layout(x, block_q=16, block_k=16, cope=CopeTerm(x["table"], CopeStatic(P_MAX)))
+
+    outs, matmuls = [], []
+    for full in (True, False):
+        with full_tiles_for_tracing(full):
+            y, pull = jax.vjp(run, x)
+            outs.append((y, pull(cot)[0]))
+            jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(x) * cot)))(x).jaxpr
+            matmuls.append({k: _matmuls(j) for k, j in _kernel_jaxprs(jaxpr).items()})
+    forward = "copejax_attention_forward"
+    assert matmuls[0][forward][1] == 2 * matmuls[1][forward][1] > 0
+    for name in ("copejax_attention_dq", "copejax_attention_dkdv"):
+        assert matmuls[0][name] == matmuls[1][name], name
+    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        assert_close(got, want, dtype="float32", summands=1, roundings=0)
+
+
 def test_the_queries_table_is_taken_once_per_query_tile_on_a_gpu() -> None:
     """Per tile pair, CoPE adds no matmul to the GPU forward's walk and one (the gates' pull)
     to the dq kernel's: both take the table ``q e^T`` once (three bfloat16 pieces), and the dq
     kernel pulls its cotangent back once (nine). The dk / dv kernel adds the table's three
     per pair (its query tile changes) and no pull-back (the parameters are the dq kernel's).
-    Counted in the kernels' jaxprs, against the nope kernels' with every pair masked (their
-    default runs full pairs in a second, mask-free body)."""
+    Counted in the kernels' jaxprs with every pair masked (by default full pairs take a
+    second, mask-free body), against the nope kernels'."""
     x = _with_table(_inputs(jnp.bfloat16))
 
     def counts(**options) -> dict:
@@ -154,9 +180,9 @@ def test_the_queries_table_is_taken_once_per_query_tile_on_a_gpu() -> None:
         jaxpr = jax.make_jaxpr(jax.grad(loss))(x).jaxpr
         return {name: _matmuls(kernel) for name, kernel in _kernel_jaxprs(jaxpr).items()}
 
-    with full_tiles_for_tracing(False):  # nope's pairs in one (masked) body, as CoPE's
+    with full_tiles_for_tracing(False):  # one (masked) body per walk: full pairs take two
         nope = counts(backend="triton")
-    cope = counts(backend="triton", cope=CopeTerm(x["table"], CopeStatic(P_MAX)))
+        cope = counts(backend="triton", cope=CopeTerm(x["table"], CopeStatic(P_MAX)))
     assert set(cope) == {f"copejax_attention_{k}" for k in ("forward", "dq", "dkdv")}
     added = {name: (cope[name][0], cope[name][1] - nope[name][1]) for name in cope}
     assert added == {

@@ -30,7 +30,7 @@ from copejax.ops.kernels.terms import TileBias, pair_grid, tile_bias_QK
 MASKED_LOGIT = -1e30
 # Scores times LOG2E are in log2 units: exp(s) = exp2(LOG2E s). The GPU softmax kernels
 # keep them so (the scale folded into one multiply) because jnp.exp lowers to libdevice's
-# accurate expf, about six instructions a value, and exp2 to one ex2.approx.
+# accurate expf, about nine instructions besides its ex2.approx, and exp2 to that one.
 LOG2E = math.log2(math.e)
 
 
@@ -58,11 +58,11 @@ class Plan:
         softmaxes. Every method that takes a query tile or its first row adds it.
       full_tiles: the softmax kernels (:mod:`copejax.ops.kernels.forward`,
         :mod:`~copejax.ops.kernels.backward`; on a TPU :mod:`~copejax.ops.kernels.tpu_forward`,
-        :mod:`~copejax.ops.kernels.tpu_dq`, :mod:`~copejax.ops.kernels.tpu_backward`) run a
-        pair whose every (query, key) is allowed (:meth:`full`) without the mask's (Q, K)
-        compares and selects; False: every live
-        pair masked (a benchmark lever, :func:`~copejax.ops.kernels.padding.
-        full_tiles_for_tracing`).
+        :mod:`~copejax.ops.kernels.tpu_dq`, :mod:`~copejax.ops.kernels.tpu_backward`), and on
+        a GPU stick-breaking's forward and dq and CoPE's forward kernels, run a pair whose
+        every (query, key) is allowed (:meth:`full`) without the mask's (Q, K) compares and
+        selects (:meth:`run_pair`); False: every live pair masked (a benchmark lever,
+        :func:`~copejax.ops.kernels.padding.full_tiles_for_tracing`).
       carry_starts: stick-breaking's carry groups on a GPU
         (:mod:`copejax.ops.kernels.carry_groups`): each group's first key tile, then
         count_k; () elsewhere.
@@ -299,7 +299,7 @@ def scores_QK(
 def exp_gpu(x: jax.Array) -> jax.Array:
     """``exp(x)`` as the GPU kernels' bodies take it: ``exp2(LOG2E x)``, a multiply and one
     ex2.approx (relative error about 2^-22), where ``jnp.exp`` lowers to libdevice's
-    accurate expf, about six instructions a value."""
+    accurate expf, about nine more instructions a value."""
     return jnp.exp2(x * LOG2E)
 
 

@@ -60,14 +60,14 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     dq_ref, *dqv_refs = refs[11 + num_term_refs :]
     qi = pl.program_id(2)
     q_first = qi * plan.size_q
-    do_QW = do_ref[...]
+    q_QH, do_QW = q_ref[...], do_ref[...]
     lse_Q, delta_Q = lse_ref[...], delta_ref[...]
     q_pos_Q, q_seg_Q = qpos_ref[...], qseg_ref[...]
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(q_ref.shape[-1])
 
-    def pair(q_QH: jax.Array, kj: jax.Array, state: tuple) -> tuple:
+    def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
 
         def compute(state: tuple, allowed_QK: jax.Array | None) -> tuple:
@@ -95,8 +95,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     first, end = plan.key_tiles(qi)
     dqv = [jnp.zeros((plan.size_q,), jnp.float32) for _ in dqv_refs]
     zeros_QH = jnp.zeros((plan.size_q, q_ref.shape[-1]), jnp.float32)
-    walk = functools.partial(pair, q_ref[...])
-    dq_QH, dqv = jax.lax.fori_loop(first, end, walk, (zeros_QH, dqv))
+    dq_QH, dqv = jax.lax.fori_loop(first, end, pair, (zeros_QH, dqv))
     dq_ref[...] = dq_QH.astype(dq_ref.dtype)
     for ref, value in zip(dqv_refs, dqv, strict=True):
         ref[...] = value

@@ -16,6 +16,7 @@ from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm
+from tests.ops.kernels.full_pairs import full_and_masked, kernel_jaxprs, matmuls
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, cope_term, mask_BTS
 from tests.ops.kernels.test_fused_attention import (
     RANK_BT,
@@ -111,32 +112,6 @@ def test_lowers_to_triton() -> None:
         assert name in text
 
 
-def _kernel_jaxprs(jaxpr: jax.extend.core.Jaxpr) -> dict:
-    """Each pallas_call's kernel jaxpr by its name, sub-jaxprs searched too."""
-    found = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            params = eqn.params
-            name = getattr(params.get("name_and_src_info"), "name", None) or params.get("name")
-            found[name] = params["jaxpr"]
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found.update(_kernel_jaxprs(sub))
-    return found
-
-
-def _matmuls(jaxpr: jax.extend.core.Jaxpr, in_walk: bool = False) -> tuple[int, int]:
-    """(dot_generals outside any loop, inside one): a kernel's once-per-program matmuls and
-    its walk's per-pair ones."""
-    once = per_pair = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            once, per_pair = (once, per_pair + 1) if in_walk else (once + 1, per_pair)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            a, b = _matmuls(sub, in_walk or eqn.primitive.name in ("while", "scan"))
-            once, per_pair = once + a, per_pair + b
-    return once, per_pair
-
-
 def test_full_pairs_run_without_the_mask_in_the_forward_kernel() -> None:
     """CoPE's GPU forward runs a full pair (every gate and score allowed: row 0's older
     tiles) in a second body without the mask (twice its per-pair matmuls); its backward
@@ -148,19 +123,11 @@ def test_full_pairs_run_without_the_mask_in_the_forward_kernel() -> None:
     def run(x):
         return on_layout(x, block_q=16, block_k=16, cope=CopeTerm(x["table"], CopeStatic(P_MAX)))
 
-    outs, matmuls = [], []
-    for full in (True, False):
-        with full_tiles_for_tracing(full):
-            y, pull = jax.vjp(run, x)
-            outs.append((y, pull(cot)[0]))
-            jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(x) * cot)))(x).jaxpr
-            matmuls.append({k: _matmuls(j) for k, j in _kernel_jaxprs(jaxpr).items()})
+    full, masked = full_and_masked(run, x, cot)
     forward = "copejax_attention_forward"
-    assert matmuls[0][forward][1] == 2 * matmuls[1][forward][1] > 0
+    assert full[forward][1] == 2 * masked[forward][1] > 0
     for name in ("copejax_attention_dq", "copejax_attention_dkdv"):
-        assert matmuls[0][name] == matmuls[1][name], name
-    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
-        assert_close(got, want, dtype="float32", summands=1, roundings=0)
+        assert full[name] == masked[name], name
 
 
 def test_the_queries_table_is_taken_once_per_query_tile_on_a_gpu() -> None:
@@ -178,7 +145,7 @@ def test_the_queries_table_is_taken_once_per_query_tile_on_a_gpu() -> None:
             return jnp.sum(y.astype(jnp.float32))
 
         jaxpr = jax.make_jaxpr(jax.grad(loss))(x).jaxpr
-        return {name: _matmuls(kernel) for name, kernel in _kernel_jaxprs(jaxpr).items()}
+        return {name: matmuls(kernel) for name, kernel in kernel_jaxprs(jaxpr).items()}
 
     with full_tiles_for_tracing(False):  # one (masked) body per walk: full pairs take two
         nope = counts(backend="triton")

@@ -18,9 +18,9 @@ import pytest
 
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
-from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm, pair_grid, table_lookup
 from copejax.ops.kernels.tiles import Plan
+from tests.ops.kernels.full_pairs import full_and_masked, total
 from tests.ops.kernels.reference import attention_jnp, attention_numpy, mask_BTS
 from tests.ops.kernels.tolerances import assert_close
 
@@ -198,17 +198,6 @@ def test_tile_walks_skip_exactly_the_empty_pairs(
     assert (full > 0) == (window is None or window >= 16 + 8 - 1)
 
 
-def _kernel_matmuls(jaxpr: jax.extend.core.Jaxpr, in_kernel: bool = False) -> int:
-    """How many dot_generals the jaxpr's kernels (pallas_call bodies) hold, loops and
-    branches included."""
-    found = sum(in_kernel and eqn.primitive.name == "dot_general" for eqn in jaxpr.eqns)
-    for eqn in jaxpr.eqns:
-        inside = in_kernel or eqn.primitive.name == "pallas_call"
-        subs = jax.extend.core.jaxprs_in_params(eqn.params)
-        found += sum(_kernel_matmuls(sub, inside) for sub in subs)
-    return found
-
-
 def test_full_pairs_run_without_the_mask_to_the_same_values() -> None:
     """Row 0 is one document, so its pairs below the diagonal are full (``Plan.full``): the
     GPU softmax kernels run them in a second body, without the mask's compares and selects
@@ -216,17 +205,8 @@ def test_full_pairs_run_without_the_mask_to_the_same_values() -> None:
     lever) gives the same values and gradients."""
     x = _inputs(jnp.float32)
     cot = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, N, H)), jnp.float32)
-    run = functools.partial(_kernel, window=None, sinks=0)
-    outs, matmuls = [], []
-    for full in (True, False):
-        with full_tiles_for_tracing(full):
-            y, pull = jax.vjp(run, x)
-            outs.append((y, pull(cot)[0]))
-            loss = lambda x: jnp.sum(run(x) * cot)
-            matmuls.append(_kernel_matmuls(jax.make_jaxpr(jax.grad(loss))(x).jaxpr))
-    assert matmuls == [18, 9]  # forward 2, dq 3 and dk / dv 4 per pair, once or twice
-    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
-        assert_close(got, want, dtype="float32", summands=1, roundings=0)
+    full, masked = full_and_masked(functools.partial(_kernel, window=None, sinks=0), x, cot)
+    assert [total(full), total(masked)] == [18, 9]  # forward 2, dq 3, dk / dv 4 per pair
 
 
 def test_lowers_to_triton() -> None:

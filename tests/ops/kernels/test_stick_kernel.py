@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
-from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
+from tests.ops.kernels.full_pairs import full_and_masked
 from tests.ops.kernels.reference import mask_BTS, stick_attention
-from tests.ops.kernels.test_cope_kernel import _kernel_jaxprs, _matmuls
 from tests.ops.kernels.test_fused_attention import (
     RANK_BT,
     SEGMENTS_BT,
@@ -133,18 +132,10 @@ def test_full_pairs_run_without_the_mask_in_the_forward_and_dq_kernels() -> None
     def run(x):
         return _kernel(x, window=None, sinks=0, include_self=False)
 
-    outs, matmuls = [], []
-    for full in (True, False):
-        with full_tiles_for_tracing(full):
-            y, pull = jax.vjp(run, x)
-            outs.append((y, pull(cot)[0]))
-            jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(x) * cot)))(x).jaxpr
-            matmuls.append({k: _matmuls(j) for k, j in _kernel_jaxprs(jaxpr).items()})
+    full, masked = full_and_masked(run, x, cot)
     for name in ("copejax_attention_forward", "copejax_attention_dq"):
-        assert sum(matmuls[0][name]) == 2 * sum(matmuls[1][name]) > 0, name
-    assert matmuls[0]["copejax_attention_dkdv"] == matmuls[1]["copejax_attention_dkdv"]
-    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
-        assert_close(got, want, dtype="float32", summands=1, roundings=0)
+        assert sum(full[name]) == 2 * sum(masked[name]) > 0, name
+    assert full["copejax_attention_dkdv"] == masked["copejax_attention_dkdv"]
 
 
 def test_lowers_to_triton() -> None:

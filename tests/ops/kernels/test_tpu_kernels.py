@@ -25,20 +25,20 @@ from copejax.model import attention_paths, kernel_terms
 from copejax.ops.engine_blocks import BlockTerm
 from copejax.ops.kernels import attend as kernels_attend
 from copejax.ops.kernels.attention import fused_attention
-from copejax.ops.kernels.padding import full_tiles_for_tracing
 from copejax.ops.kernels.terms import KernelTerm, TermTile
 from copejax.ops.kernels.tpu_forward import tpu_forward_call
 from copejax.positions import registry
 from copejax.positions.t5 import t5_bucket
 from tests.conftest import tiny_config
 from tests.ops.kernels.every_term import every_term
+from tests.ops.kernels.full_pairs import full_and_masked, total
 from tests.ops.kernels.reference import (
     attention_jnp,
     attention_numpy,
     mask_BTS,
     stick_attention,
 )
-from tests.ops.kernels.test_fused_attention import _decay, _kernel_matmuls, _slope, _table
+from tests.ops.kernels.test_fused_attention import _decay, _slope, _table
 from tests.ops.kernels.tolerances import assert_close
 
 # T: 2 key tiles of 128 (the TPU's smallest multi-tile key block) and 4 query tiles of 64,
@@ -165,12 +165,9 @@ def test_full_pairs_take_a_mask_free_body_on_a_tpu() -> None:
     matmuls in the kernels' jaxprs; masking every pair (the benchmark's lever) keeps one.
     The values of both bodies are the slow tests' (row 0 holds full pairs)."""
     x = _inputs(jnp.float32)
-    loss = lambda x: jnp.sum(_kernel(x, window=None, sinks=0))
-    matmuls = []
-    for full in (True, False):
-        with full_tiles_for_tracing(full):
-            matmuls.append(_kernel_matmuls(jax.make_jaxpr(jax.grad(loss))(x).jaxpr))
-    assert matmuls == [18, 9]
+    run = functools.partial(_kernel, window=None, sinks=0)
+    full, masked = full_and_masked(run, x, jnp.ones((B, T, N, H)), values=False)
+    assert [total(full), total(masked)] == [18, 9]
 
 
 def test_tile_functions_agree_across_layouts() -> None:

@@ -9,10 +9,12 @@ a kernel term here, built from the same block term the engine runs
 (:meth:`~copejax.positions.base.AttentionSite.block_terms`) and the scheme's own pure
 functions, evaluated tile by tile in the kernels:
 
-- alibi: ``-m_h (i - j)`` (``alibi_bias``), from one slope per head;
+- alibi: ``-m_h (i - j)`` (``alibi_bias``), from one slope per head, a separable term
+  (:mod:`copejax.model.kernel_alibi`);
 - t5: ``table[bucket(j - i), h]`` (``t5_bucket``; :mod:`copejax.model.kernel_t5`);
 - kerple: ``-r1 log(1 + r2 |i - j|)`` or ``-r1 |i - j|^r2`` (``kerple_bias``), r1 and r2 per head;
-- fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``);
+- fox: ``c_i - c_j``, the prefix sums of log forget gates (``fox_core.decay_BNTS``), a
+  separable term (:mod:`copejax.model.kernel_fox`);
 - fire: ``f(psi(|i - j|) / psi(max(i, L)))`` (``fire_normalized_distance``, the MLP's hidden
   units in a loop, its parameters pulled back by hand: :mod:`copejax.model.kernel_fire`),
   from c, L and the MLP as a row per head;
@@ -55,8 +57,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from copejax.model.kernel_alibi import AlibiTile
 from copejax.model.kernel_cope import cope_refusal, cope_term
 from copejax.model.kernel_fire import FireTile
+from copejax.model.kernel_fox import FoxTile
 from copejax.model.kernel_path import PATH, path_refusal
 from copejax.model.kernel_t5 import T5Tile
 from copejax.model.kernel_tape import TAPE, tape_refusal
@@ -69,11 +73,10 @@ from copejax.ops.kernels.terms import (
     KernelTerm,
     TermTile,
     batch_rows,
-    pair_grid,
     param_scalars,
     tile_shape,
 )
-from copejax.positions.alibi import alibi_bias, alibi_slopes
+from copejax.positions.alibi import alibi_slopes
 from copejax.positions.base import Dims, PositionScheme
 from copejax.positions.kerple import Kerple, kerple_bias
 from copejax.positions.t5 import T5Bias
@@ -107,18 +110,9 @@ NOT_YET = {
 }
 
 
-def _alibi_tile(params_P: jax.Array, tile: TermTile) -> jax.Array:
-    """The slopes are the paper's constants, not parameters: stopping their gradient drops
-    the dk / dv kernel's per-tile sum for a slope gradient nobody reads (with it, that
-    kernel spilled 236 bytes per thread on an H100; ``experiments/results/kernel_ptx.md``)."""
-    q_BT, k_BS = batch_rows(tile)
-    slopes_P = jax.lax.stop_gradient(params_P)
-    return alibi_bias(q_BT, k_BS, slopes_P).reshape(tile_shape(tile))
-
-
 def _alibi(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     slopes_N1 = jnp.asarray(alibi_slopes(dims.num_heads), jnp.float32)[:, None]
-    return KernelTerm("alibi", _alibi_tile, params_NP=slopes_N1)
+    return KernelTerm("alibi", AlibiTile(), params_NP=slopes_N1)
 
 
 def _t5(scheme: T5Bias, term: BlockTerm, dims: Dims) -> KernelTerm:
@@ -139,15 +133,9 @@ def _kerple(scheme: Kerple, term: BlockTerm, dims: Dims) -> KernelTerm:
     return KernelTerm("kerple", tile, params_NP=jnp.stack([r1_N, r2_N], axis=1))
 
 
-def _fox_tile(params_P: None, tile: TermTile) -> jax.Array:
-    # decay_BNTS's c_i - c_j for one head's tile
-    q_Q1, k_1K = pair_grid(tile.q_values_Q, tile.k_values_K)
-    return q_Q1 - k_1K
-
-
 def _fox(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:
     c_q, c_k = term.q_arrays["c"], term.k_arrays["c"]
-    return KernelTerm("fox", _fox_tile, q_values_BTN=c_q, k_values_BSN=c_k)
+    return KernelTerm("fox", FoxTile(), q_values_BTN=c_q, k_values_BSN=c_k)
 
 
 def _fire(scheme: PositionScheme, term: BlockTerm, dims: Dims) -> KernelTerm:

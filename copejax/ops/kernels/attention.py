@@ -204,7 +204,9 @@ def term_arrays(
     lengths = {"q": padded, "k": padded if padded_k is None else padded_k}
     for key, values_BTN in (("q", term.q_values_BTN), ("k", term.k_values_BSN)):
         if values_BTN is not None:
-            padded_BTN = pad_tokens(values_BTN.astype(jnp.float32), lengths[key], 0)
+            # the last token's value repeated (padding takes no weight, so no gradient): a
+            # separable term's origin (FoX's largest prefix sum) stays near the tile's
+            padded_BTN = pad_tokens(values_BTN.astype(jnp.float32), lengths[key])
             out[key] = jnp.moveaxis(padded_BTN, 2, 1)
     return out
 

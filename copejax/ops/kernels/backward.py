@@ -41,14 +41,21 @@ from copejax.ops.kernels.operands import (
 from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
+from copejax.ops.kernels.separable import origins
 from copejax.ops.kernels.stick import stick_dkdv_kernel, stick_dq_kernel
 from copejax.ops.kernels.tiles import LOG2E, Plan, dot_f32, scores_QK, softmax_ds
 from copejax.ops.kernels.triton_params import compiler_params
 
 
-def _pair_grads(plan: Plan, q_QH, k_KH, v_KW, *, do_QW, lse_Q, delta_Q, allowed_QK, inputs):
-    """(P, dS) of one pair, float32 (Q, K); ``inputs`` as :func:`scores_QK` reads them."""
-    s_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs, unit=LOG2E)  # as the forward's
+def _pair_grads(plan: Plan, q_QH, k_KH, v_KW, *, do_QW, lse_Q, delta_Q, allowed_QK, inputs, at):
+    """(P, dS) of one pair, float32 (Q, K); ``inputs`` as :func:`scores_QK` reads them, ``at``
+    the separable terms' origins: their rows stay out of the scores and come off L instead,
+    as in the forward (:mod:`copejax.ops.kernels.separable`)."""
+    s_QK, rows_Q = scores_QK(
+        plan, q_QH, k_KH, allowed_QK, inputs, unit=LOG2E, at=at, split_rows=True
+    )
+    if rows_Q is not None:
+        lse_Q = lse_Q - rows_Q
     dp_QK = dot_f32(do_QW, v_KW, (1, 1))
     return softmax_ds(s_QK, allowed_QK, lse_Q, dp_QK, delta_Q, log2=True)
 
@@ -66,6 +73,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     scale = 1.0 / math.sqrt(q_ref.shape[-1])
+    at = origins(plan.biases, params, q_values, q_pos_Q)  # separable terms': once per program
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
@@ -85,6 +93,7 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
                 delta_Q=delta_Q,
                 allowed_QK=allowed_QK,
                 inputs=inputs,
+                at=at,
             )
             dq_QH = dq_QH + dot_f32((ds_QK * scale).astype(k_KH.dtype), k_KH, (1, 0))
             return dq_QH, pull_query_values(plan, ds_QK, inputs, dqv)
@@ -102,7 +111,12 @@ def _dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
 
 
 def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
-    lse_ref, delta_ref = refs[4:6]
+    lse_ref, delta_ref, kpos_ref = refs[4], refs[5], refs[8]
+    p_refs, _, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
+    params = [None if r is None else r[...] for r in p_refs]
+    k_values = [None if r is None else r[...] for r in kv_refs]
+    # the separable terms' origins from the key tile, which the walk holds fixed
+    at = origins(plan.biases, params, k_values, kpos_ref[...])
 
     def grads(tile: QueryTile, k_KH: jax.Array, v_KW: jax.Array) -> tuple:
         return _pair_grads(
@@ -115,6 +129,7 @@ def _dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             delta_Q=delta_ref[tile.rows],
             allowed_QK=tile.allowed_QK,
             inputs=tile.inputs,
+            at=at,
         )
 
     key_tile_program(

@@ -5,7 +5,9 @@ One program per (batch row, head, query tile). It walks the key tiles its querie
 (``lax.cond`` on :meth:`~copejax.ops.kernels.tiles.Plan.live`), and folds each pair's
 scores (content logits plus the terms' tile biases) into an online softmax in float32
 (Milakov & Gimelshein 2018, arXiv 1805.02867). It writes the output and each query's
-log-sum-exp ``L_i = m_i + log l_i``, which the backward kernels read.
+log-sum-exp ``L_i = m_i + log l_i``, which the backward kernels read. A separable term's
+row (:mod:`copejax.ops.kernels.separable`), a constant of each query's softmax, stays out of
+the scores and the max: it is added to L once.
 
 Shape letters: B batch, T queries, S keys, N query heads, G key/value heads (N = G x
 groups), H head dim, W value width, Q / K tile lengths.
@@ -25,6 +27,7 @@ from copejax.ops.kernels.operands import (
     term_operands,
     term_refs,
 )
+from copejax.ops.kernels.separable import origins, query_rows
 from copejax.ops.kernels.stick import stick_forward_kernel
 from copejax.ops.kernels.tiles import LOG2E, Plan, dot_f32, scores_QK
 from copejax.ops.kernels.triton_params import compiler_params
@@ -42,6 +45,7 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     params = [None if r is None else r[...] for r in p_refs]
     q_values = [None if r is None else r[...] for r in qv_refs]
     width = v_ref.shape[-1]
+    at = origins(plan.biases, params, q_values, q_pos_Q)  # separable terms': once per program
 
     def pair(kj: jax.Array, state: tuple) -> tuple:
         k_first, keys, k_seg_K, k_rank_K = plan.key_tile(kj, kseg_ref, krank_ref)
@@ -50,7 +54,10 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             max_Q, sum_Q, acc_QW = state
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
-            s_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs, unit=LOG2E)
+            # without the separable terms' rows, constants of each query's softmax
+            s_QK, _ = scores_QK(
+                plan, q_QH, k_ref[keys, :], allowed_QK, inputs, unit=LOG2E, at=at, split_rows=True
+            )
             new_max_Q = jnp.maximum(max_Q, jnp.max(s_QK, axis=1))
             p_QK = jnp.exp2(s_QK - new_max_Q[:, None])
             if allowed_QK is not None:
@@ -76,6 +83,9 @@ def _forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
     # A query with no allowed key (padding) gets 0 (or with a query offset MASKED_LOGIT): the
     # backward's weights there are 0.
     lse_Q = max_Q * (1.0 / LOG2E) + jnp.log(safe_sum_Q)  # the max in log2 units
+    rows_Q = query_rows(plan.biases, params, q_values, q_pos_Q, at)
+    if rows_Q is not None:
+        lse_Q = lse_Q + rows_Q
     lse_ref[...] = jnp.where(seen_Q, lse_Q, plan.unseen_lse)
 
 

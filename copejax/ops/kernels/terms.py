@@ -32,6 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from copejax.ops.kernels.separable import column, is_separable
+
 
 class TermTile(NamedTuple):
     """What a term's tile function reads besides its parameter row (one head).
@@ -81,20 +83,48 @@ def tile_bias_QK(
     arrays: tuple[list, list, list],
     q_positions_Q: jax.Array,
     k_positions_K: jax.Array,
-) -> jax.Array:
-    """The sum of every term's tile bias, float32 (Q, K); what the kernels differentiate
-    with respect to ``arrays`` = (params, q values, k values), a list entry per term (None
-    where the term has no such array)."""
+    unit: float = 1.0,
+    *,
+    at: list | None = None,
+    split_rows: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array | None]:
+    """The sum of every term's tile bias, float32 (Q, K), times ``unit`` (the GPU's log2
+    units); what the kernels differentiate with respect to ``arrays`` = (params, q values,
+    k values), a list entry per term (None where the term has no such array).
+
+    ``split_rows``: (the bias without the separable terms' rows (:mod:`copejax.ops.kernels.
+    separable`), those rows' sum (Q,) in natural units or None), for the plain softmax
+    kernels, which add the rows to the log-sum-exp instead; each term's column is scaled once
+    per key, at origins ``at`` (a list entry per term, None: the queries' origin). Without
+    it, every term's (Q, K) tile function.
+    """
     params, q_values, k_values = arrays
+    at = at or [None] * len(biases)
     total_QK = None  # not zeros plus the first: the GPU code keeps an add of 0.0 (x + 0 is
     # not x for x = -0)
-    for bias, p, qv, kv in zip(biases, params, q_values, k_values, strict=True):
+    row_Q = col_K = None
+    for bias, p, qv, kv, given in zip(biases, params, q_values, k_values, at, strict=True):
+        if split_rows and is_separable(bias):
+            origin = bias.origin(p, q_positions_Q, qv) if given is None else given
+            row, col = (
+                bias.row(p, q_positions_Q, qv, origin),
+                bias.col(p, k_positions_K, kv, origin, unit),
+            )
+            row_Q = row if row_Q is None else row_Q + row
+            col_K = col if col_K is None else col_K + col
+            continue
         tile = TermTile(q_positions_Q, k_positions_K, qv, kv)
         bias_QK = jnp.broadcast_to(bias(p, tile).astype(jnp.float32), tile_shape(tile))
         total_QK = bias_QK if total_QK is None else total_QK + bias_QK
+    if total_QK is not None and unit != 1.0:
+        total_QK = total_QK * unit
+    shape = (q_positions_Q.shape[0], k_positions_K.shape[-1])
+    if col_K is not None:
+        col_QK = jnp.broadcast_to(column(col_K, 1), shape)
+        total_QK = col_QK if total_QK is None else total_QK + col_QK
     if total_QK is None:
-        return jnp.zeros((q_positions_Q.shape[0], k_positions_K.shape[-1]), jnp.float32)
-    return total_QK
+        total_QK = jnp.zeros(shape, jnp.float32)
+    return (total_QK, row_Q) if split_rows else total_QK
 
 
 def pair_grid(q_x: jax.Array, k_x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -281,19 +281,29 @@ def scores_QK(
     term_inputs: tuple[list, list, list, jax.Array, jax.Array],
     *,
     unit: float = 1.0,
-) -> jax.Array:
+    at: list | None = None,
+    split_rows: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array | None]:
     """Content logits plus every term's bias on allowed pairs, times ``unit``
     (:data:`LOG2E`: in log2 units), MASKED_LOGIT elsewhere (``allowed_QK`` None: every pair
     allowed, :meth:`Plan.run_pair`).
 
-    ``term_inputs``: (params, q values, k values, q positions, k positions) of the tile.
+    ``term_inputs``: (params, q values, k values, q positions, k positions) of the tile;
+    ``at``, ``split_rows``: the separable terms' origins, and (scores without their rows,
+    the rows (Q,) or None), as :func:`~copejax.ops.kernels.terms.tile_bias_QK` takes them.
     """
     scores = content_logits_QK(q_QH, k_KH, unit)
+    rows_Q = None
     if plan.biases:
         arrays, positions = term_inputs[:3], term_inputs[3:]
-        bias_QK = tile_bias_QK(plan.biases, arrays, *positions)
-        scores = scores + (bias_QK if unit == 1.0 else bias_QK * unit)
-    return scores if allowed_QK is None else jnp.where(allowed_QK, scores, MASKED_LOGIT)
+        bias = tile_bias_QK(
+            plan.biases, arrays, *positions, unit=unit, at=at, split_rows=split_rows
+        )
+        bias_QK, rows_Q = bias if split_rows else (bias, None)
+        scores = scores + bias_QK
+    if allowed_QK is not None:
+        scores = jnp.where(allowed_QK, scores, MASKED_LOGIT)
+    return (scores, rows_Q) if split_rows else scores
 
 
 def exp_gpu(x: jax.Array) -> jax.Array:

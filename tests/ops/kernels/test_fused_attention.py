@@ -47,6 +47,39 @@ def _decay(p, tile):  # FoX-like: per-token values, c_i - c_j
     return q_Q1 - k_1K
 
 
+class _SlopeRows:
+    """``_slope`` as a separable term (copejax.ops.kernels.separable): the row -m (i - o) and
+    the column m (j - o), its slope differentiable (ALiBi's kernel term stops it)."""
+
+    def origin(self, p, positions_X, values_X):
+        return jnp.min(positions_X.astype(jnp.float32))
+
+    def row(self, p, positions_Q, values_Q, origin):
+        return -jnp.sum(p) * (positions_Q.astype(jnp.float32) - origin)
+
+    def col(self, p, positions_K, values_K, origin, unit):
+        return jnp.sum(p) * unit * (positions_K.astype(jnp.float32) - origin)
+
+    def __call__(self, p, tile):
+        return _slope(p, tile)
+
+
+class _DecayRows:
+    """``_decay`` as a separable term: the row c_i - o and the column o - c_j."""
+
+    def origin(self, p, positions_X, values_X):
+        return jax.lax.stop_gradient(jnp.max(values_X))
+
+    def row(self, p, positions_Q, values_Q, origin):
+        return values_Q - origin
+
+    def col(self, p, positions_K, values_K, origin, unit):
+        return (origin - values_K) * unit
+
+    def __call__(self, p, tile):
+        return _decay(p, tile)
+
+
 def _inputs(dtype, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
@@ -74,11 +107,21 @@ def on_layout(x: dict, **options) -> jax.Array:
     )
 
 
-def _kernel(x: dict, *, window: int | None, sinks: int, interpret: bool | None = None) -> jax.Array:
+def _kernel(
+    x: dict,
+    *,
+    window: int | None,
+    sinks: int,
+    interpret: bool | None = None,
+    separable: bool = False,
+) -> jax.Array:
+    """``separable``: the slope and decay terms as rows and columns, which the softmax
+    kernels keep out of their walks' scores and add to the log-sum-exp."""
+    slope, decay = (_SlopeRows(), _DecayRows()) if separable else (_slope, _decay)
     terms = [
-        KernelTerm("slope", _slope, params_NP=x["slopes"]),
+        KernelTerm("slope", slope, params_NP=x["slopes"]),
         KernelTerm("table", _table, params_NP=x["table"]),
-        KernelTerm("decay", _decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
+        KernelTerm("decay", decay, q_values_BTN=x["c"], k_values_BSN=x["c"]),
     ]
     return on_layout(
         x,
@@ -105,12 +148,19 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    ("window", "sinks"),
-    [pytest.param(None, 0, marks=SLOW), pytest.param(20, 0, marks=SLOW), (20, 3)],
+    ("window", "sinks", "separable"),
+    [
+        pytest.param(None, 0, False, marks=SLOW),
+        pytest.param(20, 0, False, marks=SLOW),
+        (20, 3, False),
+        (20, 3, True),
+        pytest.param(None, 0, True, marks=SLOW),
+    ],
 )
-def test_values_equal_numpy(window: int | None, sinks: int) -> None:
+def test_values_equal_numpy(window: int | None, sinks: int, separable: bool) -> None:
     x = _inputs(jnp.float32)
-    y = jax.jit(functools.partial(_kernel, window=window, sinks=sinks))(x)
+    run = functools.partial(_kernel, window=window, sinks=sinks, separable=separable)
+    y = jax.jit(run)(x)
     allowed = mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT)
     x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
     expected = attention_numpy(x["q"], x["k"], x["v"], _bias_BNTS(x64, np), allowed)
@@ -118,21 +168,23 @@ def test_values_equal_numpy(window: int | None, sinks: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "window", "sinks"),
+    ("dtype", "window", "sinks", "separable"),
     [
-        ("float32", 20, 3),
-        pytest.param("bfloat16", None, 0, marks=SLOW),
-        pytest.param("float32", None, 0, marks=SLOW),
-        pytest.param("bfloat16", 20, 3, marks=SLOW),
+        ("float32", 20, 3, False),
+        ("float32", 20, 3, True),
+        pytest.param("bfloat16", None, 0, False, marks=SLOW),
+        pytest.param("float32", None, 0, False, marks=SLOW),
+        pytest.param("bfloat16", 20, 3, False, marks=SLOW),
+        pytest.param("bfloat16", 20, 3, True, marks=SLOW),
     ],
 )
-def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int) -> None:
+def test_gradients_equal_dense(dtype: str, window: int | None, sinks: int, separable: bool) -> None:
     x = _inputs(jnp.dtype(dtype))
     allowed = jnp.asarray(mask_BTS(SEGMENTS_BT, window, sinks, RANK_BT))
     cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, N, H)), jnp.float32)
 
     def kernel(x):
-        y = _kernel(x, window=window, sinks=sinks)
+        y = _kernel(x, window=window, sinks=sinks, separable=separable)
         return y.astype(jnp.float32)
 
     def dense(x):  # the same inputs in float32: only the kernel's roundings differ

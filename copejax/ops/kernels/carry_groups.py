@@ -36,10 +36,11 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 
+from copejax.ops.kernels.lever import TracingLever
 from copejax.ops.kernels.tiles import Plan
 
 CARRY_BYTES_OVER_QUERY_BYTES = 2  # auto_groups' budget: carries over the queries' bytes
-_GROUPS: list[int | None] = [None]  # carry_groups_for_tracing's setting, innermost last
+_GROUPS: TracingLever[int | None] = TracingLever(None)  # carry_groups_for_tracing's
 
 
 def auto_groups(count_k: int, head_dim: int, itemsize: int) -> int:
@@ -48,7 +49,7 @@ def auto_groups(count_k: int, head_dim: int, itemsize: int) -> int:
     ``CARRY_BYTES_OVER_QUERY_BYTES`` times a query row's ``head_dim x itemsize`` bytes, at
     most ``count_k`` (one per key tile), at least 1; or what
     :func:`carry_groups_for_tracing` says."""
-    forced = _GROUPS[-1]
+    forced = _GROUPS.value()
     rows = 1 << max(CARRY_BYTES_OVER_QUERY_BYTES * head_dim * itemsize // 8, 1).bit_length() - 1
     groups = max(rows - 1, 1) if forced is None else forced
     return max(1, min(count_k, groups))
@@ -88,10 +89,7 @@ def carry_starts(plan: Plan, head_dim: int, itemsize: int) -> tuple[int, ...]:
 @contextlib.contextmanager
 def carry_groups_for_tracing(groups: int | None) -> Iterator[None]:
     """Stick-breaking and CoPE GPU kernels traced inside keep ``groups`` carry checkpoints per
-    head (at most one per key tile; None: :func:`auto_groups`' rule), for the GPU benchmark's
-    arms."""
-    _GROUPS.append(groups)
-    try:
+    head (at most one per key tile; None: the enclosing setting, outside any
+    :func:`auto_groups`' rule), for the GPU benchmark's arms."""
+    with _GROUPS.setting(groups):
         yield
-    finally:
-        _GROUPS.pop()

@@ -16,12 +16,13 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from copejax.ops.kernels.lever import TracingLever
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_params import LANES
 
 MIN_BLOCK = 16  # Triton's smallest matmul tile
 NOT_A_SINK = 2**30  # the rank given to padding keys
-_FULL_TILES: list[bool] = []  # full_tiles_for_tracing's stack
+_FULL_TILES: TracingLever[bool] = TracingLever(True)  # full_tiles_for_tracing's setting
 
 
 @contextlib.contextmanager
@@ -29,14 +30,8 @@ def full_tiles_for_tracing(full_tiles: bool | None) -> Iterator[None]:
     """Plans made inside run full pairs without the mask (True, the default) or masked like
     every other pair (False; None: the default): the GPU benchmark's lever
     (``Plan.full_tiles``), which only a GPU can say pays."""
-    if full_tiles is None:
+    with _FULL_TILES.setting(full_tiles):
         yield
-        return
-    _FULL_TILES.append(full_tiles)
-    try:
-        yield
-    finally:
-        _FULL_TILES.pop()
 
 
 def check_window(window: int | None) -> None:
@@ -78,7 +73,7 @@ def tiled_plan(
     if interpret is None:
         interpret = jax.default_backend() != ("tpu" if backend == "tpu" else "gpu")
     padded = -(-length // max(size_q, size_k)) * max(size_q, size_k)
-    fields.setdefault("full_tiles", _FULL_TILES[-1] if _FULL_TILES else True)
+    fields.setdefault("full_tiles", _FULL_TILES.value())
     return Plan(
         size_q=size_q,
         size_k=size_k,

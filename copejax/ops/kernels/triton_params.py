@@ -28,14 +28,16 @@ from collections.abc import Iterator
 
 from jax.experimental.pallas import triton as pltriton
 
-_WARPS: list[int] = []  # warps_for_tracing's setting, innermost last
+from copejax.ops.kernels.lever import TracingLever
+
+_WARPS: TracingLever[int | None] = TracingLever(None)  # warps_for_tracing's setting
 
 
 def compiler_params(head_dim: int) -> pltriton.CompilerParams:
     """Triton's launch parameters: 4 warps up to H = 64, 8 above (the choice of
     ``jax.experimental.pallas.ops.gpu.attention``), or what :func:`warps_for_tracing` says;
     two pipeline stages."""
-    warps = _WARPS[-1] if _WARPS else (4 if head_dim <= 64 else 8)
+    warps = _WARPS.value() or (4 if head_dim <= 64 else 8)
     return pltriton.CompilerParams(num_warps=warps, num_stages=2)
 
 
@@ -45,14 +47,8 @@ def warps_for_tracing(warps: int | None) -> Iterator[None]:
     benchmark's arms: with 8 warps at H = 64 the H100 target spills less (ALiBi's dk / dv
     236 -> 48 bytes per thread, FoX's 128 -> 0; ``experiments/kernel_ptx.py``), which only a
     GPU can say is faster."""
-    if warps is None:
+    with _WARPS.setting(warps):
         yield
-        return
-    _WARPS.append(warps)
-    try:
-        yield
-    finally:
-        _WARPS.pop()
 
 
 # Whether the GPU kernels' within-tile sums (stick-breaking's, CoPE's count, selective
@@ -62,12 +58,12 @@ def warps_for_tracing(warps: int | None) -> Iterator[None]:
 # matmuls held stick-breaking's forward at 255 registers with 12 more wgmma per tile; the
 # scan's forward takes 197 and spills nothing (dq 572 -> 36, dk/dv 1548 -> 696 spilled
 # bytes). The TPU kernels keep the matmuls (Mosaic lowers no cumsum).
-_GPU_SCAN: list[bool] = [True]
+_GPU_SCAN: TracingLever[bool] = TracingLever(True)
 
 
 def gpu_scan() -> bool:
     """Whether GPU kernels traced now take :func:`tile_sum`'s prefix sums (default True)."""
-    return _GPU_SCAN[-1]
+    return _GPU_SCAN.value()
 
 
 @contextlib.contextmanager
@@ -75,14 +71,8 @@ def scan_for_tracing(scan: bool | None) -> Iterator[None]:
     """GPU kernels traced inside take the prefix sums (True) or the tensor-core matmuls
     (False; None: the default), for the GPU benchmark's arms: the scan spills less on the
     H100 target, which only a GPU can say is faster."""
-    if scan is None:
+    with _GPU_SCAN.setting(scan):
         yield
-        return
-    _GPU_SCAN.append(scan)
-    try:
-        yield
-    finally:
-        _GPU_SCAN.pop()
 
 
 def program_barrier(interpret: bool) -> None:

@@ -100,6 +100,9 @@ PER_TILE_CARRIES = {**KERNEL, "kernel_carry_groups": 2**30}
 # 42-45% fewer non-matrix instructions per full pair in nope's PTX (kernel_ptx.md).
 MASKED_TILES = {**KERNEL, "kernel_full_tiles": False}
 MASKED_TILES_SCHEMES = ("nope", "alibi", "t5", "fox")
+# And stick-breaking's log1p as lg2.approx (the stick-breaking authors' softplus) beside
+# libdevice's log1pf, about 30 instructions a value (kernel_ptx.md); off by default.
+APPROX_LOG1P = {**KERNEL, "kernel_approx_log1p": True}
 LEVER_SCHEMES = ("fox", "stickbreaking", "cope")
 # (B, N, H) of the issue's targets, then T; in the order they run.
 SHAPES = ((2, 4, 64), (4, 16, 128))
@@ -154,8 +157,9 @@ def warps_arms() -> tuple:
     """Each kernel scheme with the default warps and with 8, the schemes with within-tile
     sums with those as tensor-core matmuls instead of prefix sums
     (``copejax.ops.kernels.triton_params.scan_for_tracing``) and those with a carry
-    checkpoint per key tile (``PER_TILE_CARRIES``), and nope's, ALiBi's, T5's and FoX's with
-    every pair masked (``MASKED_TILES``), beside cuDNN's nope."""
+    checkpoint per key tile (``PER_TILE_CARRIES``), nope's, ALiBi's, T5's and FoX's with
+    every pair masked (``MASKED_TILES``) and stick-breaking's with its log1p as
+    ``lg2.approx`` (``APPROX_LOG1P``), beside cuDNN's nope."""
     arms = [("dpa", "dpa", {})]
     for scheme in WARPS_SCHEMES:
         arms.append((f"{scheme} kernel", scheme, KERNEL))
@@ -166,6 +170,8 @@ def warps_arms() -> tuple:
             arms.append((f"{scheme} kernel per-tile carries", scheme, PER_TILE_CARRIES))
         if scheme in MASKED_TILES_SCHEMES:
             arms.append((f"{scheme} kernel masked tiles", scheme, MASKED_TILES))
+        if scheme == "stickbreaking":
+            arms.append((f"{scheme} kernel approx log1p", scheme, APPROX_LOG1P))
     return tuple(arms)
 
 

@@ -29,7 +29,13 @@ from experiments.bench_settings import (
 # side_by_side: one timing spans about this long, in at most MAX_CALLS back-to-back calls.
 MIN_TIMING_S = 0.02
 # Arm options that steer how the kernels are traced, not the model (side_by_side).
-LEVER_KEYS = ("kernel_warps", "kernel_scan", "kernel_carry_groups", "kernel_full_tiles")
+LEVER_KEYS = (
+    "kernel_warps",
+    "kernel_scan",
+    "kernel_carry_groups",
+    "kernel_full_tiles",
+    "kernel_approx_log1p",
+)
 MAX_CALLS = 64
 
 
@@ -231,24 +237,31 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     compiled, rows = {}, []
     from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
     from copejax.ops.kernels.padding import full_tiles_for_tracing
-    from copejax.ops.kernels.triton_params import scan_for_tracing, warps_for_tracing
+    from copejax.ops.kernels.triton_params import (
+        approx_log1p_for_tracing,
+        scan_for_tracing,
+        warps_for_tracing,
+    )
 
     for label, scheme, arm_options in arms:
         # benchmark levers only: "kernel_warps", the Triton kernels' warps for this arm;
         # "kernel_scan", their within-tile sums as prefix sums or tensor-core matmuls;
         # "kernel_carry_groups", stick-breaking's carry checkpoints per head;
-        # "kernel_full_tiles", the softmax kernels' mask-free body on full pairs
+        # "kernel_full_tiles", the softmax kernels' mask-free body on full pairs;
+        # "kernel_approx_log1p", stick-breaking's log1p as lg2.approx
         options = {k: v for k, v in arm_options.items() if k not in LEVER_KEYS}
         try:
             fn, args = _layer_program(scheme, length, options)
             warps, scan = arm_options.get("kernel_warps"), arm_options.get("kernel_scan")
             groups = arm_options.get("kernel_carry_groups")
             full = arm_options.get("kernel_full_tiles")
+            approx = arm_options.get("kernel_approx_log1p")
             with (
                 warps_for_tracing(warps),
                 scan_for_tracing(scan),
                 carry_groups_for_tracing(groups),
                 full_tiles_for_tracing(full),
+                approx_log1p_for_tracing(approx),
             ):
                 program = fn.lower(*args).compile()
             analysis = program.memory_analysis()

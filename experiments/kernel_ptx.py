@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--timeout", type=float, default=600.0, help="per kernel, seconds")
     parser.add_argument("--warps", type=int, help="Triton warps (default: the kernels')")
+    parser.add_argument(
+        "--approx_log1p", action="store_true", help="stick-breaking's log1p as lg2.approx"
+    )
     parser.add_argument("--out", default="/tmp/kernel_ptx", help="PTX, ptxas logs, rows.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # compile_child's module
     args = parser.parse_args(argv)
@@ -290,9 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     shape = tuple(int(x) for x in args.shape.split(","))
     out = Path(args.out) / f"{args.scheme}_{args.length}" / f"w{args.warps or 'default'}"
     start = time.perf_counter()
-    from copejax.ops.kernels.triton_params import warps_for_tracing
+    from copejax.ops.kernels.triton_params import approx_log1p_for_tracing, warps_for_tracing
 
-    with warps_for_tracing(args.warps):
+    with warps_for_tracing(args.warps), approx_log1p_for_tracing(args.approx_log1p or None):
         lowered = lowered_layer(args.scheme, args.length, shape, args.dtype)
     module = lowered.compiler_ir("stablehlo")
     print(

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from copejax.ops.kernels.exact_dots import highest_dot, pieces_dot
 from copejax.ops.kernels.key_tile import QueryTile, key_tile_program
@@ -47,7 +48,9 @@ from copejax.ops.kernels.pullbacks import (
     pull_query_values,
 )
 from copejax.ops.kernels.tiles import Plan, dot_f32, exp_gpu, scan_sum, scores_QK
-from copejax.ops.kernels.triton_params import gpu_scan, program_barrier
+from copejax.ops.kernels.triton_params import approx_log1p, gpu_scan, program_barrier
+
+LN2 = math.log(2.0)
 
 
 def newer_ones_KK(size: int, inclusive: bool) -> jax.Array:
@@ -134,6 +137,26 @@ def _on_allowed(allowed_QK: jax.Array | None, x_QK: jax.Array, fill: float) -> j
     return x_QK if allowed_QK is None else jnp.where(allowed_QK, x_QK, fill)
 
 
+def log1p_gpu(u: jax.Array, interpret: bool) -> jax.Array:
+    """``log(1 + u)`` for u in [0, 1] as stick-breaking's GPU kernels take it: libdevice's
+    log1pf (``jnp.log1p``), or with :func:`~copejax.ops.kernels.triton_params.approx_log1p`
+    ``lg2.approx(1 + u) ln 2``, one instruction and two multiplies (in interpret mode the
+    same form with an exact log2, so that the CPU tests run its rounding of 1 + u)."""
+    if not approx_log1p():
+        return jnp.log1p(u)
+    w_QK = 1.0 + u
+    if interpret:
+        return jnp.log2(w_QK) * LN2
+    (log2_QK,) = pltriton.elementwise_inline_asm(
+        "lg2.approx.f32 $0, $1;",
+        args=[w_QK],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(w_QK.shape, jnp.float32)],
+    )
+    return log2_QK * LN2
+
+
 def stick_weights_QK(
     z_QK: jax.Array,
     allowed_QK: jax.Array | None,
@@ -141,20 +164,26 @@ def stick_weights_QK(
     scan: bool = False,
     *,
     exp: Callable[[jax.Array], jax.Array] = jnp.exp,
+    log1p: Callable[[jax.Array], jax.Array] = jnp.log1p,
 ) -> tuple:
     """(A, softplus(z), exp(-|z|)) of one pair given the newer tiles' softplus total r,
     (Q,) or (Q, 1) (``copejax.ops.engine_blocks.stick_terms``' stable forms); ``scan``: the
     within-tile sums as :func:`tile_sum`'s prefix sums, ``exp``
-    :func:`~copejax.ops.kernels.tiles.exp_gpu` (the GPU kernels); ``allowed_QK`` None: a
-    full pair (:meth:`~copejax.ops.kernels.tiles.Plan.run_pair`)."""
+    :func:`~copejax.ops.kernels.tiles.exp_gpu` and ``log1p`` :func:`log1p_gpu` (the GPU
+    kernels); ``allowed_QK`` None: a full pair
+    (:meth:`~copejax.ops.kernels.tiles.Plan.run_pair`)."""
     z_QK = _on_allowed(allowed_QK, z_QK, 0.0)
     e_QK = exp(-jnp.abs(z_QK))
-    log1p_QK = jnp.log1p(e_QK)
+    log1p_QK = log1p(e_QK)
     softplus_QK = _on_allowed(allowed_QK, jnp.maximum(z_QK, 0.0) + log1p_QK, 0.0)
     log_sigmoid_QK = jnp.minimum(z_QK, 0.0) - log1p_QK
     after_QK = tile_sum(softplus_QK, False, scan)
     a_QK = _on_allowed(allowed_QK, exp(log_sigmoid_QK - after_QK - _column(r_Q)), 0.0)
     return a_QK, softplus_QK, e_QK
+
+
+def _log1p(plan: Plan) -> Callable[[jax.Array], jax.Array]:
+    return functools.partial(log1p_gpu, interpret=bool(plan.interpret))
 
 
 def stick_dz_QK(
@@ -199,7 +228,9 @@ def stick_forward_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> N
             k_values = [None if r is None else r[keys] for r in kv_refs]
             inputs = (params, q_values, k_values, q_pos_Q, kpos_ref[keys])
             z_QK = scores_QK(plan, q_QH, k_ref[keys, :], allowed_QK, inputs)
-            a_QK, softplus_QK, _ = stick_weights_QK(z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu)
+            a_QK, softplus_QK, _ = stick_weights_QK(
+                z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu, log1p=_log1p(plan)
+            )
             v_KW = v_ref[keys, :]
             acc_QW = acc_QW + dot_f32(a_QK.astype(v_KW.dtype), v_KW, (1, 0))
             return r_Q + jnp.sum(softplus_QK, axis=1), acc_QW
@@ -246,7 +277,7 @@ def stick_dq_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None:
             inputs = (params, q_values, k_values, q_pos_Q, k_pos_K)
             z_QK = scores_QK(plan, q_QH, k_KH, allowed_QK, inputs)
             a_QK, softplus_QK, e_QK = stick_weights_QK(
-                z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu
+                z_QK, allowed_QK, r_Q, gpu_scan(), exp=exp_gpu, log1p=_log1p(plan)
             )
             v_KW = v_ref[keys, :]
             g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(do_QW, v_KW, (1, 1))
@@ -283,7 +314,7 @@ def stick_dkdv_kernel(*refs, plan: Plan, has: tuple, num_term_refs: int) -> None
         z_QK = scores_QK(plan, tile.q_QH, k_KH, tile.allowed_QK, tile.inputs)
         r_Q, u_Q = r_ref[tile.rows], u_ref[tile.rows]
         a_QK, softplus_QK, e_QK = stick_weights_QK(
-            z_QK, tile.allowed_QK, r_Q, gpu_scan(), exp=exp_gpu
+            z_QK, tile.allowed_QK, r_Q, gpu_scan(), exp=exp_gpu, log1p=_log1p(plan)
         )
         g_QK = as_mixed(a_QK, v_KW.dtype) * dot_f32(tile.do_QW, v_KW, (1, 1))
         dz_QK = stick_dz_QK(

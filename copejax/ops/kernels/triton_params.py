@@ -75,6 +75,28 @@ def scan_for_tracing(scan: bool | None) -> Iterator[None]:
         yield
 
 
+# Whether stick-breaking's GPU kernels take log(1 + u) as ``lg2.approx(1 + u) ln 2`` (the
+# stick-breaking authors' Triton softplus takes that form; copejax.ops.kernels.stick.
+# log1p_gpu) rather than jnp.log1p, which Pallas's Triton lowering sends to libdevice's
+# log1pf: about 30 instructions a value, ~45% of stick-breaking's forward kernel's PTX on the
+# H100 target. The approximation loses up to ~1e-7 of each key's softplus, summed over the
+# keys; off by default until a GPU measures what it buys (approx_log1p_for_tracing).
+_APPROX_LOG1P: TracingLever[bool] = TracingLever(False)
+
+
+def approx_log1p() -> bool:
+    """Whether stick-breaking's GPU kernels traced now take the approximate log1p."""
+    return _APPROX_LOG1P.value()
+
+
+@contextlib.contextmanager
+def approx_log1p_for_tracing(approx: bool | None) -> Iterator[None]:
+    """Stick-breaking's GPU kernels traced inside take ``lg2.approx`` for log1p (True) or
+    libdevice's log1pf (False; None: the enclosing setting), for the GPU benchmark's arms."""
+    with _APPROX_LOG1P.setting(approx):
+        yield
+
+
 def program_barrier(interpret: bool) -> None:
     """A barrier across the Triton program's threads (``bar.sync``: the program's memory
     accesses before it are visible to all its threads after it), where one thread loads what

@@ -206,6 +206,11 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
         "kernel_full_tiles": False,
     }
     assert "cope kernel masked tiles" not in arms
+    # stick-breaking's log1p as lg2.approx, beside libdevice's
+    assert arms["stickbreaking kernel approx log1p"]["kernel_approx_log1p"] is True
+    assert [label for label in arms if "approx log1p" in label] == [
+        "stickbreaking kernel approx log1p"
+    ]
     from copejax.ops.kernels.padding import full_tiles_for_tracing, tiled_plan
 
     fields = {"window": None, "sink_tokens": 0, "groups": 1, "biases": ()}

@@ -14,7 +14,12 @@ import pytest
 
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
 from copejax.ops.kernels.terms import KernelTerm
-from copejax.ops.kernels.triton_params import gpu_scan, scan_for_tracing
+from copejax.ops.kernels.triton_params import (
+    approx_log1p,
+    approx_log1p_for_tracing,
+    gpu_scan,
+    scan_for_tracing,
+)
 from tests.ops.kernels.full_pairs import full_and_masked
 from tests.ops.kernels.reference import mask_BTS, stick_attention
 from tests.ops.kernels.test_fused_attention import (
@@ -121,6 +126,16 @@ def test_gradients_with_matmul_sums_equal_dense() -> None:
     assert gpu_scan()
 
 
+def test_gradients_with_the_approximate_log1p_equal_dense() -> None:
+    """The benchmark's lever ``approx_log1p_for_tracing(True)``: log1p as log2(1 + u) ln 2
+    (on a GPU ``lg2.approx``; here an exact log2, with the rounding of 1 + u), within the same
+    bounds of the dense float32 maths."""
+    with approx_log1p_for_tracing(True):
+        assert approx_log1p()
+        test_gradients_equal_dense("float32", 20, 3, False)
+    assert not approx_log1p()
+
+
 def test_full_pairs_run_without_the_mask_in_the_forward_and_dq_kernels() -> None:
     """Stick-breaking's forward and dq kernels run a full pair (keys before its first query,
     one segment: row 0's older tiles) in a second body without the mask (twice their
@@ -138,8 +153,10 @@ def test_full_pairs_run_without_the_mask_in_the_forward_and_dq_kernels() -> None
     assert full["copejax_attention_dkdv"] == masked["copejax_attention_dkdv"]
 
 
-def test_lowers_to_triton() -> None:
-    """The stick-breaking forward and backward kernels lower to Triton (from the CPU)."""
+@pytest.mark.parametrize("approx", [False, True])
+def test_lowers_to_triton(approx: bool) -> None:
+    """The stick-breaking forward and backward kernels lower to Triton (from the CPU), with
+    libdevice's log1p or the lever's ``lg2.approx`` (inline PTX in all three kernels)."""
     x = _inputs(jnp.bfloat16)
 
     def loss(x):
@@ -152,6 +169,8 @@ def test_lowers_to_triton() -> None:
         )
         return jnp.sum(y.astype(jnp.float32))
 
-    text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
+    with approx_log1p_for_tracing(approx):
+        text = lower_for_gpu(jax.jit(jax.grad(loss)), x).as_text()
     for name in ("copejax_attention_forward", "copejax_attention_dq", "copejax_attention_dkdv"):
         assert name in text
+    assert ("lg2.approx.f32" in text) == approx

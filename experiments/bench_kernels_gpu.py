@@ -116,6 +116,9 @@ CHECK_GROUPED = ("stickbreaking", "cope")
 # And selective attention without grouped heads (its backward's other output layout: dk and dv
 # in the inputs' dtype, the selecting head's dk summed with the selection's inside).
 CHECK_UNGROUPED = ("selective",)
+# And stick-breaking with its log1p as lg2.approx (APPROX_LOG1P's lever): a row of its own,
+# which gates only that lever, not the scheme's dispatch entry.
+CHECK_APPROX_LOG1P = ("stickbreaking",)
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
 # The CLI's own attention layer: GPT-2 small's 12 heads of 64 at batch 8, T = 2048 (issue 45's
 # "Why"), the CLI schemes' kernels beside the paths auto's rules take there. The CLI target is
@@ -232,18 +235,24 @@ def isolated_group(
     return {"B": batch, "N": heads, "H": head_dim, "T": length, "rows": rows, "rules": {}}
 
 
-def check_run(scheme: str, carry_groups: int | None = None, kv_heads: int | None = None) -> dict:
+def check_run(
+    scheme: str,
+    carry_groups: int | None = None,
+    kv_heads: int | None = None,
+    approx_log1p: bool | None = None,
+) -> dict:
     """``experiments.kernel_check.check`` (``kv_heads`` None: its default), or the error that
     stopped it."""
     from experiments.kernel_check import KV_HEADS, check
 
     kv_heads = KV_HEADS if kv_heads is None else kv_heads
     try:
-        return check(scheme, carry_groups, kv_heads)
+        return check(scheme, carry_groups, kv_heads, approx_log1p)
     except Exception as error:  # a kernel that fails to lower or compile is a finding
         why = f"{type(error).__name__}: {error}"[:600]
         record = {"scheme": scheme, "carry_groups": carry_groups, "kv_heads": kv_heads}
-        return {**record, "ok": False, "error": why}
+        extra = {} if approx_log1p is None else {"approx_log1p": approx_log1p}
+        return {**record, **extra, "ok": False, "error": why}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -318,10 +327,13 @@ def task_label(kind: str, what: tuple) -> str:
     if kind == "layer":
         shape, length, arms = what
         return f"layer {shape} T={length}: " + ", ".join(label for label, _, _ in arms)
-    if kind == "check" and len(what) == 3:  # (scheme, carry groups or None, kv heads)
-        scheme, groups, kv_heads = what
+    if kind == "check" and len(what) >= 3:  # (scheme, carry groups or None, kv heads[, approx])
+        scheme, groups, kv_heads = what[:3]
+        approx = " approx_log1p" if len(what) == 4 and what[3] else ""
         return (
-            f"check {scheme}" + ("" if groups is None else f" {groups}") + f" kv_heads={kv_heads}"
+            f"check {scheme}"
+            + ("" if groups is None else f" {groups}")
+            + f" kv_heads={kv_heads}{approx}"
         )
     return f"{kind} {' '.join(map(str, what))}"
 
@@ -390,6 +402,9 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
     checks += [("check", (scheme, 1)) for scheme in (() if smoke else CHECK_GROUPED)]
     ungrouped = () if smoke else CHECK_UNGROUPED
     checks += [("check", (scheme, None, kernel_check.HEADS)) for scheme in ungrouped]
+    # the approx log1p lever's numerics on the device (its arm in the warps group: speed)
+    approx = () if smoke else CHECK_APPROX_LOG1P
+    checks += [("check", (scheme, None, kernel_check.KV_HEADS, True)) for scheme in approx]
     checks = checks if "check" in parts else []
     layer = layer if "layer" in parts else []
     lever = lever if "layer" in parts else []

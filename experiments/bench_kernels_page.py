@@ -19,7 +19,9 @@ def dispatch_entries(result: dict, source: str) -> list:
     entry at every shape: a narrow win at one shape is no evidence for the others)."""
     from copejax.model.measured_paths import Measurement
 
-    failed = {row["scheme"] for row in result.get("check", []) if not row["ok"]}
+    # a lever's own check (approx_log1p) gates that lever, not the scheme's entry
+    checks = [row for row in result.get("check", []) if not row.get("approx_log1p")]
+    failed = {row["scheme"] for row in checks if not row["ok"]}
     wins: dict[tuple[str, int], list] = {}
     for group in result["layer"]:
         best: dict[str, dict] = {}
@@ -77,6 +79,7 @@ def _check_line(row: dict) -> str:
         "" if groups is None else f" ({groups} carry group{'s' * (groups > 1)})"
     )
     name += "" if kv_heads == KV_HEADS else f" ({kv_heads} key/value heads)"
+    name += " (log1p as lg2.approx)" if row.get("approx_log1p") else ""
     if "error" in row:
         return f"| {name} | - | - | - | no: {row['error']} |"
     return (

@@ -54,19 +54,28 @@ def relative_error(actual: Any, desired: Any) -> float:
     return diff / scale if scale else diff
 
 
-def check(scheme: str, carry_groups: int | None = None, kv_heads: int = KV_HEADS) -> dict:
+def check(
+    scheme: str,
+    carry_groups: int | None = None,
+    kv_heads: int = KV_HEADS,
+    approx_log1p: bool | None = None,
+) -> dict:
     """The kernel path of ``scheme`` against its naive path: the logits' and the worst
     gradient leaf's relative errors, the bound, and ``ok``; ``carry_groups``: stick-breaking's
     and CoPE's kernels traced with that many carry groups (``copejax.ops.kernels.
     carry_groups``; 1: the five key tiles in one dk / dv program, which updates its carries in
     place across them), else the default (here one group per key tile); ``kv_heads``: the
     model's key/value heads (``HEADS``: none grouped, where selective attention's backward
-    writes dk and dv in the inputs' dtype and sums the selecting head's dk inside)."""
+    writes dk and dv in the inputs' dtype and sums the selecting head's dk inside);
+    ``approx_log1p``: stick-breaking's kernels with the lever ``copejax.ops.kernels.
+    triton_params.approx_log1p_for_tracing`` (None: the default)."""
     from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
+    from copejax.ops.kernels.triton_params import approx_log1p_for_tracing
 
-    with carry_groups_for_tracing(carry_groups):
+    with carry_groups_for_tracing(carry_groups), approx_log1p_for_tracing(approx_log1p):
         record = _check(scheme, kv_heads)
-    return {**record, "carry_groups": carry_groups, "kv_heads": kv_heads}
+    extra = {} if approx_log1p is None else {"approx_log1p": approx_log1p}
+    return {**record, "carry_groups": carry_groups, "kv_heads": kv_heads, **extra}
 
 
 def _check(scheme: str, kv_heads: int) -> dict:

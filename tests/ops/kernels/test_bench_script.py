@@ -132,6 +132,9 @@ def test_dispatch_entries_name_a_path_that_won_at_every_shape() -> None:
     assert bench_kernels_page.dispatch_entries({**result, "check": [bad]}, source) == []
     page = bench_kernels_page.page({**result, "check": [bad]})
     assert "| fox | - | - | - | no: LoweringError: x |" in page
+    # ... but a lever's own check (approx_log1p) withholds no entry of the scheme
+    lever = {**bad, "approx_log1p": True}
+    assert len(bench_kernels_page.dispatch_entries({**result, "check": [lever]}, source)) == 1
 
 
 def test_kernel_check_relative_error() -> None:
@@ -261,3 +264,22 @@ def test_checks_run_selective_without_grouped_heads_too() -> None:
     row = {"scheme": "selective", "kv_heads": kernel_check.HEADS, "ok": False, "error": "E: x"}
     row_line = bench_kernels_page._check_line(row)
     assert row_line == "| selective (4 key/value heads) | - | - | - | no: E: x |"
+
+
+def test_checks_run_stick_breaking_with_the_approximate_log1p_too() -> None:
+    """The GPU call checks stick-breaking's kernels with the ``approx_log1p`` lever (the
+    numerics beside its arm's speed); that row, named by the lever, gates only the lever: a
+    failure there withholds no dispatch entry of the scheme."""
+    from experiments import kernel_check
+
+    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    what = ("stickbreaking", None, kernel_check.KV_HEADS, True)
+    assert ("check", what) in tasks
+    label = f"check stickbreaking kv_heads={kernel_check.KV_HEADS} approx_log1p"
+    assert bench_kernels_gpu.task_label("check", what) == label
+    row = {"scheme": "stickbreaking", "approx_log1p": True, "ok": False, "error": "E: x"}
+    assert bench_kernels_page._check_line(row) == (
+        "| stickbreaking (log1p as lg2.approx) | - | - | - | no: E: x |"
+    )
+    record = kernel_check.check("stickbreaking", approx_log1p=True)  # interpret mode here
+    assert record["approx_log1p"] is True and record["ok"], record

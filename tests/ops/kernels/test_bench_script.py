@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_kernels_cli, bench_kernels_gpu, bench_kernels_page
+from experiments import bench_kernels_cli, bench_kernels_gpu, bench_kernels_page, bench_kernels_plan
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -145,11 +145,11 @@ def test_kernel_check_relative_error() -> None:
 
 
 def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> None:
-    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["layer", "cli"])
+    tasks, _ = bench_kernels_plan.plan(smoke=False, parts=["layer", "cli"])
     groups = [what for kind, what in tasks if kind == "layer"]
     for shape, length, arms in groups:
-        kernels = {scheme for _, scheme, opts in arms if opts == bench_kernels_gpu.KERNEL}
-        others = {scheme for _, scheme, opts in arms if opts != bench_kernels_gpu.KERNEL}
+        kernels = {scheme for _, scheme, opts in arms if opts == bench_kernels_plan.KERNEL}
+        others = {scheme for _, scheme, opts in arms if opts != bench_kernels_plan.KERNEL}
         assert kernels - {"nope"} <= others, (shape, length)
     # At T = 4096, B x N = 8: ALiBi's bfloat16 bias (256 MiB) fits cuDNN's kernel; FoX, not
     # a position-only bias, takes the engine from 512 keys on.
@@ -158,7 +158,7 @@ def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> No
     # The CLI's own layer (T = 2048, GPT-2 small's heads), so that auto can take a kernel at
     # the CLI's length: after the CLI arms and the lever, its schemes' kernels beside their
     # rules' paths.
-    at = [i for i, (_, what) in enumerate(tasks) if what[:2] == bench_kernels_gpu.CLI_LAYER]
+    at = [i for i, (_, what) in enumerate(tasks) if what[:2] == bench_kernels_plan.CLI_LAYER]
     assert len(at) == 1 and at[0] > max(i for i, (kind, _) in enumerate(tasks) if kind == "cli")
     lever = [i for i, (_, what) in enumerate(tasks) if "fox blockwise 512" in str(what)]
     assert lever == [at[0] - 1]
@@ -192,7 +192,7 @@ def test_the_warps_lever_sets_the_triton_programs_warps_while_tracing() -> None:
         assert compiler_params(64).num_warps == 8
     with warps_for_tracing(None):
         assert compiler_params(64).num_warps == 4
-    arms = dict((label, opts) for label, _, opts in bench_kernels_gpu.warps_arms())
+    arms = dict((label, opts) for label, _, opts in bench_kernels_plan.warps_arms())
     assert arms["cope kernel w8"] == {"attention_impl": "kernel", "kernel_warps": 8}
     assert "kernel_warps" not in arms["cope kernel"]
     assert arms["selective kernel w8"]["kernel_warps"] == 8
@@ -238,9 +238,9 @@ def test_checks_run_stick_breaking_and_cope_on_one_carry_group_too() -> None:
     """The GPU call checks stick-breaking and CoPE a second time with all their key tiles in
     one carry group (the in-place updates across key tiles); a failure there, named by its
     groups on the page, withholds the scheme's dispatch entry like any failed check."""
-    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    tasks, _ = bench_kernels_plan.plan(smoke=False, parts=["check"])
     assert ("check", ("cope", 1)) in tasks and ("check", ("stickbreaking", 1)) in tasks
-    assert bench_kernels_gpu.task_label("check", ("cope", 1)) == "check cope 1"
+    assert bench_kernels_plan.task_label("check", ("cope", 1)) == "check cope 1"
     failed = {"scheme": "cope", "carry_groups": 1, "ok": False, "error": "ValueError: x"}
     passed = {"scheme": "fox", "logits_rel_error": 0.0, "grad_rel_error": 0.0, "bound": 0.05}
     result = {"date": "d", "device": "x", "command": "c", "wall_s": 1.0, "cli": [], "skipped": []}
@@ -257,10 +257,10 @@ def test_checks_run_selective_without_grouped_heads_too() -> None:
     it too, named by its key/value heads."""
     from experiments import kernel_check
 
-    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    tasks, _ = bench_kernels_plan.plan(smoke=False, parts=["check"])
     what = ("selective", None, kernel_check.HEADS)
     assert ("check", what) in tasks
-    assert bench_kernels_gpu.task_label("check", what) == "check selective kv_heads=4"
+    assert bench_kernels_plan.task_label("check", what) == "check selective kv_heads=4"
     row = {"scheme": "selective", "kv_heads": kernel_check.HEADS, "ok": False, "error": "E: x"}
     row_line = bench_kernels_page._check_line(row)
     assert row_line == "| selective (4 key/value heads) | - | - | - | no: E: x |"
@@ -272,11 +272,11 @@ def test_checks_run_stick_breaking_with_the_approximate_log1p_too() -> None:
     failure there withholds no dispatch entry of the scheme."""
     from experiments import kernel_check
 
-    tasks, _ = bench_kernels_gpu.plan(smoke=False, parts=["check"])
+    tasks, _ = bench_kernels_plan.plan(smoke=False, parts=["check"])
     what = ("stickbreaking", None, kernel_check.KV_HEADS, True)
     assert ("check", what) in tasks
     label = f"check stickbreaking kv_heads={kernel_check.KV_HEADS} approx_log1p"
-    assert bench_kernels_gpu.task_label("check", what) == label
+    assert bench_kernels_plan.task_label("check", what) == label
     row = {"scheme": "stickbreaking", "approx_log1p": True, "ok": False, "error": "E: x"}
     assert bench_kernels_page._check_line(row) == (
         "| stickbreaking (log1p as lg2.approx) | - | - | - | no: E: x |"

@@ -49,6 +49,15 @@ def sized_avals(jaxpr: jax.extend.core.Jaxpr) -> Iterator[tuple[tuple[str, int],
         yield (producer, len(shape)), shape
 
 
+def live_jaxpr(jaxpr: jax.extend.core.Jaxpr) -> jax.extend.core.Jaxpr:
+    """``jaxpr`` without the equations no output reads (as XLA drops them before it plans
+    memory): the kernel path's unread block terms, such as selective attention's engine
+    prefix, which the site computes for every path."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
 def superlinear_arrays(trace: Callable[[int], jax.extend.core.Jaxpr], length: int) -> list[str]:
     """The arrays of ``trace(2 * length)`` that grow faster than the length, described as
     ``"producer: shape at T -> shape at 2T"`` (empty when every array is O(T))."""

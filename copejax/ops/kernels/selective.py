@@ -14,10 +14,12 @@ Query tile g holds the selectors k of its own queries, so
     F_QK = P[g, keys] + L_QQ @ S_QK,   L[i, k] = 1 where k < i (strictly lower triangular)
 
 with ``P[g, j] = sum_{k < first query of g} S_kj``, the engine's prefix
-(:mod:`copejax.ops.selective_block`). The prefix kernel writes P: one program per (batch
-row, key tile) walks the query tiles oldest first, accumulating the column sums of S, and
-writes the sum entering each tile, (B, count_q, S) float32 (count_q padded to a power of
-two): O(T^2 / Q), no (T, S) buffer. The forward kernel is FlashAttention-2's
+(:mod:`copejax.ops.selective_block`), which the prefix kernel writes
+(:mod:`copejax.ops.kernels.selective_prefix`): all the query tiles' rows in one call, or, where
+those would pass the queries' own bytes (above T = 8192 at N = 4, H = 64 in bfloat16, tiles of
+64), the prefix and forward kernels in a loop of calls of R query tiles each, the prefix
+carried from one call to the next: O(T N H) at every length, B x N x R programs per forward
+call. The forward kernel is FlashAttention-2's
 (:mod:`copejax.ops.kernels.forward`) with the penalty added per pair: each program
 recomputes the selecting head's S tile from its q and k tiles (one more Q x K x H matmul)
 and ``L @ S``: three Q x Q x K bfloat16 matmuls of S split in bfloat16 pieces, exact to
@@ -27,8 +29,9 @@ bfloat16 or TF32 matmul would round the penalties to 3 digits. The backward is
 
 Cost: each head's program recomputes the S tile of a pair, so a pair takes, besides
 FlashAttention-2's two matmuls, one Q x K x H and three Q x Q x K (bfloat16) more in the
-forward, and about as many again in the backward kernel. Memory: P (B, count_q, S) float32
-lives from the prefix kernel to the forward kernel; the backward sums it again as it walks
+forward, and about as many again in the backward kernel. Memory: P (B, count_q, S) float32,
+or a call's (B, R, S), lives from the prefix kernel to the forward kernel; the backward sums
+it again as it walks
 (:mod:`copejax.ops.kernels.selective_backward`). No (T, S) array.
 
 The kernels add the other logit terms (:mod:`copejax.ops.kernels.terms`) as the generic ones
@@ -48,16 +51,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_operands, term_refs
+from copejax.ops.kernels.selective_prefix import call_tiles, prefix_call
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     penalized_scores_QK,
-    selection_live,
-    selection_QK,
     term_bias,
 )
 from copejax.ops.kernels.tiles import (
     Plan,
-    content_logits_QK,
     dot_f32,
     exp_gpu,
     sigmoid_gpu,
@@ -76,45 +77,11 @@ class SelectiveTerm:
     nonlinearity: str = "relu"
 
 
-def rows_of(count: int) -> int:
-    """Rows of a per-tile buffer: ``count`` padded to a power of two (Triton's blocks)."""
-    return 1 << max(count - 1, 0).bit_length()
-
-
-def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
-    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref, prefix_ref = refs
-    kj = pl.program_id(1)
-    k_first = kj * plan.size_k
-    k_sel_KH, k_seg_K, k_starts_K = ksel_ref[...], kseg_ref[...], kstart_ref[...]
-    first, end = plan.query_tiles(kj)  # with a window and no sinks, the tiles that see kj
-
-    def step(qi: jax.Array, acc_K: jax.Array) -> jax.Array:
-        # Every row is written once (no other store to race with on a GPU): what the older
-        # query tiles selected; rows past the tiles that see kj are never read.
-        prefix_ref[pl.ds(qi, 1), :] = acc_K[None, :]
-        q_first = qi * plan.size_q
-        queries = pl.ds(pl.multiple_of(q_first, plan.size_q), plan.size_q)
-
-        def compute(acc_K: jax.Array) -> jax.Array:
-            keep = keep_QK(q_first, k_first, qseg_ref[queries], k_seg_K, k_starts_K)
-            logits_QK = content_logits_QK(qsel_ref[queries, :], k_sel_KH)
-            return acc_K + jnp.sum(selection_QK(logits_QK, keep, nonlinearity, sigmoid_gpu), axis=0)
-
-        def band(acc_K: jax.Array) -> jax.Array:  # a query tile (qi < count_q) that sees kj
-            live = selection_live(plan, q_first, k_first, qseg_ref[queries], k_seg_K)
-            return jax.lax.cond(live, compute, lambda a: a, acc_K)
-
-        return jax.lax.cond((first <= qi) & (qi < end), band, lambda a: a, acc_K)
-
-    rows = prefix_ref.shape[0]
-    jax.lax.fori_loop(0, rows, step, jnp.zeros((plan.size_k,), jnp.float32))
-
-
 def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
-    qsel_ref, ksel_ref, kstart_ref, prefix_ref, o_ref, lse_ref = refs[8 + num_term_refs :]
-    qi = pl.program_id(2)
+    qsel_ref, ksel_ref, kstart_ref, prefix_ref, tile_ref, o_ref, lse_ref = refs[8 + num_term_refs :]
+    qi = pl.program_id(2) + tile_ref[0]  # the call's query tiles start at tile_ref[0]
     q_first = qi * plan.size_q
     q_QH, q_pos_Q, q_seg_Q, q_sel_QH = q_ref[...], qpos_ref[...], qseg_ref[...], qsel_ref[...]
     params = [None if r is None else r[...] for r in p_refs]
@@ -151,6 +118,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
         return jax.lax.cond(live, compute, lambda s: s, state)
 
     first, end = plan.key_tiles(qi)
+    end = jnp.where(qi < plan.count_q, end, first)  # the last call's padding tiles: no keys
     init = (
         jnp.full((plan.size_q,), -1e30, jnp.float32),
         jnp.zeros((plan.size_q,), jnp.float32),
@@ -161,40 +129,6 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
     safe_sum_Q = jnp.where(seen_Q, sum_Q, 1.0)
     o_ref[...] = (acc_QW / safe_sum_Q[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen_Q, max_Q + jnp.log(safe_sum_Q), 0.0)
-
-
-def prefix_call(
-    plan: Plan,
-    nonlinearity: str,
-    q_BTNH: jax.Array,
-    k_BSGH: jax.Array,
-    *,
-    head: int,
-    ints: dict,
-) -> jax.Array:
-    """The prefix P (B, rows_of(count_q), S) float32: row g sums S over the queries of the
-    query tiles before g (rows g >= count_q, and with a window those past the tiles that see
-    the key, hold sums no pair reads). The GPU's backward sums it again as it walks, in the
-    same order."""
-    batch, length_q, _, dim = q_BTNH.shape
-    length_k, sk, kv_head = k_BSGH.shape[1], plan.size_k, head // plan.groups
-    rows = rows_of(plan.count_q)
-    return pl.pallas_call(
-        functools.partial(_prefix_kernel, plan=plan, nonlinearity=nonlinearity),
-        grid=(batch, plan.count_k),
-        in_specs=[
-            pl.BlockSpec((None, length_q, None, dim), lambda b, j: (b, 0, head, 0)),
-            pl.BlockSpec((None, sk, None, dim), lambda b, j: (b, j, kv_head, 0)),
-            pl.BlockSpec((None, length_q), lambda b, j: (b, 0)),
-            pl.BlockSpec((None, sk), lambda b, j: (b, j)),
-            pl.BlockSpec((None, sk), lambda b, j: (b, j)),
-        ],
-        out_specs=pl.BlockSpec((None, rows, sk), lambda b, j: (b, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, rows, length_k), jnp.float32),
-        interpret=plan.interpret,
-        compiler_params=compiler_params(dim),
-        name="copejax_selective_prefix",
-    )(q_BTNH, k_BSGH, ints["q_seg"], ints["k_seg"], ints["k_start"])
 
 
 def selective_forward_call(
@@ -208,7 +142,9 @@ def selective_forward_call(
     ints: dict[str, jax.Array],
     terms: list[dict],
 ) -> tuple[jax.Array, jax.Array]:
-    """The prefix and forward kernels on padded inputs.
+    """The prefix and forward kernels on padded inputs: one call of each, or where the
+    prefix would pass the queries' bytes (:func:`call_tiles`) a loop over calls of R query
+    tiles each, the prefix carried from one to the next.
 
     Args:
       q_BTNH, k_BSGH, v_BSGW: queries, keys and values (T, S multiples of the tiles).
@@ -224,9 +160,88 @@ def selective_forward_call(
       (:mod:`copejax.ops.kernels.selective_backward`).
     """
     batch, length_q, heads, dim = q_BTNH.shape
+    tiles = call_tiles(plan.count_q, heads, dim, q_BTNH.dtype.itemsize)
+    forward = functools.partial(_forward_tiles, plan, nonlinearity, head=head)
+    if tiles >= plan.count_q:
+        prefix, _ = prefix_call(plan, nonlinearity, q_BTNH, k_BSGH, head=head, ints=ints)
+        return forward(
+            q_BTNH,
+            k_BSGH,
+            v_BSGW,
+            ints=ints,
+            terms=terms,
+            prefix=prefix,
+            tile=0,
+            tiles=plan.count_q,
+        )
+    size = tiles * plan.size_q  # queries per call; the last call's padded
+    calls = -(-plan.count_q // tiles)
+    extra = calls * size - length_q
+    pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+    q_BTNH = pad(q_BTNH, 1)
+    ints = {**ints, "q_pos": pad(ints["q_pos"], 1), "q_seg": pad(ints["q_seg"], 1)}
+    terms = [{**t, "q": None if t["q"] is None else pad(t["q"], 2)} for t in terms]
+
+    def call(c: jax.Array, carry: tuple) -> tuple:
+        start_BS, o_BTNW, lse_BNT = carry
+        tile = c * tiles
+        rows = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, tile * plan.size_q, size, axis)
+        prefix, end_BS = prefix_call(
+            plan,
+            nonlinearity,
+            q_BTNH,
+            k_BSGH,
+            head=head,
+            ints=ints,
+            tile=tile,
+            rows=tiles,
+            start_BS=start_BS,
+        )
+        call_ints = {**ints, "q_pos": rows(ints["q_pos"], 1), "q_seg": rows(ints["q_seg"], 1)}
+        call_terms = [{**t, "q": None if t["q"] is None else rows(t["q"], 2)} for t in terms]
+        o_c, lse_c = forward(
+            rows(q_BTNH, 1),
+            k_BSGH,
+            v_BSGW,
+            ints=call_ints,
+            terms=call_terms,
+            prefix=prefix,
+            tile=tile,
+            tiles=tiles,
+        )
+        o_BTNW = jax.lax.dynamic_update_slice_in_dim(o_BTNW, o_c, tile * plan.size_q, 1)
+        lse_BNT = jax.lax.dynamic_update_slice_in_dim(lse_BNT, lse_c, tile * plan.size_q, 2)
+        return end_BS, o_BTNW, lse_BNT
+
+    init = (
+        jnp.zeros((batch, k_BSGH.shape[1]), jnp.float32),
+        jnp.zeros((batch, calls * size, heads, v_BSGW.shape[-1]), jnp.float32),
+        jnp.zeros((batch, heads, calls * size), jnp.float32),
+    )
+    _, o_BTNW, lse_BNT = jax.lax.fori_loop(0, calls, call, init)
+    return o_BTNW[:, :length_q], lse_BNT[:, :, :length_q]
+
+
+def _forward_tiles(
+    plan: Plan,
+    nonlinearity: str,
+    q_BTNH: jax.Array,
+    k_BSGH: jax.Array,
+    v_BSGW: jax.Array,
+    *,
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+    prefix: jax.Array,
+    tile: jax.Array | int,
+    tiles: int,
+    head: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel on ``tiles`` query tiles from tile ``tile``: q_BTNH, the queries'
+    ints and the terms' per-query values hold those tiles' rows, P (``prefix``) their
+    prefix rows; keys whole. Returns (o_BTNW, lse_BNT) of those rows, float32."""
+    batch, length_q, heads, dim = q_BTNH.shape
     length_k, width = k_BSGH.shape[1], v_BSGW.shape[-1]
     groups, sq, kv_head = plan.groups, plan.size_q, head // plan.groups
-    prefix = prefix_call(plan, nonlinearity, q_BTNH, k_BSGH, head=head, ints=ints)
     whole = pl.BlockSpec((None, length_k), lambda b, n, i: (b, 0))
     query_tile = pl.BlockSpec((None, sq), lambda b, n, i: (b, i))
     has, term_inputs, term_specs = term_operands(plan, terms, q_block=True, k_block=False)
@@ -239,7 +254,7 @@ def selective_forward_call(
     )
     o_BTNW, lse_BNT = pl.pallas_call(
         kernel,
-        grid=(batch, heads, plan.count_q),
+        grid=(batch, heads, tiles),
         in_specs=[
             pl.BlockSpec((None, sq, None, dim), lambda b, n, i: (b, i, n, 0)),
             pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, n // groups, 0)),
@@ -254,6 +269,7 @@ def selective_forward_call(
             pl.BlockSpec((None, length_k, None, dim), lambda b, n, i: (b, 0, kv_head, 0)),
             whole,
             pl.BlockSpec((None, None, length_k), lambda b, n, i: (b, i, 0)),
+            pl.BlockSpec((1,), lambda b, n, i: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, sq, None, width), lambda b, n, i: (b, i, n, 0)),
@@ -280,5 +296,6 @@ def selective_forward_call(
         k_BSGH,
         ints["k_start"],
         prefix,
+        jnp.reshape(jnp.asarray(tile, jnp.int32), (1,)),
     )
     return o_BTNW, lse_BNT

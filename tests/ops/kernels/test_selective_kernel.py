@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from copejax.ops import segments
+from copejax.ops.kernels import selective_prefix
 from copejax.ops.kernels.attention import fused_attention
 from copejax.ops.kernels.cope import CopeStatic, CopeTerm
 from copejax.ops.kernels.gpu_lowering import lower_for_gpu
-from copejax.ops.kernels.selective import SelectiveTerm, prefix_call, rows_of
+from copejax.ops.kernels.selective import SelectiveTerm
+from copejax.ops.kernels.selective_prefix import call_tiles, prefix_call, rows_of
 from copejax.ops.kernels.terms import KernelTerm
 from copejax.ops.kernels.tiles import Plan
 from copejax.ops.selective import accumulated_penalty_BTS, selection_BTS
@@ -229,6 +231,34 @@ def test_large_penalties_keep_float32_precision() -> None:
         assert error < 50 * eps, (key, error / eps)
 
 
+@pytest.mark.parametrize("cap", [1, 2])
+def test_forward_in_calls_of_few_query_tiles(monkeypatch: pytest.MonkeyPatch, cap: int) -> None:
+    """The forward as a loop of calls of ``cap`` query tiles (three tiles: with 2, the last
+    call padded), the prefix carried from call to call: the same values and gradients."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", cap)
+    _check(SMALL, "float32", window=12, sinks=2, terms=True)
+
+
+@SLOW
+def test_several_tiles_in_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped heads, a window with sinks and other terms in bfloat16, the forward in calls of
+    two query tiles of 32 (the second padded)."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", 2)
+    _check(LARGE, "bfloat16", 20, 3, terms=True)
+
+
+def test_forward_calls_keep_the_prefix_within_the_queries_bytes() -> None:
+    """One call where P (B, rows, S) float32 fits in the queries' (B, T, N, H) bytes, else
+    calls of R tiles with P's within them: issue 45's (2, 4, 64) and (4, 16, 128) in
+    bfloat16, tiles of 64."""
+    for tiles, heads, dim, length in ((256, 4, 64, 16384), (1024, 4, 64, 65536)):
+        r = call_tiles(tiles, heads, dim, 2)
+        assert r == 128 and r * length * 4 <= length * heads * dim * 2
+    assert call_tiles(256, 16, 128, 2) == 256  # T = 16384: one call
+    assert call_tiles(3, 2, 16, 4) == rows_of(3)  # short: one call, rows padded as before
+    assert call_tiles(4096, 1, 16, 2) == selective_prefix.MIN_CALL_TILES
+
+
 @SLOW
 @pytest.mark.parametrize(
     ("dtype", "window", "sinks", "nonlinearity", "terms"),
@@ -281,7 +311,7 @@ def test_prefix_sums_the_older_query_tiles() -> None:
     }
     q = jnp.pad(x["q"], ((0, 0), (0, padded - 72), (0, 0), (0, 0)))
     k = jnp.pad(x["k"], ((0, 0), (0, padded - 72), (0, 0), (0, 0)))
-    prefix = np.asarray(prefix_call(plan, "relu", q, k, head=HEAD, ints=ints))
+    prefix = np.asarray(prefix_call(plan, "relu", q, k, head=HEAD, ints=ints)[0])
     assert prefix.shape == (B, rows_of(3), padded)
     x64 = {key: np.asarray(value, np.float64) for key, value in x.items()}
     f = penalty_BTS(x64["q"], x64["k"], ids, "relu", xp=np)  # F at the tiles' first queries
@@ -289,11 +319,15 @@ def test_prefix_sums_the_older_query_tiles() -> None:
         np.testing.assert_allclose(prefix[:, g, :72], f[:, g * size_q], atol=1e-4)
 
 
-@pytest.mark.parametrize("shape", [SMALL, SMALL_MHA], ids=["gqa", "mha"])
-def test_lowers_to_triton(shape: dict) -> None:
+@pytest.mark.parametrize(
+    ("shape", "cap"), [(SMALL, None), (SMALL_MHA, None), (SMALL, 2)], ids=["gqa", "mha", "calls"]
+)
+def test_lowers_to_triton(monkeypatch: pytest.MonkeyPatch, shape: dict, cap: int | None) -> None:
     """The prefix, forward and backward kernels, with other terms, have Triton lowerings
     (checked from the CPU), the backward's atomic adds included; without grouped heads the
-    backward writes dk and dv in the inputs' dtype."""
+    backward writes dk and dv in the inputs' dtype; and the forward as a loop of calls, their
+    first query tile an operand."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", cap)
     x = _inputs(shape, jnp.bfloat16, terms=True)
 
     def loss(x):

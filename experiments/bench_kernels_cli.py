@@ -45,16 +45,29 @@ def refusal(scheme: str) -> str | None:
     return kernel_refusal(make_scheme(scheme))
 
 
-def cli_run(scheme: str, impl: str, variant: str, steps: int, timeout_s: float) -> dict:
-    """tokens/s of the last progress line of one training run through the command line."""
+def cli_run(
+    scheme: str,
+    impl: str,
+    variant: str,
+    steps: int,
+    timeout_s: float,
+    *,
+    length: int = 2048,
+    batch: int = 8,
+) -> dict:
+    """tokens/s of the last progress line of one training run through the command line; the
+    ``paper`` variant at ``length`` tokens and ``batch`` rows (the row records them), the
+    smoke variant at its own."""
     import tempfile
 
     row: dict = {"scheme": scheme, "attention_impl": impl}
+    if variant == "paper":
+        row |= {"T": length, "batch": batch}
     if impl == "kernel" and (why := refusal(scheme)) is not None:
         return {**row, "status": "refused", "reason": why}
     arg = f"{variant},position={scheme},steps={steps}"
     if variant == "paper":
-        arg += ",corpus=stdlib,length=2048,batch_size=8"
+        arg += f",corpus=stdlib,length={length},batch_size={batch}"
     with tempfile.TemporaryDirectory() as workdir:
         command = [
             *lm_command(arg, workdir),

@@ -22,9 +22,10 @@ for that scheme there (``rule_arms``). A group of its own measures the cheaper l
 larger engine blocks (512 and 1024 keys) for the contextual schemes at the first shape and T
 = 4096.
 Part ``cli``: steady-state tokens/s of ``python -m copejax.main`` on ``configs/lm.py:paper``
-with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"): RoPE
-with ``auto`` (cuDNN) against each of CoPE, FoX and stick-breaking with
-``attention_impl="kernel"`` (a scheme the kernels refuse is recorded with the refusal).
+with ``corpus=stdlib``, T = 2048, batch 8, bfloat16 (the setup of issue 45's "Why"), then T =
+8192, batch 2 (its other command-line target): RoPE with ``auto`` (cuDNN) against each of
+CoPE, FoX and stick-breaking with ``attention_impl="kernel"`` (a scheme the kernels refuse is
+recorded with the refusal).
 Tasks run in priority order (the checks, the first shape's layer group, CoPE's layer group
 (its own, so that a slow compile costs it alone), a group of each kernel scheme at 4 and 8
 Triton warps (``warps_arms``), the CLI arms, the lever group, the CLI's own attention layer at
@@ -188,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
             result["layer"].append(group)
         else:
             left = max(args.budget_s + 60 - elapsed, 30)
-            result["cli"].append(cli_run(*what, variant, steps, left))
+            scheme, impl, *size = what  # the smoke's arms: the smoke config's size
+            sizes = dict(zip(("length", "batch"), size, strict=False))
+            result["cli"].append(cli_run(scheme, impl, variant, steps, left, **sizes))
         print(f"{kind} {what[:2]}: {time.perf_counter() - start:.0f} s", flush=True)
         # Written after every task: a call cut short by the device's time limit keeps them.
         result["wall_s"] = time.perf_counter() - start

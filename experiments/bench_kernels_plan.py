@@ -66,6 +66,9 @@ CHECK_UNGROUPED = ("selective",)
 # which gates only that lever, not the scheme's dispatch entry.
 CHECK_APPROX_LOG1P = ("stickbreaking",)
 CLI_ARMS = (("rope", "auto"), ("fox", "kernel"), ("stickbreaking", "kernel"), ("cope", "kernel"))
+# Issue 45's other command-line target: the same arms at T = 8192, batch 2 (the same tokens per
+# step), after those at the "Why"'s T = 2048, batch 8.
+CLI_SIZES = ((2048, 8), (8192, 2))
 # The CLI's own attention layer: GPT-2 small's 12 heads of 64 at batch 8, T = 2048 (issue 45's
 # "Why"), the CLI schemes' kernels beside the paths auto's rules take there. The CLI target is
 # met through auto, which follows a measurement only from its length up
@@ -135,8 +138,8 @@ def lever_arms() -> tuple:
 
 def task_label(kind: str, what: tuple) -> str:
     """A task as the page names it: ``layer (2, 4, 64) T=4096: dpa, cope kernel``, ``cli
-    fox kernel``, ``check cope``, ``check cope 1`` (one carry group), ``check selective
-    kv_heads=4``."""
+    fox kernel T=8192 batch=2``, ``check cope``, ``check cope 1`` (one carry group), ``check
+    selective kv_heads=4``."""
     if kind == "layer":
         shape, length, arms = what
         return f"layer {shape} T={length}: " + ", ".join(label for label, _, _ in arms)
@@ -148,6 +151,8 @@ def task_label(kind: str, what: tuple) -> str:
             + ("" if groups is None else f" {groups}")
             + f" kv_heads={kv_heads}{approx}"
         )
+    if kind == "cli" and len(what) == 4:  # (scheme, attention_impl, T, batch)
+        return f"cli {what[0]} {what[1]} T={what[2]} batch={what[3]}"
     return f"{kind} {' '.join(map(str, what))}"
 
 
@@ -191,7 +196,7 @@ def plan(smoke: bool, parts: list[str]) -> tuple[list[tuple[str, tuple]], int | 
         ]
         lever = [("layer", (SHAPES[0], LENGTHS[0], lever_arms()))]
         warps = [("layer", (SHAPES[0], LENGTHS[0], warps_arms()))]
-        cli = [("cli", arm) for arm in CLI_ARMS]
+        cli = [("cli", (*arm, *size)) for size in CLI_SIZES for arm in CLI_ARMS]
         shape, t = CLI_LAYER
         lever.append(("layer", (shape, t, CLI_LAYER_ARMS + rule_arms(CLI_LAYER_ARMS, shape, t))))
         rounds = None

@@ -22,16 +22,21 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
     row["ratio_to_fastest_nope"] = 1.25
     dpa = {"scheme": "dpa", "path": "dot_product_attention", "time_s": 0.0016}
     layer = [{"B": 2, "N": 4, "H": 64, "T": 4096, "rows": [dpa, row]}]
+    ok = {"status": "ok", "T": 2048, "batch": 8}
+    long = {**ok, "T": 8192, "batch": 2}
     cli = [
-        {"scheme": "rope", "attention_impl": "auto", "status": "ok", "tokens_per_s": 1000.0},
-        {"scheme": "fox", "attention_impl": "kernel", "status": "ok", "tokens_per_s": 700.0},
+        {**ok, "scheme": "rope", "attention_impl": "auto", "tokens_per_s": 1000.0},
+        {**ok, "scheme": "fox", "attention_impl": "kernel", "tokens_per_s": 700.0},
+        {**long, "scheme": "rope", "attention_impl": "auto", "tokens_per_s": 500.0},
+        {**long, "scheme": "fox", "attention_impl": "kernel", "tokens_per_s": 300.0},
         bench_kernels_cli.cli_run("dape", "kernel", "paper", steps=1, timeout_s=1),
     ]
     result = {"date": "2026-11-27", "device": "NVIDIA H100", "command": "c", "wall_s": 400.0}
     page = bench_kernels_page.page({**result, "layer": layer, "cli": cli, "skipped": ["x"]})
     assert "Measured 2026-11-27 on NVIDIA H100" in page
     assert "| 2 | 4 | 64 | 4096 | fox kernel | kernel | 2.00 | 1.25x | 1 |" in page
-    assert "| fox | kernel | ok | 700 | 0.70x |" in page
+    assert "| 2048 | 8 | fox | kernel | ok | 700 | 0.70x |" in page  # against RoPE's own size
+    assert "| 8192 | 2 | fox | kernel | ok | 300 | 0.60x |" in page
     assert "refused: model.attention_impl='kernel' has no kernel for scheme 'dape'" in page
     assert "Skipped (time budget): x." in page
 
@@ -162,6 +167,10 @@ def test_every_kernel_arm_runs_beside_the_path_auto_takes_for_its_scheme() -> No
     assert len(at) == 1 and at[0] > max(i for i, (kind, _) in enumerate(tasks) if kind == "cli")
     lever = [i for i, (_, what) in enumerate(tasks) if "fox blockwise 512" in str(what)]
     assert lever == [at[0] - 1]
+    cli = [what for kind, what in tasks if kind == "cli"]  # both of issue 45's CLI targets
+    assert cli[:4] == [(*arm, 2048, 8) for arm in bench_kernels_plan.CLI_ARMS]
+    assert cli[4:] == [(*arm, 8192, 2) for arm in bench_kernels_plan.CLI_ARMS]
+    assert bench_kernels_plan.task_label("cli", cli[5]) == "cli fox kernel T=8192 batch=2"
     labels = {label for label, _, _ in tasks[at[0]][1][2]}
     assert {"dpa", "fox kernel", "stickbreaking kernel", "cope kernel"} <= labels
     assert {"cope blockwise", "fox blockwise", "stickbreaking blockwise"} <= labels

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from copejax.ops.kernels.operands import term_operands, term_refs
-from copejax.ops.kernels.selective_prefix import call_tiles, prefix_call
+from copejax.ops.kernels.selective_prefix import call_tiles, prefix_call, tile_operand
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     penalized_scores_QK,
@@ -178,9 +179,7 @@ def selective_forward_call(
     calls = -(-plan.count_q // tiles)
     extra = calls * size - length_q
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
-    q_BTNH = pad(q_BTNH, 1)
-    ints = {**ints, "q_pos": pad(ints["q_pos"], 1), "q_seg": pad(ints["q_seg"], 1)}
-    terms = [{**t, "q": None if t["q"] is None else pad(t["q"], 2)} for t in terms]
+    q_BTNH, ints, terms = _per_query(pad, q_BTNH, ints, terms)
 
     def call(c: jax.Array, carry: tuple) -> tuple:
         start_BS, o_BTNW, lse_BNT = carry
@@ -197,10 +196,9 @@ def selective_forward_call(
             rows=tiles,
             start_BS=start_BS,
         )
-        call_ints = {**ints, "q_pos": rows(ints["q_pos"], 1), "q_seg": rows(ints["q_seg"], 1)}
-        call_terms = [{**t, "q": None if t["q"] is None else rows(t["q"], 2)} for t in terms]
+        call_q, call_ints, call_terms = _per_query(rows, q_BTNH, ints, terms)
         o_c, lse_c = forward(
-            rows(q_BTNH, 1),
+            call_q,
             k_BSGH,
             v_BSGW,
             ints=call_ints,
@@ -220,6 +218,16 @@ def selective_forward_call(
     )
     _, o_BTNW, lse_BNT = jax.lax.fori_loop(0, calls, call, init)
     return o_BTNW[:, :length_q], lse_BNT[:, :, :length_q]
+
+
+def _per_query(
+    f: Callable[[jax.Array, int], jax.Array], q_BTNH: jax.Array, ints: dict, terms: list[dict]
+) -> tuple[jax.Array, dict, list[dict]]:
+    """``f(x, axis)`` (a pad or a slice along the queries) on every per-query array: the
+    queries, their positions and segment ids, and the terms' per-query values (B, N, T)."""
+    ints = {**ints, "q_pos": f(ints["q_pos"], 1), "q_seg": f(ints["q_seg"], 1)}
+    terms = [{**t, "q": None if t["q"] is None else f(t["q"], 2)} for t in terms]
+    return f(q_BTNH, 1), ints, terms
 
 
 def _forward_tiles(
@@ -296,6 +304,6 @@ def _forward_tiles(
         k_BSGH,
         ints["k_start"],
         prefix,
-        jnp.reshape(jnp.asarray(tile, jnp.int32), (1,)),
+        tile_operand(tile),
     )
     return o_BTNW, lse_BNT

@@ -29,6 +29,12 @@ def rows_of(count: int) -> int:
     return 1 << max(count - 1, 0).bit_length()
 
 
+def tile_operand(tile: jax.Array | int) -> jax.Array:
+    """A call's first query tile as the kernels read it: int32 (1,), an operand, so that the
+    calls of a loop share one compiled kernel."""
+    return jnp.reshape(jnp.asarray(tile, jnp.int32), (1,))
+
+
 def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
     tile_ref, qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref, start_ref = refs[:7]
     prefix_ref, end_ref = refs[7:]
@@ -120,7 +126,7 @@ def prefix_call(
         compiler_params=compiler_params(dim),
         name="copejax_selective_prefix",
     )(
-        jnp.reshape(jnp.asarray(tile, jnp.int32), (1,)),
+        tile_operand(tile),
         q_BTNH,
         k_BSGH,
         ints["q_seg"],

@@ -97,9 +97,8 @@ def selective_attention(
         tensors: tuple, terms: list[dict], sink_N: jax.Array | None, ints: dict[str, jax.Array]
     ) -> tuple:
         q_BTNH, k_BSGH, _ = tensors
-        kept = None  # the TPU's backward reads its forward's P per query tile
         if tpu:
-            o_BTNW, lse_BNT, kept = tpu_selective_forward_call(
+            o_BTNW, lse_BNT = tpu_selective_forward_call(
                 plan,
                 nonlinearity,
                 *tensors,
@@ -113,16 +112,16 @@ def selective_attention(
             )
         if sink_N is not None:
             o_BTNW, lse_BNT = fold_sink(o_BTNW, lse_BNT, sink_N)
-        return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT, kept)
+        return o_BTNW, (tensors, terms, sink_N, ints, o_BTNW, lse_BNT)
 
     def backward(residuals: tuple, do_BTNW: jax.Array) -> tuple:
-        tensors, terms, sink_N, ints, o_BTNW, lse_BNT, kept = residuals
+        tensors, terms, sink_N, ints, o_BTNW, lse_BNT = residuals
         do_BTNW = do_BTNW.astype(tensors[2].dtype)  # the matmuls take the inputs' dtype
         delta_BNT = jnp.moveaxis(jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1), 2, 1)
         arguments = {"stats": (lse_BNT, delta_BNT), "ints": ints, "terms": terms}
         if tpu:
             arguments["selectors"] = selectors(tensors[0], tensors[1])
-            grads, term_grads = _tpu_backward(plan, selective, (*tensors, do_BTNW), kept, arguments)
+            grads, term_grads = _tpu_backward(plan, selective, (*tensors, do_BTNW), arguments)
         else:
             grads, term_grads = selective_backward_calls(
                 plan,
@@ -145,7 +144,7 @@ def selective_attention(
 
 
 def _tpu_backward(
-    plan: Plan, selective: SelectiveTerm, tensors: tuple, prefix: jax.Array, arguments: dict
+    plan: Plan, selective: SelectiveTerm, tensors: tuple, arguments: dict
 ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], list[dict]]:
     """The TPU's backward kernels, their per-query-head gradients summed: ((dq, dk, dv) in the
     inputs' dtypes, the terms' gradients)."""
@@ -153,7 +152,7 @@ def _tpu_backward(
     (batch, length, heads), kv_heads = q_BTNH.shape[:3], k_BSGH.shape[2]
     kv_head = selective.head // (heads // kv_heads)
     dq_BTNH, dk_BSNH, dv_BSNW, term_grads, dq_sel_BTH, dk_sel_BSH = tpu_selective_backward_calls(
-        plan, selective.nonlinearity, tensors, prefix=prefix, **arguments
+        plan, selective.nonlinearity, tensors, **arguments
     )
 
     def per_kv_head(x_BSNW: jax.Array) -> jax.Array:

@@ -45,8 +45,8 @@ grouped heads dk and dv come out in the keys' and values' dtypes; the selecting 
 summed in float32 with the selection's and rounded once.
 
 The TPU's kernel (:mod:`copejax.ops.kernels.tpu_selective_backward`) shares
-:func:`pair_gradients`, keeps R in VMEM and reads the forward's per-tile prefix (kept for it,
-O(T^2 / Q) per batch row). Shape letters as in
+:func:`pair_gradients`, sums P again in a first walk over the query tiles, oldest first, into
+VMEM, then walks them newest first with R in VMEM. Shape letters as in
 :mod:`copejax.ops.kernels.forward`.
 """
 

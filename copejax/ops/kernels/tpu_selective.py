@@ -9,7 +9,8 @@ grid of :mod:`copejax.ops.kernels.tpu_forward`, in the layouts of
 - the prefix kernel's grid is (batch row, key tile, query tile), the query tiles walked
   oldest first ("arbitrary") with the column sums of S, (1, K) float32, in VMEM scratch;
   every step writes the sum entering its query tile: P (B, count_q, 1, S) float32, read as
-  (1, K) tiles. Only the query tiles that may see the key tile add to it
+  (1, K) tiles, O(T^2 / Q) per batch row through the forward (the backward sums it again in
+  VMEM, :func:`prefix_step`, not kept). Only the query tiles that may see the key tile add to it
   (:meth:`~copejax.ops.kernels.tiles.Plan.query_tiles`; the others select nothing a query
   seeing the key reads, as on the GPU);
 - the forward kernel is the softmax's (grid (batch row, head, query tile, key tile), running
@@ -67,11 +68,19 @@ TileMap = Callable[[jax.Array, jax.Array], jax.Array]  # (outer, walked) -> tile
 
 
 def pair_specs(
-    plan: Plan, dim: int, width: int, q_tile: TileMap, k_tile: TileMap, *, backward: bool
+    plan: Plan,
+    dim: int,
+    width: int,
+    q_tile: TileMap,
+    k_tile: TileMap,
+    *,
+    backward: bool,
+    seg_tile: TileMap | None = None,
 ) -> list[pl.BlockSpec]:
     """The specs of a grid (b, n, outer, walked)'s main operands: q, k, v (with
     ``backward`` dO, the log-sum-exp and D), the query positions and segments, the key
-    positions, segments and ranks, in the TPU layouts (:func:`tpu_ints`)."""
+    positions, segments and ranks, in the TPU layouts (:func:`tpu_ints`). ``seg_tile``
+    (default ``q_tile``): the query segments' tile, which the backward's prefix walk reads."""
     q_rows = lambda b, n, i, j: (b, n, q_tile(i, j), 0)
     kv_rows = lambda b, n, i, j: (b, kv_head(n, plan.groups), k_tile(i, j), 0)
     specs = [
@@ -82,45 +91,65 @@ def pair_specs(
     if backward:
         specs.append(pl.BlockSpec((None, None, plan.size_q, width), q_rows))
         specs += [row_spec(plan, q_tile)] * 2
-    specs += [pl.BlockSpec((None, plan.size_q, 1), lambda b, n, i, j: (b, q_tile(i, j), 0))] * 2
+    column = lambda tile: pl.BlockSpec(
+        (None, plan.size_q, 1), lambda b, n, i, j: (b, tile(i, j), 0)
+    )
+    specs += [column(q_tile), column(seg_tile or q_tile)]
     return (
         specs + [pl.BlockSpec((None, 1, plan.size_k), lambda b, n, i, j: (b, 0, k_tile(i, j)))] * 3
     )
 
 
-def selector_specs(plan: Plan, dim: int, q_tile: TileMap, k_tile: TileMap) -> list[pl.BlockSpec]:
+def selector_specs(
+    plan: Plan, dim: int, q_tile: TileMap, k_tile: TileMap, *, prefix: bool = True
+) -> list[pl.BlockSpec]:
     """Specs of the selecting head's q (B, T, H) and k (B, S, H), the segment starts
-    (B, 1, S) and P (B, count_q, 1, S) at a grid (b, n, outer, walked)'s tile pair."""
-    return [
+    (B, 1, S) and (with ``prefix``) P (B, count_q, 1, S) at a grid (b, n, outer, walked)'s
+    tile pair."""
+    specs = [
         pl.BlockSpec((None, plan.size_q, dim), lambda b, n, i, j: (b, q_tile(i, j), 0)),
         pl.BlockSpec((None, plan.size_k, dim), lambda b, n, i, j: (b, k_tile(i, j), 0)),
         pl.BlockSpec((None, 1, plan.size_k), lambda b, n, i, j: (b, 0, k_tile(i, j))),
-        pl.BlockSpec(
-            (None, None, 1, plan.size_k), lambda b, n, i, j: (b, q_tile(i, j), 0, k_tile(i, j))
-        ),
     ]
+    if prefix:
+        specs.append(
+            pl.BlockSpec(
+                (None, None, 1, plan.size_k), lambda b, n, i, j: (b, q_tile(i, j), 0, k_tile(i, j))
+            )
+        )
+    return specs
 
 
-def selectors_of(refs: tuple, mask_args: tuple) -> tuple:
+def selectors_of(refs: tuple, prefix_1K: jax.Array, mask_args: tuple) -> tuple:
     """The ``selectors`` of :func:`~copejax.ops.kernels.selective_tiles.penalized_scores_QK` from
-    the (q_sel, k_sel, k_start, P) refs and a step's mask arguments (first query, first key,
-    segments (Q, 1) and (1, K), ranks)."""
-    qsel_ref, ksel_ref, kstart_ref, prefix_ref = refs
+    the (q_sel, k_sel, k_start) refs, the pair's P (1, K) and a step's mask arguments (first
+    query, first key, segments (Q, 1) and (1, K), ranks)."""
+    qsel_ref, ksel_ref, kstart_ref = refs
     q_first, k_first, q_seg_Q1, k_seg_1K, _ = mask_args
     keep = keep_QK(q_first, k_first, q_seg_Q1, k_seg_1K, kstart_ref[...])
-    return qsel_ref[...], ksel_ref[...], keep, prefix_ref[...]
+    return qsel_ref[...], ksel_ref[...], keep, prefix_1K
 
 
-def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
-    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref, prefix_ref, acc_ref = refs
-    kj, qi = pl.program_id(1), pl.program_id(2)  # query tiles oldest first
+def prefix_step(
+    plan: Plan,
+    nonlinearity: str,
+    tiles: tuple[jax.Array, jax.Array],
+    refs: tuple,
+    *,
+    acc_ref: object,
+    store: Callable[[jax.Array], None],
+) -> None:
+    """One step of the prefix's walk over the query tiles of key tile kj, oldest first:
+    ``store`` takes the sums entering query tile qi ((1, K) float32, what the older tiles
+    selected), then qi's selections add to ``acc_ref`` where qi may see kj. ``tiles``: (qi,
+    kj); ``refs``: the selecting head's q (Q, H) and k (K, H) tiles, the segments (Q, 1) and
+    (1, K) and the segment starts (1, K). The prefix kernel and the backward kernel's first
+    walk (:mod:`copejax.ops.kernels.tpu_selective_backward`) both take their P from here, in
+    one order of additions: the backward's P is the forward's."""
+    qi, kj = tiles
+    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref = refs
     q_first, k_first = qi * plan.size_q, kj * plan.size_k
-
-    @pl.when(qi == 0)
-    def _init() -> None:
-        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-
-    prefix_ref[...] = acc_ref[...]  # what the older query tiles selected
+    store(acc_ref[...])
     first, end = plan.query_tiles(kj)
     q_seg_Q1, k_seg_1K = qseg_ref[...], kseg_ref[...]
     live = (first <= qi) & (qi < end)
@@ -132,6 +161,20 @@ def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
         logits_QK = content_logits_QK(qsel_ref[...], ksel_ref[...])
         s_QK = selection_QK(logits_QK, keep, nonlinearity)
         acc_ref[...] += jnp.sum(s_QK, axis=0, keepdims=True)
+
+
+def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
+    prefix_ref, acc_ref = refs[5:]
+    kj, qi = pl.program_id(1), pl.program_id(2)  # query tiles oldest first
+
+    @pl.when(qi == 0)
+    def _init() -> None:
+        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
+
+    def store(sums_1K: jax.Array) -> None:
+        prefix_ref[...] = sums_1K
+
+    prefix_step(plan, nonlinearity, (qi, kj), refs[:5], acc_ref=acc_ref, store=store)
 
 
 def tpu_prefix_call(plan: Plan, nonlinearity: str, selectors: dict, ints: dict) -> jax.Array:
@@ -184,7 +227,7 @@ def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_r
             nonlinearity,
             q_ref[...],
             k_ref[...],
-            selectors_of(sel_refs, mask_args),
+            selectors_of(sel_refs[:3], sel_refs[3][...], mask_args),
             allowed_QK,
             bias_QK=bias_QK,
         )
@@ -205,14 +248,14 @@ def tpu_selective_forward_call(
     selectors: dict[str, jax.Array],
     ints: dict[str, jax.Array],
     terms: list[dict],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:
     """The prefix and forward kernels on padded inputs, with the arguments of
     :func:`copejax.ops.kernels.selective.selective_forward_call` but the selecting head's
     ``selectors`` "q" (B, T, H) and "k" (B, S, H) (the layouts change inside).
 
     Returns:
-      (o_BTNW float32, lse_BNT float32, P (B, count_q, 1, S) float32, which the TPU's backward
-      reads).
+      (o_BTNW float32, lse_BNT float32): the backward sums P again
+      (:mod:`copejax.ops.kernels.tpu_selective_backward`).
     """
     batch, length_q, heads, dim = q_BTNH.shape
     width = v_BSGW.shape[-1]
@@ -260,4 +303,4 @@ def tpu_selective_forward_call(
         ints["k_start"],
         prefix,
     )
-    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q), prefix
+    return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q)

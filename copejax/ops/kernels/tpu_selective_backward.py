@@ -3,22 +3,35 @@
 The maths of :mod:`copejax.ops.kernels.selective_backward` (each pair's P, dS and the
 selection's ``dl = G S'(l) / sqrt(H)`` from one function,
 :func:`~copejax.ops.kernels.selective_backward.pair_gradients`, with ``G_kj = R[g, j] +
-sum_{i in g, i > k} dF_ij``) in one Mosaic TPU kernel, grid (batch row, head, key tile,
-query tile), the query tiles walked newest first with dk, dv, the selecting head's dk, the
-terms' per-key and parameter gradients and the carry R (1, K) in VMEM scratch. Each pair's
-parts of dq, of the selecting head's dq and of the terms' per-query gradients, and each key
-tile's of the selecting head's dk, go to float32 arrays in HBM (``pl.ANY``, aliased to
-zeros): read, added to and written back by DMA. A batch row's heads and tiles are walked in
-order (all but the batch axis "arbitrary"), so no two steps touch one row at once, and the
-selecting head's dq and dk sum over the heads in place, (B, T, H) each
-(:mod:`copejax.ops.kernels.selective_attention` adds them to that head's dq and its key/value
-head's dk). R never leaves VMEM (the two-kernel form wrote it per (query tile, key), O(T^2 /
-Q) per head, for a dq kernel), and each pair's gradients are computed once. The GPU's one
-backward kernel sums P again as it walks, takes R by linearity and adds dq with atomics
-(:mod:`copejax.ops.kernels.selective_backward`). Speed is unmeasured (no TPU): each live
-step waits for four DMAs of a (Q, H) float32 block (dq's and dq_sel's read and write), where
-the two-kernel form computed every pair twice but waited for none. Shape letters as in
-:mod:`copejax.ops.kernels.tpu_forward`.
+sum_{i in g, i > k} dF_ij``) in one Mosaic TPU kernel, grid (batch row, head, key tile, step)
+with 2 count_q steps per key tile:
+
+- the first count_q steps walk the query tiles oldest first and sum the prefix ``P[g, j]``
+  (the older query tiles' selections) again, into one (1, K) float32 row per query tile in
+  VMEM, (count_q, K), in the prefix kernel's order of additions
+  (:func:`~copejax.ops.kernels.tpu_selective.prefix_step`, which both run), so the scores
+  are the forward's; only the selecting head's q tile and the query segments move, the
+  other query operands wait at the first tile of the second walk;
+- the next count_q steps walk them newest first with dk, dv, the selecting head's dk, the
+  terms' per-key and parameter gradients and the carry R (1, K) in VMEM scratch.
+
+Each pair's parts of dq, of the selecting head's dq and of the terms' per-query gradients,
+and each key tile's of the selecting head's dk, go to float32 arrays in HBM (``pl.ANY``,
+aliased to zeros): read, added to and written back by DMA. A batch row's heads and tiles are
+walked in order (all but the batch axis "arbitrary"), so no two steps touch one row at once,
+and the selecting head's dq and dk sum over the heads in place, (B, T, H) each
+(:mod:`copejax.ops.kernels.selective_attention` adds them to that head's dq and its
+key/value head's dk). Neither P nor R leaves VMEM: the forward's P per (query tile, key),
+O(T^2 / Q) per batch row, is not kept for the backward (until 2026-12-03 it was, 1.45x the
+nope kernel's temporaries at T = 16384, (2, 4, 64), on v5p), and each pair's gradients are
+computed once. P in VMEM is 4 bytes per query tile and key of the tile, refused by name past
+``PREFIX_VMEM_BYTES`` (:func:`prefix_rows`: 4 MiB, 8192 query tiles at K = 128). The GPU's one
+backward kernel sums P again as it walks oldest first, takes R by linearity and adds dq with
+atomics (:mod:`copejax.ops.kernels.selective_backward`). Speed is unmeasured (no TPU): the
+first walk costs each head one more Q x K x H matmul per pair (the selecting head's S), and
+each live step of the second waits for four DMAs of a (Q, H) float32 block (dq's and dq_sel's
+read and write), where a two-kernel form would compute every pair twice but wait for none.
+Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 """
 
 from __future__ import annotations
@@ -50,35 +63,69 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_rows import as_row, from_query_rows, load_row, query_rows, rows_shape
-from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
+from copejax.ops.kernels.tpu_selective import (
+    pair_specs,
+    prefix_step,
+    selector_specs,
+    selectors_of,
+)
 
 F32 = jnp.float32
+
+
+PREFIX_VMEM_BYTES = 4 << 20  # the backward's P in VMEM, beside its blocks and sums
+
+
+def prefix_rows(plan: Plan) -> int:
+    """The rows of the backward kernel's P (count_q, K) in VMEM, one per query tile; refused,
+    naming the sizes, where P would pass ``PREFIX_VMEM_BYTES``."""
+    size = -(-plan.count_q // 8) * 8 * max(plan.size_k, 128) * 4  # whole (8, 128) tiles
+    if size > PREFIX_VMEM_BYTES:
+        raise ValueError(
+            f"kernel: selective attention's TPU backward keeps its prefix in VMEM, {size} bytes "
+            f"for {plan.count_q} query tiles of {plan.size_q} and key tiles of {plan.size_k}; "
+            f"at most {PREFIX_VMEM_BYTES} are allowed: take longer query tiles (block_q)"
+        )
+    return plan.count_q
 
 
 def _backward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
     qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[6:11]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[11 : 11 + num_term_refs]), has)
-    sel_refs = refs[11 + num_term_refs : 15 + num_term_refs]
+    sel_refs = refs[11 + num_term_refs : 14 + num_term_refs]
     num_q = sum(h[1] for h in has)
     # inputs then: the zeros that dq, dq_sel, dk_sel and the per-query gradients alias;
     # outputs: dk, dv, the per-key and parameter gradients, then the aliased ones; scratch:
-    # the sums of dk, dv, dk_sel and the block outputs after them, R, (Q, H), (K, H) and
-    # (1, Q) buffers and a DMA semaphore
-    outs = refs[15 + num_term_refs + 3 + num_q :]
+    # the sums of dk, dv, dk_sel and the block outputs after them, R, the prefix's running
+    # sum and its rows P (count_q, K), (Q, H), (K, H) and (1, Q) buffers and a DMA semaphore
+    outs = refs[14 + num_term_refs + 3 + num_q :]
     num_grads = 2 + sum(h[2] for h in has) + sum(h[0] for h in has)
-    grad_refs, hbm_refs = outs[:num_grads], outs[num_grads : -num_grads - 6]
+    grad_refs, hbm_refs = outs[:num_grads], outs[num_grads : -num_grads - 8]
     dq_hbm, dqsel_hbm, dksel_hbm, *dqv_hbm = hbm_refs
-    accs, (r_acc, q_buffer, k_buffer, row_buffer, sem) = outs[-num_grads - 6 : -5], outs[-5:]
+    accs, (r_acc, p_acc, p_rows, q_buffer, k_buffer, row_buffer, sem) = (
+        outs[-num_grads - 8 : -7],
+        outs[-7:],
+    )
     b, n, kj, step = (pl.program_id(axis) for axis in range(4))
-    qi = plan.count_q - 1 - step  # query tiles newest first: R sums the newer ones
+    walk = step < plan.count_q  # the first walk: P, query tiles oldest first
+    qi = 2 * plan.count_q - 1 - step  # then newest first: R sums the newer ones
 
     @pl.when(step == 0)
     def _init() -> None:
-        for acc in (*accs, r_acc):
+        for acc in (*accs, r_acc, p_acc):
             acc[...] = jnp.zeros(acc.shape, F32)
 
+    @pl.when(walk)
+    def _prefix() -> None:
+        def store(sums_1K: jax.Array) -> None:
+            p_rows[pl.ds(step, 1), :] = sums_1K
+
+        refs = (sel_refs[0], sel_refs[1], qseg_ref, kseg_ref, sel_refs[2])
+        prefix_step(plan, nonlinearity, (step, kj), refs, acc_ref=p_acc, store=store)
+
     live, mask_args = step_live(plan, qi, kj, (qseg_ref, kseg_ref, krank_ref))
+    live &= jnp.logical_not(walk)
 
     @pl.when(live)
     def _compute() -> None:
@@ -90,7 +137,7 @@ def _backward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_
 
         bias_QK, pull = jax.vjp(bias, params, q_values, k_values) if plan.biases else (None, None)
         q_QH, k_KH, do_QW = q_ref[...], k_ref[...], do_ref[...]
-        selectors = selectors_of(sel_refs, mask_args)
+        selectors = selectors_of(sel_refs, p_rows[pl.ds(qi, 1), :], mask_args)
         p_QK, ds_QK, dl_QK, _ = pair_gradients(
             nonlinearity,
             (q_QH, k_KH, v_ref[...], do_QW, plan.allowed_QK(*mask_args), bias_QK),
@@ -132,7 +179,6 @@ def tpu_selective_backward_calls(
     *,
     stats: tuple[jax.Array, jax.Array],
     selectors: dict[str, jax.Array],
-    prefix: jax.Array,
     ints: dict[str, jax.Array],
     terms: list[dict],
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[dict], jax.Array, jax.Array]:
@@ -142,7 +188,6 @@ def tpu_selective_backward_calls(
       tensors: (q_BTNH, k_BSGH, v_BSGW, dO_BTNW in the inputs' dtype).
       stats: the forward's log-sum-exp and ``D_i = dO_i . o_i``, both (B, N, T).
       selectors: the selecting head's "q" (B, T, H) and "k" (B, S, H).
-      prefix: the P of :func:`~copejax.ops.kernels.tpu_selective.tpu_selective_forward_call`.
       ints, terms: as the GPU's :func:`~copejax.ops.kernels.selective.selective_forward_call`
         takes them (the layouts change inside).
 
@@ -160,13 +205,20 @@ def tpu_selective_backward_calls(
     operands = [by_query_heads(x) for x in tensors]
     operands += [query_rows(plan, stat_BNT) for stat_BNT in stats]
     operands += [ints[key] for key in ("q_pos", "q_seg", "k_pos", "k_seg", "k_rank")]
-    selector_in = [selectors["q"], selectors["k"], ints["k_start"], prefix]
+    selector_in = [selectors["q"], selectors["k"], ints["k_start"]]
     terms = tpu_terms(plan, terms)
 
-    # grid (b, n, key tile j, step), query tile count_q - 1 - step clamped to those seeing j
-    # (a skipped step refetches nothing); both tile axes in order (the HBM sums).
+    # grid (b, n, key tile j, step): steps [0, count_q) walk the query tiles oldest first for
+    # P (only the selecting head's q and the segments move), then count_q more newest first;
+    # tiles clamped to those seeing j (a skipped step refetches nothing); both tile axes in
+    # order (the HBM sums).
+    count = plan.count_q
+
     def q_tile(j: jax.Array, step: jax.Array) -> jax.Array:
-        return tile_index(plan, j, plan.count_q - 1 - step, keys=False)
+        return tile_index(plan, j, 2 * count - 1 - step, keys=False)
+
+    def walk_tile(j: jax.Array, step: jax.Array) -> jax.Array:
+        return tile_index(plan, j, jnp.where(step < count, step, 2 * count - 1 - step), keys=False)
 
     k_tile = lambda j, step: j
     has, term_in, term_specs = term_operands(plan, terms, q_tile=q_tile, k_tile=k_tile)
@@ -193,6 +245,7 @@ def tpu_selective_backward_calls(
     scratch = [pltpu.VMEM((sk, dim), F32), pltpu.VMEM((sk, width), F32)]
     scratch += [pltpu.VMEM((sk, dim), F32)] + [pltpu.VMEM((1, sk), F32)] * len(k_terms)
     scratch += [pltpu.VMEM((1, size), F32) for size in p_sizes] + [pltpu.VMEM((1, sk), F32)]
+    scratch += [pltpu.VMEM((1, sk), F32), pltpu.VMEM((prefix_rows(plan), sk), F32)]
     scratch += [pltpu.VMEM((plan.size_q, dim), F32), pltpu.VMEM((sk, dim), F32)]
     scratch.append(pltpu.VMEM((1, plan.size_q), F32))
     scratch.append(pltpu.SemaphoreType.DMA(()))
@@ -213,10 +266,10 @@ def tpu_selective_backward_calls(
             has=has,
             num_term_refs=len(term_in),
         ),
-        grid=(batch, heads, plan.count_k, plan.count_q),
-        in_specs=pair_specs(plan, dim, width, q_tile, k_tile, backward=True)
+        grid=(batch, heads, plan.count_k, 2 * count),
+        in_specs=pair_specs(plan, dim, width, q_tile, k_tile, backward=True, seg_tile=walk_tile)
         + term_specs
-        + selector_specs(plan, dim, q_tile, k_tile)
+        + selector_specs(plan, dim, walk_tile, k_tile, prefix=False)
         + [ANY] * len(sums),
         out_specs=out_specs,
         out_shape=out_shape,

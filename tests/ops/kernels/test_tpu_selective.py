@@ -13,14 +13,16 @@ holds 128 keys or the whole padded sequence), the export and the refusals.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from copejax.model.kernel_terms import kernel_refusal
-from copejax.ops.kernels import selective_attention
+from copejax.ops.kernels import selective_attention, tpu_selective_backward
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.tpu_selective import tpu_selective_forward_call
 from copejax.positions import registry
-from tests.ops.kernels.test_selective_kernel import _check
+from tests.ops.kernels.test_selective_kernel import _check, _inputs, _kernel
 from tests.ops.kernels.test_tpu_kernels import _on_tpu_kernels, exported_to_tpu
 
 SLOW = pytest.mark.slow
@@ -59,6 +61,47 @@ def test_lowers_to_mosaic_tpu() -> None:
     assert text.count("tpu_custom_call") == 3
     for name in ("prefix", "forward", "backward"):
         assert f"copejax_selective_{name}_tpu" in text
+
+
+def test_the_backward_sums_the_prefix_again() -> None:
+    """The backward kernel reads no prefix per (query tile, key) from the forward (it sums P
+    again in VMEM, in the prefix kernel's order): the prefix kernel's (B, count_q, 1, S) is
+    an output of the forward's and an input of the forward kernel only."""
+    x = _inputs(SMALL, jnp.dtype("float32"))
+
+    def gradients(x: dict) -> dict:
+        run = lambda x: _kernel(x, SMALL, None, 0, nonlinearity="relu", backend="tpu")
+        y, pull = jax.vjp(lambda x: run(x).astype(jnp.float32), x)
+        return pull(jnp.ones_like(y))
+
+    calls = {}  # each kernel's operand shapes, by name
+    for eqn in _pallas_calls(jax.make_jaxpr(gradients)(x).jaxpr):
+        calls[eqn.params["name"]] = [v.aval.shape for v in eqn.invars]
+    prefix_shape = (2, 4, 1, 64)  # B, count_q (40 tokens padded to 64, tiles of 16), 1, S
+    assert (
+        calls["copejax_selective_prefix_tpu"]
+        and prefix_shape not in calls["copejax_selective_prefix_tpu"]
+    )
+    assert prefix_shape in calls["copejax_selective_forward_tpu"]
+    assert prefix_shape not in calls["copejax_selective_backward_tpu"]
+
+
+def test_a_prefix_past_the_vmem_budget_is_refused_by_name(monkeypatch) -> None:
+    """Past ``PREFIX_VMEM_BYTES`` the backward refuses, naming the sizes and the way out."""
+    monkeypatch.setattr(tpu_selective_backward, "PREFIX_VMEM_BYTES", 2048)  # < 8 rows of 128
+    with pytest.raises(ValueError, match=r"4096 bytes for 4 query tiles of 16.*block_q"):
+        _check(SMALL, "float32", None, 0, backend="tpu")
+
+
+def _pallas_calls(jaxpr: jax.extend.core.Jaxpr) -> list:
+    """Every pallas_call equation of ``jaxpr``, sub-jaxprs included."""
+    found = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _pallas_calls(sub.jaxpr)
+    return found
 
 
 @pytest.mark.parametrize(

@@ -14,15 +14,24 @@ from experiments.bench import ROOT
 from experiments.bench_measure import lm_command
 
 TOKENS_PER_S = re.compile(r"\| ([\d,]+) tokens/s")
-# JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION and each
-# child (a command-line run or a layer group, while this one holds its share) CLI_MEM_FRACTION.
+# JAX takes 75% of the GPU's memory when it starts: this process takes MEM_FRACTION (at most;
+# it allocates as it needs, leaving the rest to bench_kernels_warm's workers) and each timed
+# child (a command-line run or a layer group, one at a time) CLI_MEM_FRACTION from its start.
 MEM_FRACTION, CLI_MEM_FRACTION = "0.45", "0.45"
 
 
-def run_child(command: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
-    """``command`` from the repository root with CLI_MEM_FRACTION of the GPU's memory, its
-    output captured; None if it ran past ``timeout_s`` (then it is killed)."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION}
+def run_child(
+    command: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess | None:
+    """``command`` from the repository root with CLI_MEM_FRACTION of the GPU's memory (or
+    as ``env`` says: it updates this process's environment), its output captured; None if
+    it ran past ``timeout_s`` (then it is killed)."""
+    env = {
+        **os.environ,
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_MEM_FRACTION,
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+        **(env or {}),
+    }
     try:
         return subprocess.run(
             command,
@@ -54,10 +63,11 @@ def cli_run(
     *,
     length: int = 2048,
     batch: int = 8,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """tokens/s of the last progress line of one training run through the command line; the
     ``paper`` variant at ``length`` tokens and ``batch`` rows (the row records them), the
-    smoke variant at its own."""
+    smoke variant at its own; ``env``: :func:`run_child`'s."""
     import tempfile
 
     row: dict = {"scheme": scheme, "attention_impl": impl}
@@ -80,7 +90,7 @@ def cli_run(
         ]
         row["command"] = " ".join(command[1:])
         start = time.perf_counter()
-        done = run_child(command, timeout_s)
+        done = run_child(command, timeout_s, env)
         if done is None:
             return {**row, "status": "timeout", "wall_s": timeout_s}
         row["wall_s"] = time.perf_counter() - start

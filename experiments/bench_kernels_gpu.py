@@ -7,6 +7,11 @@ The GPU image lacks grain, ml_collections and a few more: ``python -m
 experiments.device_wheels`` downloads them here and prints the install line that starts the
 device call (carry ``.whl``).
 
+Part ``warm`` (:mod:`experiments.bench_kernels_warm`), before anything is timed, unless
+``--warm_workers 0``: worker processes run the checks and compile every layer arm into JAX's
+persistent compilation cache (``--cache_dir``), and the command-line runs run once each, four
+at a time, for at most ``--warm_budget_s`` of the budget; the timed processes then read their
+programs from the cache, and the page says how many they read.
 Part ``check``: each kernel scheme's one-layer model against its naive path on this device
 (:mod:`experiments.kernel_check`), stick-breaking's and CoPE's again with their key
 tiles in one carry group, and selective attention's again without grouped heads; a scheme
@@ -55,6 +60,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +71,15 @@ from experiments.bench_gpu import ratios
 from experiments.bench_kernels_cli import MEM_FRACTION, cli_run, run_child
 from experiments.bench_kernels_page import page
 from experiments.bench_kernels_plan import PARTS, plan, rule_path, task_label
+from experiments.bench_kernels_warm import (
+    CACHE_DIR,
+    CLI_WARMERS,
+    cache_counter,
+    cache_env,
+    use_cache,
+    warm,
+)
+from experiments.kernel_check import check_run
 
 # A layer group (its compilations included) runs in a child stopped after at most this long.
 GROUP_TIMEOUT_S = 240.0
@@ -97,8 +112,6 @@ def isolated_group(
     that never ends (CoPE's kernels at T = 4096 on the H100 compiled for over 5.5 minutes)
     costs its own group and no more of the call. The child takes ``CLI_MEM_FRACTION`` of
     the GPU's memory, as a command-line run does."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as workdir:
         out = Path(workdir) / "group.json"
         task = json.dumps([shape, length, arms, rounds, str(out)])
@@ -116,26 +129,6 @@ def isolated_group(
     return {"B": batch, "N": heads, "H": head_dim, "T": length, "rows": rows, "rules": {}}
 
 
-def check_run(
-    scheme: str,
-    carry_groups: int | None = None,
-    kv_heads: int | None = None,
-    approx_log1p: bool | None = None,
-) -> dict:
-    """``experiments.kernel_check.check`` (``kv_heads`` None: its default), or the error that
-    stopped it."""
-    from experiments.kernel_check import KV_HEADS, check
-
-    kv_heads = KV_HEADS if kv_heads is None else kv_heads
-    try:
-        return check(scheme, carry_groups, kv_heads, approx_log1p)
-    except Exception as error:  # a kernel that fails to lower or compile is a finding
-        why = f"{type(error).__name__}: {error}"[:600]
-        record = {"scheme": scheme, "carry_groups": carry_groups, "kv_heads": kv_heads}
-        extra = {} if approx_log1p is None else {"approx_log1p": approx_log1p}
-        return {**record, **extra, "ok": False, "error": why}
-
-
 def main(argv: list[str] | None = None) -> None:
     import jax
 
@@ -144,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget_s", type=float, default=420.0)
+    parser.add_argument(
+        "--warm_workers", type=int, help="part warm's compile workers (0: none; default: cores)"
+    )
+    parser.add_argument("--warm_budget_s", type=float, default=180.0, help="of --budget_s")
+    parser.add_argument("--cache_dir", help=f"the persistent cache (default {CACHE_DIR})")
     parser.add_argument("--cli_steps", type=int, default=40)
     parser.add_argument("--out_dir", default=str(ROOT / "experiments" / "results"))
     parser.add_argument("--render", help="rewrite the page of this JSON (ratios recomputed)")
@@ -157,13 +155,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.group:
         shape, length, arms, rounds, out = json.loads(args.group)
         arms = tuple((label, scheme, opts) for label, scheme, opts in arms)
-        write_json(Path(out), layer_group(tuple(shape), length, arms, rounds))
+        with cache_counter() as counts:
+            group = layer_group(tuple(shape), length, arms, rounds)
+        write_json(Path(out), {**group, "cache": counts})
         return
+    # This process allocates as it needs: the warm part's workers share the GPU with it.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit(f"needs a GPU backend (or --smoke), JAX has {jax.default_backend()!r}")
     start = time.perf_counter()
     tasks, rounds = plan(args.smoke, args.parts.split(","))
     variant, steps = ("smoke", 2) if args.smoke else ("paper", args.cli_steps)
+    scratch = tempfile.TemporaryDirectory()  # the smoke's cache: CPU programs, thrown away
+    cache_dir = args.cache_dir or (scratch.name if args.smoke else CACHE_DIR)
+    os.environ.update(cache_env(cache_dir))  # for every child: the layer groups, the CLI runs
+    use_cache(cache_dir)  # and this process (the checks when the warm part is off)
+
+    def run_cli(what: tuple, timeout_s: float, env: dict[str, str] | None = None) -> dict:
+        scheme, impl, *size = what  # the smoke's arms: the smoke config's size
+        sizes = dict(zip(("length", "batch"), size, strict=False))
+        return cli_run(scheme, impl, variant, steps, timeout_s, **sizes, env=env)
+
+    workers = args.warm_workers
+    if workers is None:  # the GPU machine's cores, less the command-line warmers'
+        workers = 2 if args.smoke else max(1, min(8, (os.cpu_count() or 1) - CLI_WARMERS - 2))
     result = {
         "date": datetime.date.today().isoformat(),
         "device": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
@@ -175,8 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    warmed: dict = {"checks": {}}
+    if workers > 0:
+        warmed = warm(tasks, workers, min(args.warm_budget_s, args.budget_s), run_cli, cache_dir)
+        result["warm"] = warmed["summary"]
+        print(f"warm: {warmed['summary']}", flush=True)
     for kind, what in tasks:
         elapsed = time.perf_counter() - start
+        if kind == "check" and json.dumps(list(what)) in warmed["checks"]:
+            result["check"].append(warmed["checks"][json.dumps(list(what))])
+            continue
         if elapsed > args.budget_s:
             result["skipped"].append(task_label(kind, what))
             continue
@@ -188,10 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             group = isolated_group(shape, length, arms, rounds or args.rounds, left)
             result["layer"].append(group)
         else:
-            left = max(args.budget_s + 60 - elapsed, 30)
-            scheme, impl, *size = what  # the smoke's arms: the smoke config's size
-            sizes = dict(zip(("length", "batch"), size, strict=False))
-            result["cli"].append(cli_run(scheme, impl, variant, steps, left, **sizes))
+            result["cli"].append(run_cli(what, max(args.budget_s + 60 - elapsed, 30)))
         print(f"{kind} {what[:2]}: {time.perf_counter() - start:.0f} s", flush=True)
         # Written after every task: a call cut short by the device's time limit keeps them.
         result["wall_s"] = time.perf_counter() - start
@@ -201,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     write_json(out / "bench_kernels_gpu.json", result)
     (out / "bench_kernels_gpu.md").write_text(page(result))
     print(page(result), flush=True)
+    scratch.cleanup()
 
 
 def render(source: Path, out: Path, notes: list[str]) -> None:

@@ -88,6 +88,40 @@ def _check_line(row: dict) -> str:
     )
 
 
+def _warm_lines(result: dict) -> list[str]:
+    """What the warm part did, and how many of the timed layer groups' programs came from
+    the persistent cache (``experiments.bench_kernels_warm``); none for a run without it."""
+    warm = result.get("warm")
+    counts = [group["cache"] for group in result["layer"] if "cache" in group]
+    if warm is None and not counts:
+        return []
+    lines = ["", "## Compilation ahead of the timed part", ""]
+    if warm is not None and not warm.get("served", True):
+        lines.append(
+            f"- Warm part (`experiments/bench_kernels_warm.py`): its probe, one arm compiled "
+            f"twice, did not read the persistent cache the second time ({warm['probe']}), so "
+            f"it stopped after {warm['wall_s']:.0f} s and each timed process compiled its own "
+            "programs. Rerun with `--warm_workers 0` to save that time."
+        )
+    elif warm is not None:
+        errors = "; ".join(f"{e['what'][2]}: {e['error']}" for e in warm["compile_errors"])
+        lines.append(
+            f"- Warm part (`experiments/bench_kernels_warm.py`): {warm['workers']} worker "
+            f"processes finished {warm['done']} of {warm['jobs']} jobs (the checks, and "
+            f"{warm['compiled']} layer arms compiled) and {warm['cli_done']} of "
+            f"{warm['cli_runs']} command-line runs finished, in {warm['wall_s']:.0f} s."
+            + (f" Arms that failed to compile: {errors}." if errors else "")
+        )
+    if counts:
+        hits, misses = (sum(c[key] for c in counts) for key in ("hits", "misses"))
+        lines.append(
+            f"- The timed layer groups read {hits} programs from the persistent cache and "
+            f"compiled {misses} (a miss: a program that no process had compiled before, "
+            "or that the warm part traced otherwise than the timed process)."
+        )
+    return lines
+
+
 def page(result: dict) -> str:
     """The markdown page of one run."""
     lines = [
@@ -155,6 +189,7 @@ def page(result: dict) -> str:
             f"| {length} | {batch} | {row['scheme']} | {row['attention_impl']} | {status} | "
             f"{shown} | {versus} |"
         )
+    lines += _warm_lines(result)
     if result.get("notes"):
         lines += ["", "## Notes", "", *[f"- {note}" for note in result["notes"]]]
     if result["skipped"]:

@@ -93,12 +93,17 @@ def _path_taken(scheme: str, length: int, options: dict[str, Any]) -> str:
 
 
 def _layer_program(
-    scheme: str, length: int, options: dict[str, Any], abstract: bool = False
+    scheme: str,
+    length: int,
+    options: dict[str, Any],
+    abstract: bool = False,
+    compile_init: bool = False,
 ) -> tuple:
     """(jitted fwd+bwd fn, its args) for one attention layer of ``scheme`` at ``length``;
     ``abstract``: the args as shapes only, the parameters' init traced, not run (for a
     compile without running: the kernels' init on a CPU runs Pallas's interpreter, which at
-    (B, N, H) = (4, 16, 128), T = 16384 took over 24 GB of host memory)."""
+    (B, N, H) = (4, 16, 128), T = 16384 took over 24 GB of host memory), and with
+    ``compile_init`` the jitted init compiled (into the persistent cache, where one is set)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -129,11 +134,17 @@ def _layer_program(
             return self.attention(emb.x_BTD, ctx)[0]
 
     module = Layer()
+    # jitted: one program, which bench_kernels_warm's workers compile into the persistent
+    # cache ahead of the timed process (eager, every op compiled on its own: a Triton compile
+    # per kernel call on a GPU)
+    init = jax.jit(module.init)
     if abstract:
         x_BTD, cot_BTD = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (x_BTD, cot_BTD))
         params = jax.eval_shape(module.init, key_p, x_BTD)
+        if compile_init:
+            init.lower(key_p, x_BTD).compile()
     else:
-        params = module.init(key_p, x_BTD)
+        params = init(key_p, x_BTD)
 
     # the cotangent an argument, not a constant of the program: a (B, T, D) constant is
     # folded by XLA's compiler (minutes at B = 4, T = 16384, D = 2048 for a deviceless
@@ -223,6 +234,43 @@ def measure(kind: str, scheme: str, length: int, repeats: int, options: dict[str
     return row
 
 
+@contextlib.contextmanager
+def arm_levers(arm_options: dict[str, Any]) -> Iterator[None]:
+    """An arm's benchmark levers (``LEVER_KEYS``; absent: the default), set while its
+    program is traced: "kernel_warps", the Triton kernels' warps; "kernel_scan", their
+    within-tile sums as prefix sums or tensor-core matmuls; "kernel_carry_groups",
+    stick-breaking's and CoPE's carry checkpoints per head; "kernel_full_tiles", the softmax
+    kernels' mask-free body on full pairs; "kernel_approx_log1p", stick-breaking's log1p as
+    lg2.approx."""
+    from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
+    from copejax.ops.kernels.padding import full_tiles_for_tracing
+    from copejax.ops.kernels.triton_params import (
+        approx_log1p_for_tracing,
+        scan_for_tracing,
+        warps_for_tracing,
+    )
+
+    with (
+        warps_for_tracing(arm_options.get("kernel_warps")),
+        scan_for_tracing(arm_options.get("kernel_scan")),
+        carry_groups_for_tracing(arm_options.get("kernel_carry_groups")),
+        full_tiles_for_tracing(arm_options.get("kernel_full_tiles")),
+        approx_log1p_for_tracing(arm_options.get("kernel_approx_log1p")),
+    ):
+        yield
+
+
+def compile_arm(scheme: str, length: int, arm_options: dict[str, Any]) -> None:
+    """Compiles, without running, the two programs :func:`side_by_side` runs for this arm
+    (the layer's jitted init and its forward + backward under the arm's levers), so that a
+    persistent compilation cache holds them for the process that times it
+    (``experiments.bench_kernels_warm``)."""
+    options = {k: v for k, v in arm_options.items() if k not in LEVER_KEYS}
+    fn, args = _layer_program(scheme, length, options, abstract=True, compile_init=True)
+    with arm_levers(arm_options):
+        fn.lower(*args).compile()
+
+
 def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     """Times every arm at ``length`` in this process, interleaved (see SIDE_BY_SIDE_ARMS).
 
@@ -235,34 +283,11 @@ def side_by_side(length: int, arms: list, rounds: int) -> list[dict]:
     import jax
 
     compiled, rows = {}, []
-    from copejax.ops.kernels.carry_groups import carry_groups_for_tracing
-    from copejax.ops.kernels.padding import full_tiles_for_tracing
-    from copejax.ops.kernels.triton_params import (
-        approx_log1p_for_tracing,
-        scan_for_tracing,
-        warps_for_tracing,
-    )
-
     for label, scheme, arm_options in arms:
-        # benchmark levers only: "kernel_warps", the Triton kernels' warps for this arm;
-        # "kernel_scan", their within-tile sums as prefix sums or tensor-core matmuls;
-        # "kernel_carry_groups", stick-breaking's carry checkpoints per head;
-        # "kernel_full_tiles", the softmax kernels' mask-free body on full pairs;
-        # "kernel_approx_log1p", stick-breaking's log1p as lg2.approx
         options = {k: v for k, v in arm_options.items() if k not in LEVER_KEYS}
         try:
             fn, args = _layer_program(scheme, length, options)
-            warps, scan = arm_options.get("kernel_warps"), arm_options.get("kernel_scan")
-            groups = arm_options.get("kernel_carry_groups")
-            full = arm_options.get("kernel_full_tiles")
-            approx = arm_options.get("kernel_approx_log1p")
-            with (
-                warps_for_tracing(warps),
-                scan_for_tracing(scan),
-                carry_groups_for_tracing(groups),
-                full_tiles_for_tracing(full),
-                approx_log1p_for_tracing(approx),
-            ):
+            with arm_levers(arm_options):
                 program = fn.lower(*args).compile()
             analysis = program.memory_analysis()
             xla = 0 if analysis is None else int(analysis.temp_size_in_bytes)

@@ -128,3 +128,22 @@ def _check(scheme: str, kv_heads: int) -> dict:
         "bound": bound,
         "ok": logits_error <= bound and grad_error <= bound,
     }
+
+
+def check_run(
+    scheme: str,
+    carry_groups: int | None = None,
+    kv_heads: int | None = None,
+    approx_log1p: bool | None = None,
+) -> dict:
+    """:func:`check` (``kv_heads`` None: its default), or the error that stopped it: part
+    ``check`` of ``experiments.bench_kernels_gpu`` records a kernel that fails to lower or
+    compile as a finding."""
+    kv_heads = KV_HEADS if kv_heads is None else kv_heads
+    try:
+        return check(scheme, carry_groups, kv_heads, approx_log1p)
+    except Exception as error:  # a kernel that fails to lower or compile is a finding
+        why = f"{type(error).__name__}: {error}"[:600]
+        record = {"scheme": scheme, "carry_groups": carry_groups, "kv_heads": kv_heads}
+        extra = {} if approx_log1p is None else {"approx_log1p": approx_log1p}
+        return {**record, **extra, "ok": False, "error": why}

@@ -6,13 +6,18 @@ part in process and the whole script, with its command-line part, as a subproces
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import jax
 import pytest
+from jax._src import compilation_cache
 
 from experiments import bench_kernels_cli, bench_kernels_gpu, bench_kernels_page, bench_kernels_plan
+from experiments.bench_kernels_warm import CACHE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -41,7 +46,24 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
     assert "Skipped (time budget): x." in page
 
 
+@pytest.fixture
+def jax_state_kept() -> Iterator[None]:
+    """The environment and the persistent cache's settings as they were before the test:
+    ``bench_kernels_gpu.main`` in this process sets both for its children."""
+    environ = dict(os.environ)
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("jax_state_kept")
 def test_smoke_layer_part_writes_a_dated_page(tmp_path: Path) -> None:
     bench_kernels_gpu.main(["--smoke", "--parts", "check,layer", "--out_dir", str(tmp_path)])
     result = json.loads((tmp_path / "bench_kernels_gpu.json").read_text())
@@ -54,6 +76,9 @@ def test_smoke_layer_part_writes_a_dated_page(tmp_path: Path) -> None:
     assert {row["scheme"] for row in lever["rows"]} == {"dpa", "fox blockwise 32"}
     (checked,) = result["check"]
     assert checked["scheme"] == "fox" and checked["ok"], checked
+    # the warm part ran the check and compiled every arm: the timed groups compiled nothing
+    assert result["warm"]["served"] and result["warm"]["done"] == result["warm"]["jobs"]
+    assert all(g["cache"]["misses"] == 0 and g["cache"]["hits"] > 0 for g in result["layer"])
     page = (tmp_path / "bench_kernels_gpu.md").read_text()
     assert f"Measured {result['date']} on {result['device']}" in page
     assert "| 1 | 2 | 16 | 128 | fox kernel | kernel |" in page

@@ -156,8 +156,8 @@ def warm(
     cli_run: Callable[..., dict],
     directory: str = CACHE_DIR,
 ) -> dict:
-    """Runs :func:`warm_jobs` for at most ``budget_s``: first one arm as a probe (does a
-    compiled program come back from the cache on this machine? If not, the part stops there),
+    """Runs :func:`warm_jobs` for at most ``budget_s``: first one kernel arm as a probe (does
+    a compiled program come back from the cache on this machine? If not, the part stops there),
     then the other pool jobs in ``workers`` processes beside the command-line runs,
     ``CLI_WARMERS`` at a time through ``cli_run(what, timeout_s, env)``. Returns the checks'
     records by task (``checks``: what the timed loop need not run again) and a summary for
@@ -167,6 +167,8 @@ def warm(
     deadline = start + budget_s
     env = {**cache_env(directory), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     compiles = [job for job in jobs if job[0] == "compile"]
+    # the probe: a kernel arm, as most arms are (a cuDNN arm's executable may store otherwise)
+    compiles.sort(key=lambda job: job[1][4].get("attention_impl") != "kernel")
     done: list[dict] = []
     cli_rows: list[dict] = []
     context = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe

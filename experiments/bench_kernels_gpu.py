@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warm: {warmed['summary']}", flush=True)
     for kind, what in tasks:
         elapsed = time.perf_counter() - start
-        if kind == "check" and json.dumps(list(what)) in warmed["checks"]:
-            result["check"].append(warmed["checks"][json.dumps(list(what))])
+        if kind == "check" and (record := warmed["checks"].get(json.dumps(list(what)))):
+            result["check"].append(record)
             continue
         if elapsed > args.budget_s:
             result["skipped"].append(task_label(kind, what))

@@ -36,7 +36,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,31 +48,33 @@ CACHE_EVENTS = {
     "/jax/compilation_cache/cache_hits": "hits",
     "/jax/compilation_cache/cache_misses": "misses",
 }
-# The JAX options that use_cache sets (those of cache_env, for a process already started).
-CACHE_OPTIONS = (
-    "jax_compilation_cache_dir",
-    "jax_persistent_cache_min_compile_time_secs",
-    "jax_persistent_cache_min_entry_size_bytes",
-)
 CLI_WARMERS = 4  # command-line runs at a time: each trains GPT-2 small on the GPU
 CLI_WARM_FRACTION = "0.15"  # of the GPU's memory, at most, per warming command-line run
 
 
-def cache_env(directory: str) -> dict[str, str]:
-    """The environment that makes a JAX process read and write ``directory``'s persistent
-    cache, every program included (no minimum compile time or size)."""
+def cache_settings(directory: str) -> dict[str, Any]:
+    """The JAX options that make a process read and write ``directory``'s persistent cache,
+    every program included (no minimum compile time or size)."""
     return {
-        "JAX_COMPILATION_CACHE_DIR": directory,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "jax_compilation_cache_dir": directory,
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
     }
 
 
+CACHE_OPTIONS = tuple(cache_settings(""))  # their names
+
+
+def cache_env(directory: str) -> dict[str, str]:
+    """:func:`cache_settings` as environment variables, for a JAX process yet to start."""
+    return {name.upper(): str(value) for name, value in cache_settings(directory).items()}
+
+
 def use_cache(directory: str) -> None:
-    """:func:`cache_env`'s settings for this process, where JAX has started already."""
+    """:func:`cache_settings` for this process, where JAX has started already."""
     import jax
 
-    for name, value in zip(CACHE_OPTIONS, (directory, 0.0, -1), strict=True):
+    for name, value in cache_settings(directory).items():
         jax.config.update(name, value)
 
 
@@ -168,17 +169,18 @@ def warm(
     env = {**cache_env(directory), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     compiles = [job for job in jobs if job[0] == "compile"]
     # the probe: a kernel arm, as most arms are (a cuDNN arm's executable may store otherwise)
-    compiles.sort(key=lambda job: job[1][4].get("attention_impl") != "kernel")
+    kernels = [job for job in compiles if job[1][4].get("attention_impl") == "kernel"]
+    probe_job = (kernels or compiles or [None])[0]
     done: list[dict] = []
     cli_rows: list[dict] = []
     context = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe
     with _environ(env):
         pool = context.Pool(workers)
     try:
-        probe = _results(pool, [(compiles[0], True)], deadline) if compiles else []
+        probe = [] if probe_job is None else _results(pool, [(probe_job, True)], deadline)
         served = bool(probe) and probe[0].get("probe", {}).get("misses", 1) == 0
-        if served or not compiles:
-            rest = [job for job in jobs if not compiles or job is not compiles[0]]
+        if served or probe_job is None:
+            rest = [job for job in jobs if job is not probe_job]
             cli_env = {**env, "XLA_PYTHON_CLIENT_MEM_FRACTION": CLI_WARM_FRACTION}
             with ThreadPoolExecutor(CLI_WARMERS) as threads:
                 runs = [
@@ -229,20 +231,16 @@ def _results(pool: Any, calls: list[tuple], deadline: float) -> list[dict]:
     return out
 
 
-_ENVIRON_LOCK = threading.Lock()
-
-
 @contextlib.contextmanager
 def _environ(env: dict[str, str]) -> Iterator[None]:
     """``env`` in ``os.environ`` inside the context (spawned processes copy it at start)."""
-    with _ENVIRON_LOCK:
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

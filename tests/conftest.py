@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import metadata
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -113,3 +113,23 @@ def decode_in_chunks(
         outputs.append(np.asarray(logits_BTV))
     assert start == tokens_BT.shape[1], f"chunks {chunks} do not cover {tokens_BT.shape[1]} tokens"
     return np.concatenate(outputs, axis=1)
+
+
+@pytest.fixture
+def jax_state_kept() -> Iterator[None]:
+    """The environment and JAX's persistent-cache settings as they were before the test
+    (``experiments.bench_kernels_gpu.main`` sets both in its process, for its children)."""
+    from jax._src import compilation_cache
+
+    from experiments.bench_kernels_warm import CACHE_OPTIONS
+
+    environ = dict(os.environ)
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()

@@ -4,7 +4,6 @@ the call's time and save none), once each, in the plan's order; the page says wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -12,22 +11,16 @@ import pytest
 from jax._src import compilation_cache
 
 from experiments import bench_kernels_page, bench_kernels_plan, bench_measure
-from experiments.bench_kernels_warm import CACHE_OPTIONS, cache_counter, use_cache, warm_jobs
+from experiments.bench_kernels_warm import cache_counter, use_cache, warm_jobs
 
 
 @pytest.fixture
-def cache_dir(tmp_path: Path) -> Iterator[str]:
+def cache_dir(tmp_path: Path, jax_state_kept: None) -> str:
     """A persistent compilation cache in ``tmp_path`` for this test only."""
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
     compilation_cache.reset_cache()
     use_cache(str(tmp_path))
     jax.clear_caches()  # what this process compiled before: compiled again, into the cache
-    try:
-        yield str(tmp_path)
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+    return str(tmp_path)
 
 
 def test_the_timed_process_reads_every_program_the_warm_part_compiled(cache_dir: str) -> None:

@@ -6,18 +6,13 @@ part in process and the whole script, with its command-line part, as a subproces
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import jax
 import pytest
-from jax._src import compilation_cache
 
 from experiments import bench_kernels_cli, bench_kernels_gpu, bench_kernels_page, bench_kernels_plan
-from experiments.bench_kernels_warm import CACHE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,22 +39,6 @@ def test_page_states_date_device_ratios_and_refusals() -> None:
     assert "| 8192 | 2 | fox | kernel | ok | 300 | 0.60x |" in page
     assert "refused: model.attention_impl='kernel' has no kernel for scheme 'dape'" in page
     assert "Skipped (time budget): x." in page
-
-
-@pytest.fixture
-def jax_state_kept() -> Iterator[None]:
-    """The environment and the persistent cache's settings as they were before the test:
-    ``bench_kernels_gpu.main`` in this process sets both for its children."""
-    environ = dict(os.environ)
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
 
 
 @pytest.mark.slow

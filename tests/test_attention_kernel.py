@@ -56,8 +56,8 @@ def test_kernel_equals_einsum_values_and_gradients(position: str) -> None:
     def loss(model: Transformer, p: object) -> jax.Array:
         return jnp.sum(jnp.sin(model.apply({"params": p}, *args)))
 
-    value_e, grads_e = jax.value_and_grad(lambda p: loss(einsum_model, p))(params)
-    value_k, grads_k = jax.value_and_grad(lambda p: loss(kernel_model, p))(params)
+    value_e, grads_e = jax.jit(jax.value_and_grad(lambda p: loss(einsum_model, p)))(params)
+    value_k, grads_k = jax.jit(jax.value_and_grad(lambda p: loss(kernel_model, p)))(params)
     np.testing.assert_allclose(value_k, value_e, rtol=1e-5, atol=1e-5)
     for g_k, g_e in zip(jax.tree.leaves(grads_k), jax.tree.leaves(grads_e), strict=True):
         np.testing.assert_allclose(g_k, g_e, rtol=1e-4, atol=1e-6)

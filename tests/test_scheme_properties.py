@@ -106,7 +106,7 @@ def test_training_mode_runs_with_dropout_and_position_rngs(position: str) -> Non
         logits = model.apply(p, tokens_BT, positions_BT, deterministic=False, rngs=rngs)
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
 
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     leaves = jax.tree_util.tree_leaves(grads)
     assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
 

@@ -68,15 +68,28 @@ def _worker(spec: dict) -> None:
             return
 
 
-def _run_series(spec: dict) -> list[dict]:
-    """Runs spec's lengths in one subprocess; a death or a timeout becomes a failed row for
-    the first length without a result."""
+def tree_environment(tree: Path) -> dict[str, str]:
+    """The environment of a worker of ``tree``: its copejax before any installed one."""
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def run_series(spec: dict, tree: Path = ROOT) -> list[dict]:
+    """Runs spec's lengths in one subprocess of ``tree``'s own worker (another revision's
+    source tree: ``experiments.bench_revisions``); a death or a timeout becomes a failed row
+    for the first length without a result."""
     command = [sys.executable, "-m", "experiments.bench", "--worker", json.dumps(spec)]
     timeout = spec["cap_s"] * len(spec["lengths"])
     rows: list[dict] = []
     try:
         done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+            command,
+            cwd=tree,
+            env=tree_environment(tree),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         stdout, stderr, returncode = done.stdout, done.stderr, done.returncode
         failure = "error"
@@ -156,7 +169,7 @@ def run_benchmark(
         if all((spec["kind"], spec["scheme"], t) in measured for t in spec["lengths"]):
             return []
         spec = {"repeats": settings["repeats"], "cap_s": settings["cap_s"], "options": {}, **spec}
-        series = _run_series(spec)
+        series = run_series(spec)
         for row in series:
             print(_row_line(row), flush=True)
         if partial is not None:  # what has run so far, renderable with --render

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from experiments.bench import run_series, tree_environment
 from experiments.bench_settings import ROOT
 
 # bench.md's page commit: its rows were measured on the engine as it stood there, before the
@@ -64,17 +65,13 @@ def _git(*args: str) -> str:
     return done.stdout
 
 
-def _environment(tree: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree), "JAX_PLATFORMS": "cpu"}
-
-
 def imported_from(tree: Path) -> Path:
     """Where ``import copejax`` resolves in a worker of ``tree``; it must be inside ``tree``
     (an editable install of another checkout must not win)."""
     done = subprocess.run(
         [sys.executable, "-c", "import copejax; print(copejax.__file__)"],
         cwd=tree,
-        env=_environment(tree),
+        env=tree_environment(tree),
         capture_output=True,
         text=True,
         check=True,
@@ -87,7 +84,7 @@ def imported_from(tree: Path) -> Path:
 
 def time_layer(tree: Path, scheme: str, length: int, repeats: int, cap_s: float) -> dict:
     """One layer timing by ``tree``'s own benchmark worker: its BENCH_ROW, or a row with a
-    failed status."""
+    failed status (``experiments.bench.run_series``)."""
     spec = {
         "kind": "layer",
         "scheme": scheme,
@@ -96,23 +93,7 @@ def time_layer(tree: Path, scheme: str, length: int, repeats: int, cap_s: float)
         "options": {},
         "cap_s": cap_s,
     }
-    command = [sys.executable, "-m", "experiments.bench", "--worker", json.dumps(spec)]
-    try:
-        done = subprocess.run(
-            command,
-            cwd=tree,
-            env=_environment(tree),
-            capture_output=True,
-            text=True,
-            timeout=cap_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"scheme": scheme, "T": length, "status": f"over_time_cap_{cap_s:.0f}s"}
-    for line in done.stdout.splitlines():
-        if line.startswith("BENCH_ROW "):
-            return json.loads(line[len("BENCH_ROW ") :])
-    return {"scheme": scheme, "T": length, "status": "error", "stderr_tail": done.stderr[-800:]}
+    return run_series(spec, tree)[0]
 
 
 def summarize(rounds: list[dict[str, float]], tolerance: float = TOLERANCE) -> dict:
@@ -278,8 +259,12 @@ def main() -> None:
     done: dict[str, dict] = {}
     if args.resume and json_path.exists():
         previous = json.loads(json_path.read_text())
-        if previous["meta"]["base_sha"] != meta["base_sha"]:
-            raise SystemExit(f"{json_path} measured base {previous['meta']['base_sha']}")
+        for side in ("base_sha", "head_sha"):
+            if previous["meta"][side] != meta[side]:
+                raise SystemExit(
+                    f"{json_path} measured {side} {previous['meta'][side]}, this run "
+                    f"{meta[side]}: resume only the same two revisions"
+                )
         done = previous["cases"]
         meta["commands"] = previous["meta"]["commands"] + meta["commands"]
 

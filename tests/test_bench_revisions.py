@@ -101,3 +101,24 @@ def test_smoke_run_writes_page_and_json(tmp_path: Path) -> None:
     case = result["cases"]["nope@64"]
     assert len(case["rounds"]) == 2 and case["verdict"] in ("slower", "within noise", "faster")
     assert "| nope | 64 |" in (tmp_path / "out" / "bench_revisions.md").read_text()
+
+
+def test_resume_refuses_another_pair_of_revisions(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    meta = {"base_sha": sha, "head_sha": "0" * 40, "commands": []}
+    (out / "bench_revisions.json").write_text(json.dumps({"meta": meta, "cases": {}}))
+    command = [
+        sys.executable, "-m", "experiments.bench_revisions", "--base", "HEAD", "--head", "HEAD",
+        "--schemes", "nope", "--lengths", "64", "--resume", "--out_dir", str(out),
+        "--trees", str(tmp_path / "trees"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode != 0
+    assert f"measured head_sha {'0' * 40}, this run {sha}" in done.stderr
+    assert "round" not in done.stdout  # nothing was timed

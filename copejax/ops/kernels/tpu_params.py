@@ -46,8 +46,9 @@ other operand is tiled along T, so T is bounded by HBM (q, k, v, o and the (B, N
 statistics: at H = 128 the forward holds about 1.3 KiB per token and head in bfloat16
 (q, k, v and a float32 o) and 2 KiB in float32, the backward about twice that (dO, dq and
 float32 dk, dv per query head), plus selective attention's prefix per (query tile, key)
-through its forward, O(T^2 / Q) per batch row (its backward's, 4 bytes per query tile and
-key of a key tile, in VMEM), and Shaw's table gradient, (P + 2R) x H float32 per batch row; the
+through its forward, at most the queries' bytes (in calls of R query tiles beyond,
+:mod:`~copejax.ops.kernels.tpu_selective`; its backward's, 4 bytes per query tile and key of
+a key tile, in VMEM), and Shaw's table gradient, (P + 2R) x H float32 per batch row; the
 statistics as lane-dense rows, :mod:`~copejax.ops.kernels.tpu_rows`) and by int32
 positions (below 2**30, the padding keys' rank), not by VMEM, within the 16 MiB default
 scoped VMEM of v4 / v5e (32 MiB on v5p / v6e).

@@ -6,17 +6,19 @@ The maths of :mod:`copejax.ops.kernels.selective` (the selection of a tile, ``ke
 grid of :mod:`copejax.ops.kernels.tpu_forward`, in the layouts of
 :mod:`copejax.ops.kernels.tpu_params`:
 
-- the prefix kernel's grid is (batch row, key tile, query tile), the query tiles walked
-  oldest first ("arbitrary") with the column sums of S, (1, K) float32, in VMEM scratch;
-  every step writes the sum entering its query tile: P (B, count_q, 1, S) float32, read as
-  (1, K) tiles, O(T^2 / Q) per batch row through the forward (the backward sums it again in
-  VMEM, :func:`prefix_step`, not kept). Only the query tiles that may see the key tile add to it
-  (:meth:`~copejax.ops.kernels.tiles.Plan.query_tiles`; the others select nothing a query
-  seeing the key reads, as on the GPU);
+- the prefix kernel (:mod:`copejax.ops.kernels.tpu_selective_prefix`) writes P (B, R, 1, S)
+  float32, the sums entering each of R query tiles, read as (1, K) tiles (the backward sums
+  it again in VMEM, not kept);
 - the forward kernel is the softmax's (grid (batch row, head, query tile, key tile), running
   max, sum and output in scratch) with each pair's scores penalized: four more operands, the
   selecting head's q tile (from (B, T, H)), its k tile (from (B, S, H)), the keys' segment
-  starts (B, 1, S) and P at the tile pair, recompute the selecting head's S tile.
+  starts (B, 1, S) and P at the tile pair, recompute the selecting head's S tile;
+- both run on R query tiles from a first tile, a scalar-prefetched operand (SMEM) that the
+  block index maps and the kernels add to the grid's query tile, so that the calls of a loop
+  share one compiled kernel. R is the GPU's (:func:`~copejax.ops.kernels.selective_prefix.
+  call_tiles`): every query tile in one call where P fits in the queries' bytes, else calls
+  of R tiles in sequence, the prefix kernel starting from the sums the previous call ended
+  with, (B, 1, S): P is O(T N H) at every length instead of O(T^2 / Q) per batch row.
 
 ``L @ S`` stays three bfloat16 matmuls of S split in bfloat16 pieces
 (:func:`~copejax.ops.kernels.exact_dots.bf16_pieces`), as on the GPU: L (0 / 1) is exact in
@@ -30,6 +32,7 @@ Shape letters as in :mod:`copejax.ops.kernels.tpu_forward`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -39,14 +42,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.selective_prefix import call_tiles, tile_operand
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
     penalized_scores_QK,
-    selection_live,
-    selection_QK,
     term_bias,
 )
-from copejax.ops.kernels.tiles import Plan, content_logits_QK
+from copejax.ops.kernels.tiles import Plan
 from copejax.ops.kernels.tpu_params import (
     by_query_heads,
     compiler_params,
@@ -61,6 +63,7 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_rows import from_query_rows, row_spec, rows_shape
+from copejax.ops.kernels.tpu_selective_prefix import tpu_prefix_call
 from copejax.ops.kernels.tpu_softmax import finish_softmax, init_softmax, softmax_step
 
 F32 = jnp.float32
@@ -130,87 +133,20 @@ def selectors_of(refs: tuple, prefix_1K: jax.Array, mask_args: tuple) -> tuple:
     return qsel_ref[...], ksel_ref[...], keep, prefix_1K
 
 
-def prefix_step(
+def _forward_kernel(
+    first_ref,
+    *refs,
     plan: Plan,
     nonlinearity: str,
-    tiles: tuple[jax.Array, jax.Array],
-    refs: tuple,
-    *,
-    acc_ref: object,
-    store: Callable[[jax.Array], None],
+    has: tuple,
+    num_term_refs: int,
 ) -> None:
-    """One step of the prefix's walk over the query tiles of key tile kj, oldest first:
-    ``store`` takes the sums entering query tile qi ((1, K) float32, what the older tiles
-    selected), then qi's selections add to ``acc_ref`` where qi may see kj. ``tiles``: (qi,
-    kj); ``refs``: the selecting head's q (Q, H) and k (K, H) tiles, the segments (Q, 1) and
-    (1, K) and the segment starts (1, K). The prefix kernel and the backward kernel's first
-    walk (:mod:`copejax.ops.kernels.tpu_selective_backward`) both take their P from here, in
-    one order of additions: the backward's P is the forward's."""
-    qi, kj = tiles
-    qsel_ref, ksel_ref, qseg_ref, kseg_ref, kstart_ref = refs
-    q_first, k_first = qi * plan.size_q, kj * plan.size_k
-    store(acc_ref[...])
-    first, end = plan.query_tiles(kj)
-    q_seg_Q1, k_seg_1K = qseg_ref[...], kseg_ref[...]
-    live = (first <= qi) & (qi < end)
-    live &= selection_live(plan, q_first, k_first, q_seg_Q1, k_seg_1K)
-
-    @pl.when(live)
-    def _compute() -> None:
-        keep = keep_QK(q_first, k_first, q_seg_Q1, k_seg_1K, kstart_ref[...])
-        logits_QK = content_logits_QK(qsel_ref[...], ksel_ref[...])
-        s_QK = selection_QK(logits_QK, keep, nonlinearity)
-        acc_ref[...] += jnp.sum(s_QK, axis=0, keepdims=True)
-
-
-def _prefix_kernel(*refs, plan: Plan, nonlinearity: str) -> None:
-    prefix_ref, acc_ref = refs[5:]
-    kj, qi = pl.program_id(1), pl.program_id(2)  # query tiles oldest first
-
-    @pl.when(qi == 0)
-    def _init() -> None:
-        acc_ref[...] = jnp.zeros(acc_ref.shape, F32)
-
-    def store(sums_1K: jax.Array) -> None:
-        prefix_ref[...] = sums_1K
-
-    prefix_step(plan, nonlinearity, (qi, kj), refs[:5], acc_ref=acc_ref, store=store)
-
-
-def tpu_prefix_call(plan: Plan, nonlinearity: str, selectors: dict, ints: dict) -> jax.Array:
-    """P (B, count_q, 1, S) float32: row g sums S over the queries of the query tiles
-    before g. ``selectors``: the selecting head's "q" (B, T, H) and "k" (B, S, H); ``ints``:
-    :func:`tpu_ints`' with "k_start" (B, 1, S)."""
-    (batch, _, dim), length_k = selectors["q"].shape, selectors["k"].shape[1]
-    sq, sk = plan.size_q, plan.size_k
-    q_tile = lambda j, i: tile_index(plan, j, i, keys=False)  # clamped: no refetch
-    return pl.pallas_call(
-        functools.partial(_prefix_kernel, plan=plan, nonlinearity=nonlinearity),
-        grid=(batch, plan.count_k, plan.count_q),
-        in_specs=[
-            pl.BlockSpec((None, sq, dim), lambda b, j, i: (b, q_tile(j, i), 0)),
-            pl.BlockSpec((None, sk, dim), lambda b, j, i: (b, j, 0)),
-            pl.BlockSpec((None, sq, 1), lambda b, j, i: (b, q_tile(j, i), 0)),
-            pl.BlockSpec((None, 1, sk), lambda b, j, i: (b, 0, j)),
-            pl.BlockSpec((None, 1, sk), lambda b, j, i: (b, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((None, None, 1, sk), lambda b, j, i: (b, i, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, plan.count_q, 1, length_k), F32),
-        scratch_shapes=[pltpu.VMEM((1, sk), F32)],
-        interpret=interpret_mode(plan),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
-        ),
-        name="copejax_selective_prefix_tpu",
-    )(selectors["q"], selectors["k"], ints["q_seg"], ints["k_seg"], ints["k_start"])
-
-
-def _forward_kernel(*refs, plan: Plan, nonlinearity: str, has: tuple, num_term_refs: int) -> None:
     q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, krank_ref = refs[:8]
     p_refs, qv_refs, kv_refs = term_refs(list(refs[8 : 8 + num_term_refs]), has)
     sel_refs = refs[8 + num_term_refs : 12 + num_term_refs]
     o_ref, lse_ref, max_ref, sum_ref, acc_ref = refs[12 + num_term_refs :]
-    qi, kj = pl.program_id(2), pl.program_id(3)  # key tiles oldest first
+    # The call's query tile, counted from the first of the call; key tiles oldest first.
+    qi, kj = first_ref[0] + pl.program_id(2), pl.program_id(3)
 
     @pl.when(kj == 0)
     def _init() -> None:
@@ -251,16 +187,58 @@ def tpu_selective_forward_call(
 ) -> tuple[jax.Array, jax.Array]:
     """The prefix and forward kernels on padded inputs, with the arguments of
     :func:`copejax.ops.kernels.selective.selective_forward_call` but the selecting head's
-    ``selectors`` "q" (B, T, H) and "k" (B, S, H) (the layouts change inside).
+    ``selectors`` "q" (B, T, H) and "k" (B, S, H) (the layouts change inside): one call of
+    each, or where the prefix would pass the queries' bytes (:func:`~copejax.ops.kernels.
+    selective_prefix.call_tiles`, the GPU's rule) a loop over calls of R query tiles, the
+    prefix's sums carried from one call to the next.
 
     Returns:
       (o_BTNW float32, lse_BNT float32): the backward sums P again
       (:mod:`copejax.ops.kernels.tpu_selective_backward`).
     """
+    length_q, heads, dim = q_BTNH.shape[1:]
+    tiles = call_tiles(plan.count_q, heads, dim, q_BTNH.dtype.itemsize)
+    if tiles >= plan.count_q:
+        tensors = (q_BTNH, k_BSGH, v_BSGW)
+        return _forward_tiles(
+            plan, nonlinearity, tensors, selectors=selectors, ints=ints, terms=terms
+        )
+    # Calls of R query tiles: the queries padded to whole calls, in tiles after every real
+    # one (their selections reach only later padded tiles, their outputs are cut off).
+    calls = -(-plan.count_q // tiles)
+    padded = dataclasses.replace(plan, count_q=calls * tiles)
+    extra = calls * tiles * plan.size_q - length_q
+
+    def pad(x: jax.Array, axis: int) -> jax.Array:
+        return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
+
+    ints = {**ints, "q_pos": pad(ints["q_pos"], 1), "q_seg": pad(ints["q_seg"], 1)}
+    terms = [{**t, "q": None if t["q"] is None else pad(t["q"], 2)} for t in terms]
+    selectors = {**selectors, "q": pad(selectors["q"], 1)}
+    tensors = (pad(q_BTNH, 1), k_BSGH, v_BSGW)
+    o_BTNW, lse_BNT = _forward_tiles(
+        padded, nonlinearity, tensors, selectors=selectors, ints=ints, terms=terms, tiles=tiles
+    )
+    return o_BTNW[:, :length_q], lse_BNT[:, :, :length_q]
+
+
+def _forward_tiles(
+    plan: Plan,
+    nonlinearity: str,
+    tensors: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    selectors: dict[str, jax.Array],
+    ints: dict[str, jax.Array],
+    terms: list[dict],
+    tiles: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The prefix and forward kernels in calls of ``tiles`` query tiles (default: one call
+    of count_q), in sequence: (o_BTNW float32, lse_BNT float32) of every query."""
+    q_BTNH, k_BSGH, v_BSGW = tensors
     batch, length_q, heads, dim = q_BTNH.shape
     width = v_BSGW.shape[-1]
+    tiles = plan.count_q if tiles is None else tiles
     ints = {**tpu_ints(ints), "k_start": ints["k_start"][:, None, :]}
-    prefix = tpu_prefix_call(plan, nonlinearity, selectors, ints)
     q_tile = lambda i, j: i
     k_tile = lambda i, j: tile_index(plan, i, j, keys=True)
     has, term_in, term_specs = term_operands(
@@ -274,25 +252,7 @@ def tpu_selective_forward_call(
         num_term_refs=len(term_in),
     )
     column = pltpu.VMEM((plan.size_q, 1), F32)
-    o_BNTW, lse_BNC1Q = pl.pallas_call(
-        kernel,
-        grid=(batch, heads, plan.count_q, plan.count_k),
-        in_specs=pair_specs(plan, dim, width, q_tile, k_tile, backward=False)
-        + term_specs
-        + selector_specs(plan, dim, q_tile, k_tile),
-        out_specs=[
-            pl.BlockSpec((None, None, plan.size_q, width), lambda b, n, i, j: (b, n, i, 0)),
-            row_spec(plan, lambda i, j: i),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, heads, length_q, width), F32),
-            rows_shape(plan, batch, heads),
-        ],
-        scratch_shapes=[column, column, pltpu.VMEM((plan.size_q, width), F32)],
-        interpret=interpret_mode(plan),
-        compiler_params=compiler_params(),
-        name="copejax_selective_forward_tpu",
-    )(
+    inputs = (
         by_query_heads(q_BTNH),
         by_query_heads(k_BSGH),
         by_query_heads(v_BSGW),
@@ -301,6 +261,81 @@ def tpu_selective_forward_call(
         selectors["q"],
         selectors["k"],
         ints["k_start"],
-        prefix,
     )
+    # The inputs' specs read the call's query tile i as tile first + i.
+    in_specs = [
+        _from_first(spec)
+        for spec in pair_specs(plan, dim, width, q_tile, k_tile, backward=False)
+        + term_specs
+        + selector_specs(plan, dim, q_tile, k_tile, prefix=False)
+    ]
+    # The call's prefix: its own tile i, at the key tile that tile first + i reads.
+    in_specs.append(
+        pl.BlockSpec(
+            (None, None, 1, plan.size_k),
+            lambda b, n, i, j, first_ref: (b, i, 0, k_tile(first_ref[0] + i, j)),
+        )
+    )
+    # The outputs: the call's own tiles.
+    out_specs = [
+        pl.BlockSpec((None, None, plan.size_q, width), lambda b, n, i, j: (b, n, i, 0)),
+        row_spec(plan, lambda i, j: i),
+    ]
+    forward = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(batch, heads, tiles, plan.count_k),
+            in_specs=in_specs,
+            out_specs=[_in_call(spec) for spec in out_specs],
+            scratch_shapes=[column, column, pltpu.VMEM((plan.size_q, width), F32)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, heads, tiles * plan.size_q, width), F32),
+            rows_shape(dataclasses.replace(plan, count_q=tiles), batch, heads),
+        ],
+        interpret=interpret_mode(plan),
+        compiler_params=compiler_params(),
+        name="copejax_selective_forward_tpu",
+    )
+
+    def call(first: jax.Array | int, start_B1S: jax.Array | None) -> tuple:
+        prefix, end_B1S = tpu_prefix_call(
+            plan, nonlinearity, selectors, ints, first=first, rows=tiles, start_B1S=start_B1S
+        )
+        return end_B1S, *forward(tile_operand(first), *inputs, prefix)
+
+    if tiles == plan.count_q:  # one call
+        _, o_BNTW, lse_BNC1Q = call(0, None)
+        return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q)
+
+    def step(c: jax.Array, carry: tuple) -> tuple:
+        start_B1S, o_BNTW, lse_BNC1Q = carry
+        end_B1S, o_c, lse_c = call(c * tiles, start_B1S)
+        o_BNTW = jax.lax.dynamic_update_slice_in_dim(o_BNTW, o_c, c * tiles * plan.size_q, 2)
+        lse_BNC1Q = jax.lax.dynamic_update_slice_in_dim(lse_BNC1Q, lse_c, c * tiles, 2)
+        return end_B1S, o_BNTW, lse_BNC1Q
+
+    init = (
+        jnp.zeros((batch, 1, k_BSGH.shape[1]), F32),
+        jnp.zeros((batch, heads, length_q, width), F32),
+        jnp.zeros(rows_shape(plan, batch, heads).shape, F32),
+    )
+    _, o_BNTW, lse_BNC1Q = jax.lax.fori_loop(0, plan.count_q // tiles, step, init)
     return from_query_heads(o_BNTW), from_query_rows(lse_BNC1Q)
+
+
+def _from_first(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """``spec`` (an index map of a grid step (b, n, i, j)) on a call's grid, whose query tile
+    i is tile ``first + i`` (``first``: the scalar-prefetched operand)."""
+    index_map = spec.index_map
+    return dataclasses.replace(
+        spec, index_map=lambda b, n, i, j, first_ref: index_map(b, n, first_ref[0] + i, j)
+    )
+
+
+def _in_call(spec: pl.BlockSpec) -> pl.BlockSpec:
+    """``spec`` (an index map of a grid step (b, n, i, j)) on a call's grid, indexing the
+    call's own query tiles (its outputs)."""
+    index_map = spec.index_map
+    return dataclasses.replace(spec, index_map=lambda b, n, i, j, first_ref: index_map(b, n, i, j))

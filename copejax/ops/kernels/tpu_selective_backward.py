@@ -9,7 +9,7 @@ with 2 count_q steps per key tile:
 - the first count_q steps walk the query tiles oldest first and sum the prefix ``P[g, j]``
   (the older query tiles' selections) again, into one (1, K) float32 row per query tile in
   VMEM, (count_q, K), in the prefix kernel's order of additions
-  (:func:`~copejax.ops.kernels.tpu_selective.prefix_step`, which both run), so the scores
+  (:func:`~copejax.ops.kernels.tpu_selective_prefix.prefix_step`, which both run), so the scores
   are the forward's; only the selecting head's q tile and the query segments move, the
   other query operands wait at the first tile of the second walk;
 - the next count_q steps walk them newest first with dk, dv, the selecting head's dk, the
@@ -21,8 +21,9 @@ aliased to zeros): read, added to and written back by DMA. A batch row's heads a
 walked in order (all but the batch axis "arbitrary"), so no two steps touch one row at once,
 and the selecting head's dq and dk sum over the heads in place, (B, T, H) each
 (:mod:`copejax.ops.kernels.selective_attention` adds them to that head's dq and its
-key/value head's dk). Neither P nor R leaves VMEM: the forward's P per (query tile, key),
-O(T^2 / Q) per batch row, is not kept for the backward (until 2026-12-03 it was, 1.45x the
+key/value head's dk). Neither P nor R leaves VMEM: the forward's P per (query tile, key)
+(:mod:`~copejax.ops.kernels.tpu_selective`, per call of R query tiles) is not kept for the
+backward (until 2026-12-03 it was, 1.45x the
 nope kernel's temporaries at T = 16384, (2, 4, 64), on v5p), and each pair's gradients are
 computed once. P in VMEM is 4 bytes per query tile and key of the tile, refused by name past
 ``PREFIX_VMEM_BYTES`` (:func:`prefix_rows`: 4 MiB, 8192 query tiles at K = 128). The GPU's one
@@ -63,12 +64,8 @@ from copejax.ops.kernels.tpu_params import (
     tpu_terms,
 )
 from copejax.ops.kernels.tpu_rows import as_row, from_query_rows, load_row, query_rows, rows_shape
-from copejax.ops.kernels.tpu_selective import (
-    pair_specs,
-    prefix_step,
-    selector_specs,
-    selectors_of,
-)
+from copejax.ops.kernels.tpu_selective import pair_specs, selector_specs, selectors_of
+from copejax.ops.kernels.tpu_selective_prefix import prefix_step
 
 F32 = jnp.float32
 

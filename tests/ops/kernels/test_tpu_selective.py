@@ -5,8 +5,10 @@ paper's equations, :func:`tests.ops.kernels.test_selective_kernel.penalty_BTS`) 
 gradients of q, k, v and the other terms' arrays against ``jax.vjp`` of the dense float32
 maths; grouped KV heads, packed segments, a window with and without sinks, relu and sigmoid,
 float32 and bfloat16, and lengths of several query and key tiles (200 tokens: 4 query tiles
-of 64 and 2 key tiles of 128, padded to 256). The Mosaic export of the four kernels, and the
-model on the TPU kernels against its naive path. TPU interpret mode costs seconds per call:
+of 64 and 2 key tiles of 128, padded to 256), and the forward in calls of R query tiles, the
+prefix carried and the call's first tile scalar-prefetched, as where one call's prefix would
+pass the queries' bytes. The Mosaic export of the four kernels, and the model on the TPU
+kernels against its naive path. TPU interpret mode costs seconds per call:
 the default set keeps one short case (4 query tiles of 16, one key tile: a TPU key tile
 holds 128 keys or the whole padded sequence), the export and the refusals.
 """
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from copejax.model.kernel_terms import kernel_refusal
-from copejax.ops.kernels import selective_attention, tpu_selective_backward
+from copejax.ops.kernels import selective_attention, selective_prefix, tpu_selective_backward
 from copejax.ops.kernels.selective import SelectiveTerm
 from copejax.ops.kernels.tpu_selective import tpu_selective_forward_call
 from copejax.positions import registry
@@ -28,6 +30,8 @@ from tests.ops.kernels.test_tpu_kernels import _on_tpu_kernels, exported_to_tpu
 SLOW = pytest.mark.slow
 SMALL = {"T": 40, "N": 2, "G": 1, "block_q": 16, "block_k": 16, "segments": (17, 15, 8)}
 LARGE = {"T": 200, "N": 4, "G": 2, "block_q": 64, "block_k": 128, "segments": (90, 70, 40)}
+# Six query tiles of 64 (384 padded tokens, three key tiles): calls of four pad the last.
+SIX = {"T": 300, "N": 2, "G": 1, "block_q": 64, "block_k": 128, "segments": (140, 100, 60)}
 
 
 def test_small_float32_window_sinks_gqa_packed_terms() -> None:
@@ -49,11 +53,57 @@ def test_several_tiles(dtype: str, window, sinks: int, nonlinearity: str, terms:
     _check(LARGE, dtype, window, sinks, nonlinearity=nonlinearity, terms=terms, backend="tpu")
 
 
-def test_lowers_to_mosaic_tpu() -> None:
+@pytest.mark.parametrize(
+    ("shape", "cap"), [(SMALL, 1), pytest.param(SIX, 4, marks=SLOW)], ids=["4x1", "6_in_2x4"]
+)
+def test_forward_in_calls_of_few_query_tiles(
+    monkeypatch: pytest.MonkeyPatch, shape: dict, cap: int
+) -> None:
+    """The forward as a loop of calls of ``cap`` query tiles (four calls of one; six tiles in
+    two calls of four, the last padded), the prefix carried from call to call, the call's
+    first tile scalar-prefetched: the same values and gradients."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", cap)
+    window = 12 if shape is SMALL else 100
+    _check(shape, "float32", window, 2, nonlinearity="relu", terms=True, backend="tpu")
+
+
+@SLOW
+def test_several_tiles_in_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped heads, a window with sinks, sigmoid and other terms in bfloat16, the forward in
+    calls of one query tile of 64 (four calls)."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", 1)
+    _check(LARGE, "bfloat16", 100, 3, nonlinearity="sigmoid", terms=True, backend="tpu")
+
+
+def test_calls_share_one_kernel_and_keep_the_prefix_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In calls, the prefix and forward kernels are each traced once, inside a loop (four
+    calls of one tile), and the prefix they pass is (B, R, 1, S) per call, not (B, count_q,
+    1, S)."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", 1)
+    x = _inputs(SMALL, jnp.dtype("float32"))
+    run = lambda x: _kernel(x, SMALL, None, 0, nonlinearity="relu", backend="tpu")
+    jaxpr = jax.make_jaxpr(run)(x).jaxpr
+    assert _equations(jaxpr, "scan")  # three calls, one loop (fori_loop of static bounds)
+    calls = [(e.params["name"], [v.aval.shape for v in e.invars]) for e in _pallas_calls(jaxpr)]
+    assert [name for name, _ in calls] == [
+        "copejax_selective_prefix_tpu",
+        "copejax_selective_forward_tpu",
+    ]
+    forward_operands = calls[1][1]
+    assert (2, 1, 1, 64) in forward_operands  # B, R = 1, 1, S (40 tokens padded to 64)
+    assert (2, 4, 1, 64) not in forward_operands  # B, count_q, 1, S: one call's
+
+
+@pytest.mark.parametrize("cap", [None, 1], ids=["one_call", "calls"])
+def test_lowers_to_mosaic_tpu(monkeypatch: pytest.MonkeyPatch, cap: int | None) -> None:
     """The prefix, forward and backward kernels, with every scheme's term beside the
     penalties, GQA and a window with sinks, pass Pallas's Mosaic TPU lowering (exported from
-    the CPU; Mosaic's layout passes run only on a TPU); no float32 per (query tile, key)
+    the CPU; Mosaic's layout passes run only on a TPU), in one call or (``cap``) in calls of
+    one query tile, its first tile scalar-prefetched; no float32 per (query tile, key)
     leaves the backward (R stays in VMEM)."""
+    monkeypatch.setattr(selective_prefix, "MAX_CALL_TILES", cap)
     # Four query heads on two key/value heads; two key tiles, four query tiles.
     text = exported_to_tpu(
         heads=4, kv_heads=2, with_terms=True, selective=SelectiveTerm(3, "sigmoid")
@@ -93,15 +143,20 @@ def test_a_prefix_past_the_vmem_budget_is_refused_by_name(monkeypatch) -> None:
         _check(SMALL, "float32", None, 0, backend="tpu")
 
 
-def _pallas_calls(jaxpr: jax.extend.core.Jaxpr) -> list:
-    """Every pallas_call equation of ``jaxpr``, sub-jaxprs included."""
-    found = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+def _equations(jaxpr: jax.extend.core.Jaxpr, primitive: str) -> list:
+    """Every ``primitive`` equation of ``jaxpr``, sub-jaxprs included."""
+    found = [e for e in jaxpr.eqns if e.primitive.name == primitive]
     for eqn in jaxpr.eqns:
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _pallas_calls(sub.jaxpr)
+                    found += _equations(sub.jaxpr, primitive)
     return found
+
+
+def _pallas_calls(jaxpr: jax.extend.core.Jaxpr) -> list:
+    """Every pallas_call equation of ``jaxpr``, sub-jaxprs included."""
+    return _equations(jaxpr, "pallas_call")
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,9 @@ FAMILIES = (
 )
 
 
+COMPILE_TIMEOUT_S = 30  # per (generation, scheme, dtype) row
+
+
 def _compile(generations: str, schemes: str, dtypes: str) -> list[dict]:
     """Rows of ``experiments.kernel_tpu.compile_rows``, run in a child process with libtpu."""
     if not (LIBTPU_DIR / "libtpu").is_dir():
@@ -56,6 +59,9 @@ def _compile(generations: str, schemes: str, dtypes: str) -> list[dict]:
         "import sys; from experiments.kernel_tpu import compile_rows; "
         "compile_rows(*(arg.split(',') for arg in sys.argv[1:]))"
     )
+    # A compile takes 2-14 s here, more on a loaded machine: the slow test's 208 took over
+    # 1800 s beside other work, so the limit grows with the rows instead of being fixed.
+    count = len(generations.split(",")) * len(schemes.split(",")) * len(dtypes.split(","))
     done = subprocess.run(
         [sys.executable, "-c", code, generations, schemes, dtypes],
         check=False,
@@ -63,7 +69,7 @@ def _compile(generations: str, schemes: str, dtypes: str) -> list[dict]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=120 + COMPILE_TIMEOUT_S * count,
     )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and rows, done.stderr[-3000:]

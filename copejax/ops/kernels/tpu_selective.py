@@ -103,24 +103,15 @@ def pair_specs(
     )
 
 
-def selector_specs(
-    plan: Plan, dim: int, q_tile: TileMap, k_tile: TileMap, *, prefix: bool = True
-) -> list[pl.BlockSpec]:
-    """Specs of the selecting head's q (B, T, H) and k (B, S, H), the segment starts
-    (B, 1, S) and (with ``prefix``) P (B, count_q, 1, S) at a grid (b, n, outer, walked)'s
-    tile pair."""
-    specs = [
+def selector_specs(plan: Plan, dim: int, q_tile: TileMap, k_tile: TileMap) -> list[pl.BlockSpec]:
+    """Specs of the selecting head's q (B, T, H) and k (B, S, H) and the segment starts
+    (B, 1, S) at a grid (b, n, outer, walked)'s tile pair (the forward's P per call:
+    :func:`_forward_tiles`)."""
+    return [
         pl.BlockSpec((None, plan.size_q, dim), lambda b, n, i, j: (b, q_tile(i, j), 0)),
         pl.BlockSpec((None, plan.size_k, dim), lambda b, n, i, j: (b, k_tile(i, j), 0)),
         pl.BlockSpec((None, 1, plan.size_k), lambda b, n, i, j: (b, 0, k_tile(i, j))),
     ]
-    if prefix:
-        specs.append(
-            pl.BlockSpec(
-                (None, None, 1, plan.size_k), lambda b, n, i, j: (b, q_tile(i, j), 0, k_tile(i, j))
-            )
-        )
-    return specs
 
 
 def selectors_of(refs: tuple, prefix_1K: jax.Array, mask_args: tuple) -> tuple:
@@ -267,7 +258,7 @@ def _forward_tiles(
         _from_first(spec)
         for spec in pair_specs(plan, dim, width, q_tile, k_tile, backward=False)
         + term_specs
-        + selector_specs(plan, dim, q_tile, k_tile, prefix=False)
+        + selector_specs(plan, dim, q_tile, k_tile)
     ]
     # The call's prefix: its own tile i, at the key tile that tile first + i reads.
     in_specs.append(

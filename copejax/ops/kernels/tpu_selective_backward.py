@@ -266,7 +266,7 @@ def tpu_selective_backward_calls(
         grid=(batch, heads, plan.count_k, 2 * count),
         in_specs=pair_specs(plan, dim, width, q_tile, k_tile, backward=True, seg_tile=walk_tile)
         + term_specs
-        + selector_specs(plan, dim, walk_tile, k_tile, prefix=False)
+        + selector_specs(plan, dim, walk_tile, k_tile)
         + [ANY] * len(sums),
         out_specs=out_specs,
         out_shape=out_shape,

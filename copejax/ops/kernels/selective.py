@@ -179,7 +179,7 @@ def selective_forward_call(
     calls = -(-plan.count_q // tiles)
     extra = calls * size - length_q
     pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
-    q_BTNH, ints, terms = _per_query(pad, q_BTNH, ints, terms)
+    q_BTNH, ints, terms = per_query(pad, q_BTNH, ints, terms)
 
     def call(c: jax.Array, carry: tuple) -> tuple:
         start_BS, o_BTNW, lse_BNT = carry
@@ -196,7 +196,7 @@ def selective_forward_call(
             rows=tiles,
             start_BS=start_BS,
         )
-        call_q, call_ints, call_terms = _per_query(rows, q_BTNH, ints, terms)
+        call_q, call_ints, call_terms = per_query(rows, q_BTNH, ints, terms)
         o_c, lse_c = forward(
             call_q,
             k_BSGH,
@@ -220,7 +220,7 @@ def selective_forward_call(
     return o_BTNW[:, :length_q], lse_BNT[:, :, :length_q]
 
 
-def _per_query(
+def per_query(
     f: Callable[[jax.Array, int], jax.Array], q_BTNH: jax.Array, ints: dict, terms: list[dict]
 ) -> tuple[jax.Array, dict, list[dict]]:
     """``f(x, axis)`` (a pad or a slice along the queries) on every per-query array: the

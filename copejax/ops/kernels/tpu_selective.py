@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from copejax.ops.kernels.operands import term_refs
+from copejax.ops.kernels.selective import per_query
 from copejax.ops.kernels.selective_prefix import call_tiles, tile_operand
 from copejax.ops.kernels.selective_tiles import (
     keep_QK,
@@ -203,10 +204,9 @@ def tpu_selective_forward_call(
     def pad(x: jax.Array, axis: int) -> jax.Array:
         return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)]) if extra else x
 
-    ints = {**ints, "q_pos": pad(ints["q_pos"], 1), "q_seg": pad(ints["q_seg"], 1)}
-    terms = [{**t, "q": None if t["q"] is None else pad(t["q"], 2)} for t in terms]
+    q_BTNH, ints, terms = per_query(pad, q_BTNH, ints, terms)
     selectors = {**selectors, "q": pad(selectors["q"], 1)}
-    tensors = (pad(q_BTNH, 1), k_BSGH, v_BSGW)
+    tensors = (q_BTNH, k_BSGH, v_BSGW)
     o_BTNW, lse_BNT = _forward_tiles(
         padded, nonlinearity, tensors, selectors=selectors, ints=ints, terms=terms, tiles=tiles
     )

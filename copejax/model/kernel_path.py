@@ -138,12 +138,20 @@ def path_attention(
     def chunks(x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, C, ...)
         return x_BT.reshape(batch * count, chunk, *x_BT.shape[2:])
 
-    within_XNCW, within_lse_XNC, u_XCNH = _within_chunks_remat(
-        chunks(q_BTNH),
-        *(chunks(repeat_kv_heads(x, heads)) for x in (k_BTGH, w_BTGH, t_BTGC, v_BTGW)),
-        ints={key: chunks(value) for key, value in ints.items()},
-        terms=terms_padded,
-        window=window,
+    def leaves(*tensors: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q_BTNH, rest = tensors[0], tensors[1:]
+        return _within_chunks_remat(
+            chunks(q_BTNH),
+            *(chunks(repeat_kv_heads(x, heads)) for x in rest),
+            ints={key: chunks(value) for key, value in ints.items()},
+            terms=terms_padded,
+            window=window,
+        )
+
+    # rematerialised too: the leaves' groups in sequence read their chunks in a layout of
+    # their own, copies of q, k, v, w and t (w and t float32) that the backward kept
+    within_XNCW, within_lse_XNC, u_XCNH = jax.checkpoint(leaves)(
+        q_BTNH, k_BTGH, w_BTGH, t_BTGC, v_BTGW
     )
     y_BTNW = jnp.moveaxis(within_XNCW, 1, 2).reshape(batch, padded, heads, -1)
     lse_BTN = jnp.moveaxis(within_lse_XNC, 1, 2).reshape(batch, padded, heads)

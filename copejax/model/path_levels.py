@@ -196,9 +196,10 @@ def between_chunks(
     def level_ints(level: int, ints: dict) -> dict:  # the second halves' and the first's
         return {key: halves(level, x)[:, int(key.startswith("q_"))] for key, x in ints.items()}
 
-    def rows(level: int, o_BTNW: jax.Array, lse_BTN: jax.Array) -> tuple:  # kernels' layout
-        """The second halves' rows: (X, E, N, W) and (X, N, E)."""
-        return halves(level, o_BTNW)[:, 1], jnp.moveaxis(halves(level, lse_BTN)[:, 1], 1, 2)
+    def rows(level: int, x_BT: jax.Array, lse_BTN: jax.Array) -> tuple:  # kernels' layout
+        """The second halves' rows: (X, E, ...) of ``x_BT`` (output, cotangent or sums) and
+        (X, N, E) of ``lse_BTN``."""
+        return halves(level, x_BT)[:, 1], jnp.moveaxis(halves(level, lse_BTN)[:, 1], 1, 2)
 
     def merge(level: int, o_BTNW, lse_BTN, new_XENW: jax.Array, new_XNE: jax.Array) -> tuple:
         """The level's output for the second halves merged into every row's so far (level
@@ -259,14 +260,24 @@ def between_chunks(
         d_up = None  # cotangents of the level above's (u, k', products)
         dv_BTGW = jnp.zeros(v_BTGW.shape, f32)  # the kernels' dv per level is in v's dtype
         d_terms = jax.tree.map(jnp.zeros_like, term_values)
+        # The kernels' D = rowsum(do o) - dlse, its sum for every level at once (their
+        # backward rounds do to the values' dtype first): the float32 output is not held
+        # through the levels. What every level slices (its first halves' values, its second
+        # halves' rows of the sums, log-sum-exp and cotangents) passes each level's barrier:
+        # else XLA takes every level's slices at once, the values' in the forward (as common
+        # subexpressions), the rows' at the backward's start, all of them live at its peak.
+        do_BTNW = do_BTNW.astype(v_BTGW.dtype)
+        rowsum_BTN = jnp.sum(do_BTNW.astype(f32) * o_BTNW, axis=-1)
+        sliced = (v_BTGW, rowsum_BTN, lse_BTN, do_BTNW, dlse_BTN)
         for level in range(top, 0, -1):
             plan = plans[level - 1]
             if d_up is None:
-                level_kept = barrier(kept[level - 1])
+                level_kept, sliced = barrier((kept[level - 1], sliced))
             else:  # the sums too: else XLA adds every level's dv at the end
-                d_up, dv_BTGW, d_terms, level_kept = barrier(
-                    (d_up, dv_BTGW, d_terms, kept[level - 1])
+                d_up, dv_BTGW, d_terms, level_kept, sliced = barrier(
+                    (d_up, dv_BTGW, d_terms, kept[level - 1], sliced)
                 )
+            v_BTGW, rowsum_BTN, lse_BTN, do_BTNW, dlse_BTN = sliced
             if level == 1:
                 w_BTGH, t_BTGC, level_kept = barrier((w_BTGH, t_BTGC, level_kept))
                 products[0], pull_products = jax.vjp(leaves, w_BTGH, t_BTGC)
@@ -280,9 +291,12 @@ def between_chunks(
             arrays, pull_arrays = jax.vjp(
                 lambda *a, level=level: operands(level, *a), q_XENH, k_XEGH, v_BTGW, term_values
             )
-            stats = rows(level, o_BTNW, lse_BTN)
+            rowsum_XEN, lse_XNE = rows(level, rowsum_BTN, lse_BTN)
             grads = attend_backward(
-                plan, (arrays, level_ints(level, ints), *stats), rows(level, do_BTNW, dlse_BTN)
+                plan,
+                (arrays, level_ints(level, ints), None, lse_XNE),
+                rows(level, do_BTNW, dlse_BTN),
+                rowsum_BTN=rowsum_XEN,
             )
             grads = jax.tree.map(lambda g, a: g.astype(a.dtype), grads, arrays)
             dq_XENH, dk_XEGH, dv, dt = pull_arrays(grads)

@@ -95,6 +95,7 @@ def attend_backward(
     residuals: tuple,
     cotangents: tuple,
     rel: RelativeStatic | TpuRelative | None = None,
+    rowsum_BTN: jax.Array | None = None,
 ) -> dict:
     """The kernels' backward: the gradients of ``arrays`` (a dict of their structure) from
     ``residuals`` (arrays, ints, o_BTNW, lse_BNT) and the cotangents (do_BTNW, dlse_BNT).
@@ -103,7 +104,9 @@ def attend_backward(
     rowsum(do o) - dlse``: given a row's output and log-sum-exp over a larger set of keys
     (and that row's cotangents), they return the gradients of this call's pairs within that
     one softmax, which is how PaTH's levels (:mod:`copejax.model.path_levels`) take one
-    backward over several calls without keeping each call's output."""
+    backward over several calls without keeping each call's output. ``rowsum_BTN``, when
+    given, is that ``rowsum(do o)`` (float32, ``do`` rounded to the values' dtype first), and
+    ``o_BTNW`` may be None: the levels sum it once for all their calls."""
     tpu = plan.backend == "tpu"
     backward_kernels = tpu_backward_calls if tpu else backward_calls
     arrays, ints, o_BTNW, lse_BNT = residuals
@@ -112,9 +115,10 @@ def attend_backward(
     # stick-breaking's sum_k G_ik equals D (its dz subtracts the two).
     do_BTNW, dlse_BNT = cotangents
     do_BTNW = do_BTNW.astype(v_BTGW.dtype)
-    delta_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
+    if rowsum_BTN is None:
+        rowsum_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
     inputs = (q_BTNH, k_BTGH, v_BTGW, do_BTNW)
-    delta_BNT = jnp.moveaxis(delta_BTN, 2, 1) - dlse_BNT
+    delta_BNT = jnp.moveaxis(rowsum_BTN, 2, 1) - dlse_BNT
     stats = {"lse_BNT": lse_BNT, "delta_BNT": delta_BNT}
     d_cope, d_relative_PH = None, None
     if rel is not None and not tpu:

@@ -138,8 +138,7 @@ def path_attention(
     def chunks(x_BT: jax.Array) -> jax.Array:  # (B, T, ...) -> (X, C, ...)
         return x_BT.reshape(batch * count, chunk, *x_BT.shape[2:])
 
-    def leaves(*tensors: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q_BTNH, rest = tensors[0], tensors[1:]
+    def leaves(q_BTNH: jax.Array, *rest: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return _within_chunks_remat(
             chunks(q_BTNH),
             *(chunks(repeat_kv_heads(x, heads)) for x in rest),

@@ -41,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from copejax.ops.kernels.attend import attend_backward, attend_forward
+from copejax.ops.kernels.attend import attend_backward, attend_forward, output_rowsum
 from copejax.ops.kernels.attention import term_arrays
 from copejax.ops.kernels.offset import offset_plan
 from copejax.ops.kernels.terms import KernelTerm
@@ -267,7 +267,7 @@ def between_chunks(
         # else XLA takes every level's slices at once, the values' in the forward (as common
         # subexpressions), the rows' at the backward's start, all of them live at its peak.
         do_BTNW = do_BTNW.astype(v_BTGW.dtype)
-        rowsum_BTN = jnp.sum(do_BTNW.astype(f32) * o_BTNW, axis=-1)
+        rowsum_BTN = output_rowsum(do_BTNW, o_BTNW)
         sliced = (v_BTGW, rowsum_BTN, lse_BTN, do_BTNW, dlse_BTN)
         for level in range(top, 0, -1):
             plan = plans[level - 1]

@@ -105,8 +105,8 @@ def attend_backward(
     (and that row's cotangents), they return the gradients of this call's pairs within that
     one softmax, which is how PaTH's levels (:mod:`copejax.model.path_levels`) take one
     backward over several calls without keeping each call's output. ``rowsum_BTN``, when
-    given, is that ``rowsum(do o)`` (float32, ``do`` rounded to the values' dtype first), and
-    ``o_BTNW`` may be None: the levels sum it once for all their calls."""
+    given, is that ``rowsum(do o)`` (:func:`output_rowsum`), and ``o_BTNW`` may be None: the
+    levels sum it once for all their calls."""
     tpu = plan.backend == "tpu"
     backward_kernels = tpu_backward_calls if tpu else backward_calls
     arrays, ints, o_BTNW, lse_BNT = residuals
@@ -116,7 +116,7 @@ def attend_backward(
     do_BTNW, dlse_BNT = cotangents
     do_BTNW = do_BTNW.astype(v_BTGW.dtype)
     if rowsum_BTN is None:
-        rowsum_BTN = jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
+        rowsum_BTN = output_rowsum(do_BTNW, o_BTNW)
     inputs = (q_BTNH, k_BTGH, v_BTGW, do_BTNW)
     delta_BNT = jnp.moveaxis(rowsum_BTN, 2, 1) - dlse_BNT
     stats = {"lse_BNT": lse_BNT, "delta_BNT": delta_BNT}
@@ -174,6 +174,12 @@ def attend_backward(
     if arrays["sink"] is not None:
         grads["sink"] = sink_gradient(lse_BNT, stats["delta_BNT"], arrays["sink"])
     return grads
+
+
+def output_rowsum(do_BTNW: jax.Array, o_BTNW: jax.Array) -> jax.Array:
+    """``rowsum(do o)`` (B, T, N) in float32, of the backward's ``D = rowsum(do o) - dlse``;
+    ``do_BTNW`` as the kernels take it, rounded to the values' dtype."""
+    return jnp.sum(do_BTNW.astype(jnp.float32) * o_BTNW, axis=-1)
 
 
 def _with_sink(arrays: dict, o_BTNW: jax.Array, lse_BNT: jax.Array, ints: dict):

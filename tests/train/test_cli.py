@@ -48,3 +48,25 @@ def test_demo_table_and_plot(tmp_path: Path) -> None:
     assert table[3].split() == ["test", "0.2500", "1.1000"]
     demo.plot_losses(records, tmp_path / "loss.png", "t")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_reading_says_which_schemes_learned_the_task_from_the_numbers() -> None:
+    """Below 1 % test error a scheme learned the task (study 1's rule); only those are ranked
+    at 4x the length, and the one-seed caveat is always there."""
+    last = {
+        "learned": {"eval/test/error": 0.28, "eval/long_sparse/error": 0.47},
+        "rope": {"eval/test/error": 0.0, "eval/long_sparse/error": 0.27},
+        "cope": {"eval/test/error": 0.009, "eval/long_sparse/error": 0.05},
+        "alibi": {},
+    }
+    lines = demo.reading(last, 600).splitlines()
+    assert lines[0] == "learned the task (test error below 1 %): rope, cope"
+    assert lines[1] == "not learned yet: learned (28.0 %), alibi (no evaluation)"
+    assert lines[2].endswith("lowest first: cope 5.0 %, rope 27.0 %")
+    assert lines[3].startswith("one seed, 600 steps: ")
+    lines = demo.reading({"cope": {"eval/test/error": 0.15}}, 1200).splitlines()
+    assert lines[:2] == [
+        "learned the task (test error below 1 %): none",
+        "not learned yet: cope (15.0 %)",
+    ]
+    assert lines[2].startswith("one seed, 1200 steps: ")

@@ -2,14 +2,17 @@
 language modelling (Liu et al. 2023, arXiv 2306.00946) with token-position schemes against CoPE
 (Golovneva et al. 2024, arXiv 2405.18719, Table 2), trained on CPU in a few minutes.
 
-    python -m experiments.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo]
+    python -m experiments.demo [--positions=learned,rope,cope] [--workdir=workdirs/demo] [--jobs=N]
 
 Trains ``configs/flipflop.py:cpu`` (a small model on 63-token sequences, 600 steps, seed 0)
-once per scheme, printing the loss as it falls, then a table of every scheme's test,
-out-of-distribution and 4x-length (255-token) errors, which schemes learned the task (read from
-those numbers: one seed may still be on the task's plateau), ``errors.png`` (error against step,
-per scheme and split) in ``<workdir>`` and ``loss.png`` in each ``<workdir>/<position>``.
-Re-running resumes or, when the runs are complete, just prints the results again. The full
+once per scheme, each run ``python -m copejax.main`` in its own process on one CPU, as many at
+once as there are CPUs (``--jobs``; :mod:`experiments.workers`: the numbers then do not depend
+on the machine's core count), printing the loss as it falls, each line labelled with its
+scheme. Then a table of every scheme's test, out-of-distribution and 4x-length (255-token)
+errors, which schemes learned the task (read from those numbers: one seed may still be on the
+task's plateau), ``errors.png`` (error against step, per scheme and split) in ``<workdir>`` and
+``loss.png`` in each ``<workdir>/<position>``. Re-running resumes or, when the runs are
+complete, just prints the results again; Ctrl-C stops every run after it saves. The full
 study, with more seeds, twice the steps and the paper's numbers: ``python -m
 experiments.flipflop``.
 """
@@ -19,11 +22,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from copejax.config.base import load_config
 from copejax.runtime.metrics import read_jsonl
+from copejax.runtime.workdir import config_to_dict, read_config, same_run
+from experiments import workers
 from experiments.flipflop import LEARNED_ERROR
+from experiments.run_records import finished
 
 ROOT = Path(__file__).resolve().parents[1]
 _POSITIONS = flags.DEFINE_list(
@@ -31,6 +37,7 @@ _POSITIONS = flags.DEFINE_list(
 )
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/demo", "Parent of the runs' workdirs.")
 _ARG = flags.DEFINE_string("variant", "cpu", "Argument of configs/flipflop.py (smoke, cpu).")
+_JOBS = flags.DEFINE_integer("jobs", 0, "Runs trained at once, each on one CPU (0: one per CPU).")
 
 
 def results_table(records: list[dict[str, float]]) -> str:
@@ -147,26 +154,41 @@ def plot_errors(
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.set_verbosity(logging.WARNING)
-    from copejax.runtime.preemption import Preempted
-    from copejax.training import train
-
-    root = Path(_WORKDIR.value)
-    runs: dict[str, list[dict[str, float]]] = {}
+    if _JOBS.value < 0:
+        raise app.UsageError(f"--jobs must be >= 0 (0: one per CPU), got {_JOBS.value}")
+    root = Path(_WORKDIR.value).resolve()
+    config_file = ROOT / "configs" / "flipflop.py"
     splits: tuple[str, ...] = ()
     steps = 0
+    todo = []
     for position in _POSITIONS.value:
-        config = load_config(ROOT / "configs" / "flipflop.py", f"{_ARG.value},position={position}")
+        arg = f"{_ARG.value},position={position}"
+        config = load_config(config_file, arg)
         splits, steps = tuple(config.eval.splits), config.train.steps
         workdir = root / position
-        print(f"Flip-Flop with {position}: {config.train.steps} steps -> {workdir}", flush=True)
-        try:
-            train.run(config, workdir)
-        except Preempted as stopped:  # Ctrl-C or SIGTERM: saved; the same command resumes
-            print(stopped, file=sys.stderr, flush=True)
-            sys.exit(stopped.exit_code)
-        runs[position] = read_jsonl(workdir / "metrics.jsonl")
-        plot_losses(runs[position], workdir / "loss.png", f"Flip-Flop, {position}")
+        saved = read_config(workdir)
+        if finished(workdir, steps) and saved and same_run(saved, config_to_dict(config)):
+            print(f"Flip-Flop with {position}: complete in {workdir}, read", flush=True)
+            continue
+        print(f"Flip-Flop with {position}: {steps} steps -> {workdir}", flush=True)
+        todo.append(
+            workers.Job(
+                position, ("copejax.main", f"--config={config_file}:{arg}", f"--workdir={workdir}")
+            )
+        )
+    if todo:
+        processes = _JOBS.value or min(len(workers.usable_cpus()), len(todo))
+        print(f"training {len(todo)} run(s), {processes} at a time, each on one CPU", flush=True)
+        outcome = workers.run_pinned(todo, processes)
+        if outcome.stopped_by is not None:  # Ctrl-C or SIGTERM: saved; the same command resumes
+            print("stopped: the runs saved their step; the same command resumes", file=sys.stderr)
+            sys.exit(128 + outcome.stopped_by)
+        if outcome.failed():
+            sys.exit(f"failed (output above, exit status): {outcome.codes}")
+    runs: dict[str, list[dict[str, float]]] = {}
+    for position in _POSITIONS.value:
+        runs[position] = read_jsonl(root / position / "metrics.jsonl")
+        plot_losses(runs[position], root / position / "loss.png", f"Flip-Flop, {position}")
     last = {}
     for position, records in runs.items():
         last[position] = next(

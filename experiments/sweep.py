@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -24,7 +23,7 @@ import numpy as np
 from copejax.config.base import load_config
 from copejax.runtime.metrics import read_jsonl
 from copejax.runtime.workdir import config_to_dict, read_config, same_run
-from experiments import run_records
+from experiments import run_records, workers
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = ("smoke", "cpu", "paper")
@@ -65,9 +64,7 @@ def parse_args(argv: Sequence[str] | None, study: str) -> argparse.Namespace:
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     parser.add_argument("--workroot", default="/tmp/copejax_experiments")
     parser.add_argument("--seeds", type=int, default=0, help="0: the scale's default")
-    parser.add_argument(
-        "--jobs", type=int, default=1, help="runs trained at once, each single-threaded"
-    )
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, each on one CPU")
     args = parser.parse_args(argv)
     if args.seeds < 0:
         parser.error(f"--seeds must be >= 0, got {args.seeds}")
@@ -150,32 +147,29 @@ class Sweep:
         return [last_eval(r)[key] for r in self.records[label] if key in last_eval(r)]
 
 
-# One XLA CPU thread per worker: on 2 cores two single-threaded runs of the studies' small
-# models train about 1.5x as many steps per second as one run with both threads.
-SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-
-
-def _train_in_worker(job: tuple[Arm, int, Path]) -> None:
-    train_arm(*job)
-
-
 def train_parallel(jobs: Sequence[tuple[Arm, int, Path]], processes: int) -> None:
-    """Trains ``(arm, seed, workdir)`` jobs in ``processes`` fresh single-threaded processes.
-
-    The workers are spawned (not forked: JAX's runtime is not fork-safe) with
-    :data:`SINGLE_THREAD_FLAGS` added to ``XLA_FLAGS``; each run is an ordinary workdir, as
-    if its command had been run alone.
-    """
-    previous = os.environ.get("XLA_FLAGS")
-    os.environ["XLA_FLAGS"] = f"{previous or ''} {SINGLE_THREAD_FLAGS}".strip()
-    try:
-        with multiprocessing.get_context("spawn").Pool(processes, maxtasksperchild=1) as pool:
-            pool.map(_train_in_worker, jobs, chunksize=1)
-    finally:
-        if previous is None:
-            del os.environ["XLA_FLAGS"]
-        else:
-            os.environ["XLA_FLAGS"] = previous
+    """Trains ``(arm, seed, workdir)`` jobs, ``processes`` at a time, each with its command
+    (:meth:`Arm.command`) in its own process on one CPU (:func:`experiments.workers.run_pinned`),
+    its output lines labelled ``[arm seed N]``. A failed run raises; Ctrl-C or SIGTERM stops
+    the runs after they save and exits with 128 + the signal (the same command resumes)."""
+    work = [
+        workers.Job(
+            f"{arm.label} seed {seed}",
+            (
+                "copejax.main",
+                f"--config={ROOT / arm.config_file}:{arm.config_arg(seed)}",
+                f"--workdir={Path(workdir).resolve()}",
+            ),
+        )
+        for arm, seed, workdir in jobs
+    ]
+    outcome = workers.run_pinned(work, processes)
+    if outcome.stopped_by is not None:
+        raise SystemExit(128 + outcome.stopped_by)
+    if outcome.failed():
+        commands = [arm.command(seed, w) for (arm, seed, w), j in zip(jobs, work, strict=True)
+                    if j.label in outcome.failed()]  # fmt: skip
+        raise RuntimeError("runs failed (their output above): " + "; ".join(commands))
 
 
 def run_sweep(

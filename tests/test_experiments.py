@@ -231,9 +231,9 @@ def test_header_of_reread_runs_states_their_logged_training_time() -> None:
 
 @pytest.mark.slow  # two spawned processes and a third run: about 30 s on 2 cores
 def test_parallel_sweep_trains_each_run_once_as_alone(tmp_path: Path) -> None:
-    """``--jobs 2`` trains the runs in two spawned single-threaded processes; the records equal
-    a run trained alone (up to the thread count's float order), a second sweep only re-reads,
-    and the page header says how the runs were trained."""
+    """``--jobs 2`` trains the runs in two processes on one CPU each; the records equal a run
+    trained alone (up to the thread count's float order), a second sweep only re-reads, and
+    the page header says how the runs were trained."""
     arm = sweep.Arm("cope", counting.CONFIG, "smoke,position=cope,steps=4")
     result = sweep.run_sweep("counting", "smoke", [arm], [0, 1], tmp_path / "par", jobs=2)
     assert result.reused == 0 and result.jobs == 2

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from copejax.runtime.metrics import read_jsonl
 from experiments import demo
 
@@ -33,6 +35,26 @@ def test_main_trains_a_smoke_config_with_overrides(tmp_path: Path) -> None:
     )  # fmt: skip
     assert refused.returncode == 1
     assert "eval.max_examples: 16 -> 8" in refused.stderr and "--restart" in refused.stderr
+
+
+@pytest.mark.slow  # two runs side by side, then a re-read: about 20 s on 2 cores
+def test_demo_trains_its_runs_side_by_side_then_only_reads_them(tmp_path: Path) -> None:
+    command = [
+        sys.executable, "-m", "experiments.demo", "--variant=smoke,steps=4",
+        "--positions=rope,cope", f"--workdir={tmp_path}",
+    ]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for position in ("rope", "cope"):
+        assert f"[{position}] step 4/4 | loss" in done.stdout
+        assert (tmp_path / position / "loss.png").exists()
+    assert "learned the task" in done.stdout and (tmp_path / "errors.png").exists()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    assert again.returncode == 0 and "run(s)" not in again.stdout
+    assert f"Flip-Flop with cope: complete in {tmp_path / 'cope'}, read" in again.stdout
+    table = done.stdout[done.stdout.index("scheme ") :]
+    assert again.stdout.endswith(table)
 
 
 def test_demo_table_and_plot(tmp_path: Path) -> None:

@@ -26,10 +26,9 @@ from absl import app, flags
 
 from copejax.config.base import load_config
 from copejax.runtime.metrics import read_jsonl
-from copejax.runtime.workdir import config_to_dict, read_config, same_run
 from experiments import workers
 from experiments.flipflop import LEARNED_ERROR
-from experiments.run_records import finished
+from experiments.run_records import finished_run_of
 
 ROOT = Path(__file__).resolve().parents[1]
 _POSITIONS = flags.DEFINE_list(
@@ -166,8 +165,7 @@ def main(argv: list[str]) -> None:
         config = load_config(config_file, arg)
         splits, steps = tuple(config.eval.splits), config.train.steps
         workdir = root / position
-        saved = read_config(workdir)
-        if finished(workdir, steps) and saved and same_run(saved, config_to_dict(config)):
+        if finished_run_of(workdir, config):
             print(f"Flip-Flop with {position}: complete in {workdir}, read", flush=True)
             continue
         print(f"Flip-Flop with {position}: {steps} steps -> {workdir}", flush=True)

@@ -21,8 +21,10 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+import ml_collections
+
 from copejax.runtime.metrics import read_jsonl
-from copejax.runtime.workdir import CONFIG_FILE, read_config
+from copejax.runtime.workdir import CONFIG_FILE, config_to_dict, read_config, same_run
 
 RUN_FILES = (CONFIG_FILE, "metrics.jsonl")
 PEER = "peer"  # the directory of a study's peer results, one JSON file per run
@@ -32,6 +34,18 @@ def finished(workdir: Path, steps: int) -> bool:
     """Whether ``workdir``'s metrics.jsonl holds a record of step ``steps``."""
     metrics = workdir / "metrics.jsonl"
     return metrics.exists() and any(r.get("step") == steps for r in read_jsonl(metrics))
+
+
+def finished_run_of(workdir: Path, config: ml_collections.ConfigDict) -> bool:
+    """Whether ``workdir`` holds the last step of a run that ``config`` would resume (the same
+    config up to ``copejax.runtime.workdir.RESUMABLE``): nothing is left to train, and its
+    metrics can be read without restoring its checkpoint (~25 s a run)."""
+    saved = read_config(workdir)
+    return (
+        saved is not None
+        and same_run(saved, config_to_dict(config))
+        and finished(workdir, config.train.steps)
+    )
 
 
 def complete(workdir: Path) -> bool:

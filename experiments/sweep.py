@@ -22,7 +22,6 @@ import numpy as np
 
 from copejax.config.base import load_config
 from copejax.runtime.metrics import read_jsonl
-from copejax.runtime.workdir import config_to_dict, read_config, same_run
 from experiments import run_records, workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,18 +86,15 @@ def is_complete(arm: Arm, seed: int, workdir: Path) -> bool:
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     """Trains (or resumes, or finds complete) one arm and seed; returns its metric records.
 
-    A complete run of the same config (``copejax.runtime.workdir.same_run``) is only read: restoring
-    its checkpoint to learn that there is nothing to do costs ~25 s a run. Any other workdir
-    goes through ``train.run``, which resumes it or refuses a different config."""
+    A complete run of the same config (:func:`experiments.run_records.finished_run_of`) is only
+    read. Any other workdir goes through ``train.run``, which resumes it or refuses a different
+    config."""
     from copejax.training import train
 
     config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
-    complete = is_complete(arm, seed, workdir)
-    if complete:
-        REUSED.add(workdir)
     print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
-    saved = read_config(workdir)
-    if complete and saved is not None and same_run(saved, config_to_dict(config)):
+    if run_records.finished_run_of(workdir, config):
+        REUSED.add(workdir)
         print("complete: its metrics are read, its checkpoints left alone", flush=True)
     else:
         train.run(config, workdir)

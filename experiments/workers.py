@@ -82,8 +82,13 @@ def usable_cpus() -> list[int]:
 
 
 def _relay(stream: IO[str], prefix: str) -> None:
+    """Copies a run's output lines to this process's stdout, each after ``prefix``; reads to
+    the end whatever this stdout can print, so that the run never blocks on a full pipe."""
     for line in stream:
-        sys.stdout.write(prefix + line)
+        try:
+            sys.stdout.write(prefix + line)
+        except UnicodeEncodeError:
+            sys.stdout.write((prefix + line).encode("ascii", "replace").decode("ascii"))
         sys.stdout.flush()
 
 
@@ -94,7 +99,7 @@ def run_pinned(jobs: Sequence[Job], processes: int) -> Outcome:
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     flags = f"{os.environ.get('XLA_FLAGS', '')} {SINGLE_THREAD_FLAGS}".strip()
-    env = dict(os.environ, XLA_FLAGS=flags, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8")
     cpus = usable_cpus()
     pending = list(jobs)
     running: dict[subprocess.Popen, tuple[Job, int, threading.Thread]] = {}
@@ -116,7 +121,7 @@ def run_pinned(jobs: Sequence[Job], processes: int) -> Outcome:
                 child = subprocess.Popen(
                     [sys.executable, "-c", _PINNED, str(cpu), *job.argv],
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    text=True, start_new_session=True,
+                    text=True, encoding="utf-8", errors="replace", start_new_session=True,
                 )  # fmt: skip
                 relay = threading.Thread(target=_relay, args=(child.stdout, f"[{job.label}] "))
                 relay.start()

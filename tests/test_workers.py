@@ -32,6 +32,7 @@ PROBE = textwrap.dedent(
         time.sleep(30)
         sys.exit("the signal was not passed on")
     time.sleep(0.5)  # both runs of a batch of two are alive at once
+    print("beyond ascii: \u03c0 \u2248 3.14")
     print("done")
     """
 )
@@ -59,7 +60,7 @@ def test_runs_side_by_side_on_one_cpu_each_with_labelled_lines(
     out = capsys.readouterr().out
     runs = {label: _lines(out, label) for label in ("a", "b seed 1")}
     for lines in runs.values():
-        assert lines[-1] == "done" and len(lines) == 3, out
+        assert lines[-2:] == ["beyond ascii: \u03c0 \u2248 3.14", "done"] and len(lines) == 4, out
         assert workers.SINGLE_THREAD_FLAGS in lines[1]
     if hasattr(os, "sched_setaffinity"):
         cpus = [eval(lines[0].removeprefix("cpus ")) for lines in runs.values()]

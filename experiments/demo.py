@@ -169,11 +169,7 @@ def main(argv: list[str]) -> None:
             print(f"Flip-Flop with {position}: complete in {workdir}, read", flush=True)
             continue
         print(f"Flip-Flop with {position}: {steps} steps -> {workdir}", flush=True)
-        todo.append(
-            workers.Job(
-                position, ("copejax.main", f"--config={config_file}:{arg}", f"--workdir={workdir}")
-            )
-        )
+        todo.append(workers.Job.training(position, config_file, arg, workdir))
     if todo:
         processes = _JOBS.value or min(len(workers.usable_cpus()), len(todo))
         print(f"training {len(todo)} run(s), {processes} at a time, each on one CPU", flush=True)

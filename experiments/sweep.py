@@ -149,22 +149,17 @@ def train_parallel(jobs: Sequence[tuple[Arm, int, Path]], processes: int) -> Non
     its output lines labelled ``[arm seed N]``. A failed run raises; Ctrl-C or SIGTERM stops
     the runs after they save and exits with 128 + the signal (the same command resumes)."""
     work = [
-        workers.Job(
-            f"{arm.label} seed {seed}",
-            (
-                "copejax.main",
-                f"--config={ROOT / arm.config_file}:{arm.config_arg(seed)}",
-                f"--workdir={Path(workdir).resolve()}",
-            ),
+        workers.Job.training(
+            f"{arm.label} seed {seed}", ROOT / arm.config_file, arm.config_arg(seed), workdir
         )
         for arm, seed, workdir in jobs
     ]
     outcome = workers.run_pinned(work, processes)
     if outcome.stopped_by is not None:
         raise SystemExit(128 + outcome.stopped_by)
-    if outcome.failed():
-        commands = [arm.command(seed, w) for (arm, seed, w), j in zip(jobs, work, strict=True)
-                    if j.label in outcome.failed()]  # fmt: skip
+    failed = set(outcome.failed())
+    if failed:
+        commands = [job.command() for job in work if job.label in failed]
         raise RuntimeError("runs failed (their output above): " + "; ".join(commands))
 
 

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import IO
 
@@ -60,6 +61,20 @@ class Job:
 
     label: str
     argv: tuple[str, ...]
+
+    @classmethod
+    def training(cls, label: str, config_file: str | os.PathLike, arg: str, workdir: Path) -> Job:
+        """``python -m copejax.main --config=<config_file>:<arg> --workdir=<workdir>``, the
+        paths absolute (so the run does not depend on where it is started)."""
+        config = Path(config_file).resolve()
+        return cls(
+            label,
+            ("copejax.main", f"--config={config}:{arg}", f"--workdir={Path(workdir).resolve()}"),
+        )
+
+    def command(self) -> str:
+        """The command line that runs this job alone."""
+        return " ".join(("python -m", *self.argv))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +132,7 @@ def run_pinned(jobs: Sequence[Job], processes: int) -> Outcome:
             while pending and not stopped and len(running) < processes:
                 job = pending.pop(0)
                 busy = [cpu for _, cpu, _ in running.values()]
-                cpu = min(cpus, key=lambda c: (busy.count(c), cpus.index(c)))
+                cpu = min(cpus, key=busy.count)  # the first of the least busy
                 child = subprocess.Popen(
                     [sys.executable, "-c", _PINNED, str(cpu), *job.argv],
                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -90,3 +90,20 @@ def test_a_signal_is_passed_on_to_the_runs_and_no_new_run_starts(
 def test_no_processes_is_refused() -> None:
     with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
         workers.run_pinned([], processes=0)
+
+
+def test_a_training_job_is_the_command_line_with_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    job = workers.Job.training("cope", "configs/flipflop.py", "cpu,position=cope", Path("runs/c"))
+    config, workdir = tmp_path / "configs" / "flipflop.py", tmp_path / "runs" / "c"
+    assert job.argv == (
+        "copejax.main",
+        f"--config={config}:cpu,position=cope",
+        f"--workdir={workdir}",
+    )
+    assert (
+        job.command()
+        == f"python -m copejax.main --config={config}:cpu,position=cope --workdir={workdir}"
+    )

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_collections
 import numpy as np
 
 from copejax.config.base import load_config
@@ -48,6 +49,10 @@ class Arm:
     def config_arg(self, seed: int) -> str:
         return f"{self.arg},seed={seed}"
 
+    def config(self, seed: int) -> ml_collections.ConfigDict:
+        """The config that trains this arm and seed."""
+        return load_config(ROOT / self.config_file, self.config_arg(seed))
+
     def command(self, seed: int, workdir: Path) -> str:
         """The CLI command that trains this arm and seed alone."""
         return (
@@ -77,12 +82,6 @@ def workdir_of(workroot: str | Path, study: str, scale: str, arm: Arm, seed: int
     return Path(workroot) / study / scale / f"{safe}_seed{seed}"
 
 
-def is_complete(arm: Arm, seed: int, workdir: Path) -> bool:
-    """Whether ``workdir`` already holds the metrics of this arm and seed's last step."""
-    config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
-    return run_records.finished(workdir, config.train.steps)
-
-
 def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     """Trains (or resumes, or finds complete) one arm and seed; returns its metric records.
 
@@ -91,7 +90,7 @@ def train_arm(arm: Arm, seed: int, workdir: Path) -> list[dict[str, float]]:
     config."""
     from copejax.training import train
 
-    config = load_config(ROOT / arm.config_file, arm.config_arg(seed))
+    config = arm.config(seed)
     print(f"== {arm.label} seed {seed} -> {workdir}", flush=True)
     if run_records.finished_run_of(workdir, config):
         REUSED.add(workdir)
@@ -189,7 +188,7 @@ def run_sweep(
             for arm in arms
             for seed in seeds
         ]
-        todo = [(a, s, w) for a, s, w in todo if not is_complete(a, s, w)]
+        todo = [(a, s, w) for a, s, w in todo if not run_records.finished_run_of(w, a.config(s))]
         train_parallel(todo, jobs)
         trained_by_workers = {w for _, _, w in todo}
     records: dict[str, list[list[dict[str, float]]]] = {}
